@@ -1,0 +1,207 @@
+"""Lazy, validated reads from an HF checkpoint dir (config.json + one or many safetensors files).
+
+Headers are parsed and checked against the file size when the reader opens (a truncated or corrupt
+file is an error naming the file); tensors are read on demand through ``safe_open`` slices, so a
+TP rank reads only its bytes. ``bytes_read`` and ``reads`` count what was read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from moe_offload.checkpoint.families import ModelGeometry, geometry_from_config
+
+_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_HEADER_LIMIT = 100 * 2**20
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing something or is malformed; the message names the file and tensor."""
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header); re-download or re-create it")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _HEADER_LIMIT or 8 + n > size:
+            raise CheckpointError(f"{path}: corrupt safetensors header (length {n}, file {size} bytes); re-download or re-create it")
+        try:
+            header = json.loads(f.read(n))
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header ({exc}); re-download or re-create it") from None
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end != size:
+        raise CheckpointError(
+            f"{path}: truncated or corrupt safetensors file: header describes {8 + n + end} bytes, file has {size}; "
+            "re-download or re-create it"
+        )
+    return header
+
+
+class CheckpointReader:
+    """An HF checkpoint dir opened for lazy reads."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        cfg_path = self.path / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(f"{self.path}: no config.json; point model.checkpoint at an HF checkpoint dir")
+        try:
+            self.config: dict[str, Any] = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        self.geometry: ModelGeometry = geometry_from_config(self.config, str(cfg_path))
+        self._file_of: dict[str, Path] = {}
+        self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._handles: dict[Path, Any] = {}
+        self.reads: Counter = Counter()
+        self.bytes_read = 0
+        self._index_files()
+
+    def _index_files(self) -> None:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a safetensors index ({exc})") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.path.glob("*.safetensors"))
+            weight_map = None
+        if not files:
+            raise CheckpointError(f"{self.path}: no *.safetensors files")
+        for fname in files:
+            fpath = self.path / fname
+            if not fpath.is_file():
+                raise CheckpointError(f"{index}: lists {fname}, which does not exist in {self.path}")
+            for name, info in _read_header(fpath).items():
+                self._file_of[name] = fpath
+                self._meta[name] = (info["dtype"], tuple(info["shape"]))
+        if weight_map is not None:
+            for name, fname in weight_map.items():
+                if name not in self._file_of:
+                    raise CheckpointError(f"{self.path / fname}: tensor {name} is listed in the index but not in the file")
+
+    # --- lookups -------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def file_of(self, name: str) -> Path:
+        return self._file_of.get(name, self.path)
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        self._require(name)
+        return self._meta[name][1]
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        self._require(name)
+        code = self._meta[name][0]
+        if code not in _DTYPES:
+            raise CheckpointError(f"{self._file_of[name]}: tensor {name} has unsupported dtype {code}")
+        return _DTYPES[code]
+
+    def _require(self, name: str) -> None:
+        if name not in self._file_of:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is missing (no safetensors file holds it); the checkpoint is "
+                "incomplete or its format does not match model.format"
+            )
+
+    def _handle(self, fpath: Path):
+        h = self._handles.get(fpath)
+        if h is None:
+            try:
+                h = safe_open(str(fpath), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{fpath}: cannot open ({exc})") from None
+            self._handles[fpath] = h
+        return h
+
+    # --- reads ---------------------------------------------------------------------------------
+    def get(
+        self,
+        name: str,
+        rows: tuple[int, int] | None = None,
+        cols: tuple[int, int] | None = None,
+        index: int | None = None,
+        expect_dtype: torch.dtype | None = None,
+        expect_shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """Read ``name`` (optionally ``[index]``, rows ``[r0, r1)`` and cols ``[c0, c1)`` of the last two dims)."""
+        self._require(name)
+        fpath = self._file_of[name]
+        dtype, shape = self.dtype_of(name), self.shape_of(name)
+        if expect_dtype is not None and dtype != expect_dtype:
+            raise CheckpointError(f"{fpath}: tensor {name} has dtype {dtype}, expected {expect_dtype} for this format")
+        if expect_shape is not None and tuple(shape) != tuple(expect_shape):
+            raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, expected {tuple(expect_shape)}")
+        sl = self._handle(fpath).get_slice(name)
+        idx: list = []
+        if index is not None:
+            idx.append(index)
+        nd_left = len(shape) - len(idx)
+        if rows is not None or cols is not None:
+            if nd_left < 2:
+                raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, expected a matrix")
+            r = slice(*rows) if rows is not None else slice(None)
+            c = slice(*cols) if cols is not None else slice(None)
+            bound_r = shape[len(idx)]
+            bound_c = shape[len(idx) + 1]
+            if (rows and rows[1] > bound_r) or (cols and cols[1] > bound_c):
+                raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, too small for rows {rows} cols {cols}")
+            idx += [r, c]
+        try:
+            t = sl[tuple(idx)] if idx else sl[:]
+        except Exception as exc:
+            raise CheckpointError(f"{fpath}: cannot read tensor {name} ({exc})") from None
+        self.reads[name] += 1
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+
+def detect_format(reader: CheckpointReader) -> str:
+    """``bf16``, ``nvfp4-modelopt`` or ``nvfp4-ct`` from config.json / hf_quant_config.json."""
+    qc = reader.config.get("quantization_config") or {}
+    hf_quant = reader.path / "hf_quant_config.json"
+    if qc.get("quant_method") == "compressed-tensors":
+        fmt = qc.get("format")
+        groups = qc.get("config_groups") or {}
+        fmts = {fmt} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+        if "nvfp4-pack-quantized" in fmts:
+            return "nvfp4-ct"
+        raise CheckpointError(f"{reader.path / 'config.json'}: compressed-tensors format {fmt!r} is not supported (only nvfp4-pack-quantized)")
+    if qc.get("quant_method") == "modelopt" or hf_quant.is_file():
+        algo = qc.get("quant_algo")
+        if hf_quant.is_file():
+            try:
+                algo = json.loads(hf_quant.read_text()).get("quantization", {}).get("quant_algo", algo)
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{hf_quant}: not valid JSON ({exc})") from None
+        if algo == "NVFP4":
+            return "nvfp4-modelopt"
+        raise CheckpointError(f"{hf_quant}: ModelOpt quant_algo {algo!r} is not supported (only NVFP4)")
+    if qc:
+        raise CheckpointError(f"{reader.path / 'config.json'}: quant_method {qc.get('quant_method')!r} is not supported")
+    return "bf16"

@@ -1,0 +1,238 @@
+"""The one source of knobs: a typed config tree (pydantic v2) loaded from YAML plus ``--set a.b=c``.
+
+Unknown keys and out-of-range values are errors that name the key, the bad value and what is
+accepted. No environment variable changes behaviour.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)\s*$", re.IGNORECASE)
+_SLOTS_RE = re.compile(r"^\s*([0-9]+)\s*slots?\s*$", re.IGNORECASE)
+_PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+PRESETS = ("tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mixtral", "qwen3-30b-a3b", "flash-next")
+FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names the key and the fix."""
+
+
+def parse_bytes(text: str | int) -> int:
+    """``'12GiB'`` -> 12 * 2**30; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = _BYTES_RE.match(str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a byte size; use e.g. '512MiB', '12GiB', '1.5GB'")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class Budget(BaseModel):
+    """Device memory budget for the expert cache (slots + the two prefill staging layers).
+
+    kind: ``fraction`` (of all experts' bytes), ``bytes``, ``slots`` (slot count on top of staging)
+    or ``auto`` (free device memory minus ``cache.auto_reserve``).
+    """
+
+    model_config = ConfigDict(frozen=True)
+    kind: Literal["fraction", "bytes", "slots", "auto"]
+    value: float = 0.0
+
+    @classmethod
+    def parse(cls, raw: Any) -> "Budget":
+        if isinstance(raw, Budget):
+            return raw
+        if isinstance(raw, bool):
+            raise ValueError("a budget is not a boolean")
+        if isinstance(raw, (int, float)):
+            if 0 < raw <= 1:
+                return cls(kind="fraction", value=float(raw))
+            raise ValueError(f"{raw!r}: a number is a fraction of experts in (0, 1]; write '{raw} slots' or a byte size")
+        text = str(raw).strip()
+        if text.lower() == "auto":
+            return cls(kind="auto")
+        if m := _PCT_RE.match(text):
+            pct = float(m.group(1))
+            if not 0 < pct <= 100:
+                raise ValueError(f"{text!r}: a percentage must be in (0, 100]")
+            return cls(kind="fraction", value=pct / 100)
+        if m := _SLOTS_RE.match(text):
+            return cls(kind="slots", value=float(m.group(1)))
+        if _BYTES_RE.match(text):
+            return cls(kind="bytes", value=float(parse_bytes(text)))
+        try:
+            return cls.parse(float(text))
+        except ValueError:
+            pass
+        raise ValueError(
+            f"{text!r} is not a budget; accepted: a fraction of experts in (0, 1] (0.37, '37%'), "
+            "a byte size ('12GiB'), a slot count ('300 slots') or 'auto'"
+        )
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    checkpoint: str | None = Field(None, description="HF checkpoint dir; null builds `preset` on first use")
+    preset: Literal[PRESETS] = "tiny-qwen3-moe"  # type: ignore[valid-type]
+    format: Literal["auto", "bf16", "nvfp4-modelopt", "nvfp4-ct"] = "auto"
+    layers: int | None = Field(None, ge=1, description="truncate a preset to this many layers")
+    seed: int = 0
+    cache_dir: str | None = Field(None, description="where presets are built; default ~/.cache/moe-offload")
+
+
+class CacheConfig(_Strict):
+    budget: Budget = Budget(kind="fraction", value=0.5)
+    policy: Literal["lru"] = "lru"
+    auto_reserve: str = "8GiB"
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _parse_budget(cls, v: Any) -> Budget:
+        return Budget.parse(v)
+
+    @field_validator("auto_reserve")
+    @classmethod
+    def _check_reserve(cls, v: str) -> str:
+        parse_bytes(v)
+        return v
+
+
+class PrefillConfig(_Strict):
+    overlap: bool = True
+    hit_d2d: bool = True
+    hit_copy: Literal["auto", "batch_memcpy", "gather"] = "auto"
+    hit_d2d_on_unavailable: Literal["fallback", "error"] = "fallback"
+    warmup: bool = True
+    warmup_tokens: int = Field(128, ge=1, le=65536)
+    chunk_tokens: int = Field(8192, ge=16, description="prompts longer than this are prefilled in chunks")
+    dequant_chunk_experts: int = Field(32, ge=1, le=4096, description="experts dequantized at once (bounds memory)")
+
+
+class DecodeConfig(_Strict):
+    max_tokens: int = Field(16, ge=1, le=4096, description="a batch of at most this many tokens takes the decode path")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class ParallelConfig(_Strict):
+    tp: int = Field(1, ge=1, le=64)
+    reduce: Literal["runtime", "host"] = "runtime"
+    check_interval: int = Field(0, ge=0, description="check residency agreement across ranks every N steps; 0 = on demand only")
+
+
+class ComputeConfig(_Strict):
+    backend: Literal["auto", "torch", "triton"] = "auto"
+
+
+class LoggingConfig(_Strict):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    format: Literal["text", "json"] = "text"
+
+
+class OffloadConfig(_Strict):
+    model: ModelConfig = ModelConfig()
+    device: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    cache: CacheConfig = CacheConfig()
+    prefill: PrefillConfig = PrefillConfig()
+    decode: DecodeConfig = DecodeConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    compute: ComputeConfig = ComputeConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", v):
+            raise ValueError(f"{v!r}; accepted: 'auto', 'cpu', 'cuda', 'cuda:N'")
+        return v
+
+
+def _format_error(err: ValidationError, source: str) -> ConfigError:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(e["loc"][:-1])
+            accepted = ", ".join(parent.model_fields) if parent else "?"
+            lines.append(f"unknown key '{key}' in {source}; accepted keys here: {accepted}")
+        else:
+            lines.append(f"bad value for '{key}' in {source}: got {e.get('input')!r}; {e['msg']}")
+    return ConfigError("\n".join(lines))
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = OffloadConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return None
+        model = field.annotation
+    return model
+
+
+def _apply_override(tree: dict, assignment: str) -> None:
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set cache.budget=0.5")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {assignment!r}: '{p}' is not a section")
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def default_config_text() -> str:
+    """The embedded default config (configs/tiny.yaml, packaged as moe_offload.configs)."""
+    return resources.files("moe_offload.configs").joinpath("tiny.yaml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> OffloadConfig:
+    """Load ``path`` (or the embedded default), apply ``key=value`` overrides, validate."""
+    if path is None:
+        text, source = default_config_text(), "embedded configs/tiny.yaml"
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit --config for the embedded default")
+        text, source = p.read_text(), str(p)
+    try:
+        tree = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source} is not valid YAML: {exc}") from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections (model, cache, ...)")
+    for o in overrides:
+        _apply_override(tree, o)
+    try:
+        return OffloadConfig.model_validate(tree)
+    except ValidationError as err:
+        raise _format_error(err, source + (" with --set overrides" if overrides else "")) from None
+
+
+def config_to_dict(cfg: OffloadConfig) -> dict:
+    d = cfg.model_dump()
+    b = cfg.cache.budget
+    d["cache"]["budget"] = {"kind": b.kind, "value": b.value}
+    return d

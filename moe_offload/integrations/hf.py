@@ -1,0 +1,149 @@
+"""Plug offloaded experts into transformers 5.x MoE models.
+
+The experts class of the family's modeling module is replaced by a parameter-free placeholder while
+the model is built (so expert tensors are never allocated or read by transformers; works on 5.17 and
+5.24, see reference/transformers-facts.md section 2.2), non-expert weights are loaded by us (NVFP4
+linears dequantized with each layout's global-scale semantics), then every placeholder is swapped
+for the module that really computes the experts (``OffloadedExperts`` or, for the oracle, the
+family's own experts class filled with dequantized weights).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moe_offload.checkpoint.families import Family
+from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader
+from moe_offload.formats.base import ExpertFormat
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class ExpertsPlaceholder(nn.Module):
+    """Stands in for the family's experts module during construction; holds no tensors."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__()
+        # transformers' _init_weights would look for gate_up_proj on an experts instance
+        self._is_hf_initialized = True
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("experts placeholder called: attach_experts() was not run on this model")
+
+
+@contextmanager
+def experts_class(family: Family, cls: type[nn.Module]):
+    """Temporarily replace ``family.experts_class`` in its modeling module by ``cls``."""
+    module = importlib.import_module(family.modeling_module)
+    original = getattr(module, family.experts_class)
+    setattr(module, family.experts_class, cls)
+    try:
+        yield
+    finally:
+        setattr(module, family.experts_class, original)
+
+
+def hf_config(config_dict: dict, num_layers: int | None = None):
+    """A transformers config from a config.json dict (quantization metadata stripped: we read it ourselves)."""
+    from transformers import AutoConfig
+
+    d = {k: v for k, v in config_dict.items() if k not in ("quantization_config", "architectures", "transformers_version")}
+    model_type = d.pop("model_type")
+    if num_layers is not None:
+        d["num_hidden_layers"] = num_layers
+        if "layer_types" in d and d["layer_types"] is not None:
+            d["layer_types"] = list(d["layer_types"])[:num_layers]
+    return AutoConfig.for_model(model_type, **d)
+
+
+def build_skeleton(family: Family, config, dtype: torch.dtype, empty: bool = True) -> nn.Module:
+    """Build the causal-LM with placeholder experts. ``empty``: parameters on meta (buffers real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with experts_class(family, ExpertsPlaceholder):
+        if empty:
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        else:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def layer_of(module_name: str) -> int:
+    m = _LAYER_RE.search(module_name)
+    if not m:
+        raise ValueError(f"cannot find a layer index in module name {module_name!r}")
+    return int(m.group(1))
+
+
+def disk_name(family: Family, mem_name: str) -> str:
+    """In-memory parameter name -> on-disk name (undo the family's renames, e.g. Mixtral's .mlp.)."""
+    name = mem_name
+    for disk, mem in family.renames:
+        name = name.replace(mem, disk)
+    return name
+
+
+def load_non_expert_weights(model: nn.Module, reader: CheckpointReader, fmt: ExpertFormat, dtype: torch.dtype) -> int:
+    """Fill every parameter of ``model`` (experts excluded: placeholders own none) from ``reader``.
+
+    NVFP4-quantized linears are dequantized to ``dtype`` with the layout's global-scale semantics.
+    Returns the number of bytes loaded.
+    """
+    family = reader.geometry.family
+    state: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters())
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    for name, param in params.items():
+        src = disk_name(family, name)
+        if reader.has(src) and reader.dtype_of(src).is_floating_point and reader.dtype_of(src).itemsize >= 2:
+            t = reader.get(src)
+        else:
+            prefix = src[: -len(".weight")] if src.endswith(".weight") else src
+            t = fmt.read_linear(reader, prefix, dtype) if src.endswith(".weight") else None
+            if t is None:
+                if tied and name == "lm_head.weight":
+                    continue
+                raise CheckpointError(
+                    f"{reader.path}: tensor {src} (for model parameter {name}) is missing; the checkpoint does not "
+                    f"match its config.json or format {fmt.name}"
+                )
+        if tuple(t.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{reader.file_of(src)}: tensor {src} has shape {tuple(t.shape)}, the model expects {tuple(param.shape)}; "
+                "config.json and the weights disagree"
+            )
+        state[name] = t.to(dtype)
+    missing, _unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing:
+        raise CheckpointError(f"{reader.path}: no weights for {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    if tied:
+        model.tie_weights()
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def attach_experts(model: nn.Module, make: Callable[[int, nn.Module], nn.Module]) -> list[int]:
+    """Replace every ``ExpertsPlaceholder`` by ``make(layer_idx, placeholder)``; returns the layers."""
+    layers = []
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, ExpertsPlaceholder):
+            layer = layer_of(name)
+            model.set_submodule(name, make(layer, mod))
+            layers.append(layer)
+    if not layers:
+        raise RuntimeError("no MoE experts placeholders found: was the model built with build_skeleton()?")
+    return layers
+
+
+def check_no_meta(model: nn.Module) -> None:
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_meta:
+            raise RuntimeError(f"model tensor {name} was never loaded (still on the meta device)")

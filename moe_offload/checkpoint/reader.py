@@ -154,7 +154,16 @@ class CheckpointReader:
             raise CheckpointError(f"{fpath}: tensor {name} has dtype {dtype}, expected {expect_dtype} for this format")
         if expect_shape is not None and tuple(shape) != tuple(expect_shape):
             raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, expected {tuple(expect_shape)}")
-        sl = self._handle(fpath).get_slice(name)
+        handle = self._handle(fpath)
+        if index is None and rows is None and cols is None:
+            try:
+                t = handle.get_tensor(name)
+            except Exception as exc:
+                raise CheckpointError(f"{fpath}: cannot read tensor {name} ({exc})") from None
+            self.reads[name] += 1
+            self.bytes_read += t.numel() * t.element_size()
+            return t
+        sl = handle.get_slice(name)
         idx: list = []
         if index is not None:
             idx.append(index)
@@ -170,7 +179,7 @@ class CheckpointReader:
                 raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, too small for rows {rows} cols {cols}")
             idx += [r, c]
         try:
-            t = sl[tuple(idx)] if idx else sl[:]
+            t = sl[tuple(idx)]
         except Exception as exc:
             raise CheckpointError(f"{fpath}: cannot read tensor {name} ({exc})") from None
         self.reads[name] += 1

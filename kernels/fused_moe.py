@@ -1,0 +1,504 @@
+"""Fused W4A16 grouped MoE for NVFP4 expert banks (Triton): dequantize inside the GEMM K loops.
+
+Legend: T tokens, K top-k, M = T*K routed (token, k) pairs, N bank rows (experts or slots),
+H hidden, I expert intermediate, P padded pair slots (multiple of BLOCK_M), B = P / BLOCK_M blocks.
+
+    y[t] = sum_k w[t,k] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)),   e = rows[t, k]
+
+Steps, all enqueued without a host sync (the grid is sized from host-known upper bounds):
+1. ``moe_align``: sort pairs by bank row and pad each row's group to BLOCK_M (torch ops on device).
+2. ``_gate_up_silu_kernel``: per block of one row, x @ [gate; up]^T with NVFP4 dequant in the K loop,
+   epilogue ``silu(gate) * up`` -> ``act_MI`` (pair order, compute dtype).
+3. ``_down_kernel``: ``act @ down^T`` with dequant in the K loop, times the routing weight ->
+   ``terms_MH`` (pair order); ``terms.view(T, K, H).sum(1)`` reduces over K (deterministic, no atomics).
+   With K == 1 the kernel writes the output directly.
+
+Numerics: ``code * block_scale`` is exact in bf16/fp16 (<= 6 significant bits, exponents within range),
+so the tensor-core operands are the exact NVFP4 values; the per-matrix global multiplies the fp32
+accumulator. fp32 activations use IEEE fp32 dots (no TF32). Rounding happens where a bf16 model
+rounds anyway: the intermediate activation and the per-pair terms are stored in the compute/output dtype.
+
+Tile sizes come from ``fused_moe_tuning.json`` (written by ``benchmarks/tune_fused_moe.py``), keyed by
+device name, shape (H, I) and the number of routed pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.nvfp4 import E2M1_F16_SHIFT, SCALE_BLOCK, bank_shapes, device_guard, e2m1_to_f32
+
+TUNING_PATH = Path(__file__).with_name("fused_moe_tuning.json")
+_HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configs (data, not literals: see fused_moe_tuning.json)
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """Tiles of one of the two GEMM kernels: N/K tile, M-block grouping, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name}={v}: must be a power of two >= 16 (tl.dot and the 16-column scale blocks)")
+        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid tiles {self}: group_m >= 1, num_warps a power of two <= 16, num_stages >= 1")
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    """Tiles of one fused-MoE call: ``block_m`` rows per block (shared by both kernels: it sets the
+    padding of ``moe_align``), plus the tiles of the gate_up and down kernels."""
+
+    block_m: int
+    gate_up: KernelTiles
+    down: KernelTiles
+
+    def __post_init__(self):
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m={self.block_m}: must be a power of two >= 16 (tl.dot minimum)")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "FusedMoeConfig":
+        try:
+            return cls(block_m=int(d["block_m"]), gate_up=KernelTiles(**d["gate_up"]), down=KernelTiles(**d["down"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{where}: bad fused-MoE config {d!r} ({exc}); expected "
+                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}}'
+            ) from exc
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def shape_key(hidden: int, inter: int) -> str:
+    """Key of a layer shape in the tuning table, e.g. ``H2048_I768``."""
+    return f"H{hidden}_I{inter}"
+
+
+class TuningTable:
+    """``devices -> shape key (or "default") -> max routed pairs M (str int) -> FusedMoeConfig``.
+
+    Lookup: the device's entry, else ``"default"``; the shape's entry, else that device's
+    ``"default"``; then the smallest M bucket >= M, else the largest bucket."""
+
+    def __init__(self, devices: dict[str, dict[str, dict[int, FusedMoeConfig]]], source: str = "<memory>"):
+        if "default" not in devices or "default" not in devices["default"]:
+            raise ValueError(f"{source}: the tuning table needs devices['default']['default'] (the fallback entry)")
+        self.devices = devices
+        self.source = source
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "<memory>") -> "TuningTable":
+        if data.get("schema") != 1 or not isinstance(data.get("devices"), dict):
+            raise ValueError(f"{source}: expected {{'schema': 1, 'devices': {{...}}}}, got keys {sorted(data)}")
+        devices: dict[str, dict[str, dict[int, FusedMoeConfig]]] = {}
+        for dev, shapes in data["devices"].items():
+            devices[dev] = {}
+            for shape, buckets in shapes.items():
+                if not buckets:
+                    raise ValueError(f"{source}: devices[{dev!r}][{shape!r}] has no M buckets")
+                parsed = {}
+                for m, cfg in buckets.items():
+                    where = f"{source}: devices[{dev!r}][{shape!r}][{m!r}]"
+                    if not str(m).isdigit():
+                        raise ValueError(f"{where}: bucket keys are max routed pairs (T*K) as integers")
+                    parsed[int(m)] = FusedMoeConfig.from_dict(cfg, where)
+                devices[dev][shape] = dict(sorted(parsed.items()))
+        return cls(devices, source)
+
+    def to_json(self) -> dict:
+        return {
+            "schema": 1,
+            "devices": {
+                dev: {shape: {str(m): cfg.to_dict() for m, cfg in b.items()} for shape, b in shapes.items()}
+                for dev, shapes in self.devices.items()
+            },
+        }
+
+    def lookup(self, device_name: str, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
+        shapes = self.devices.get(device_name, self.devices["default"])
+        buckets = shapes.get(shape_key(hidden, inter)) or shapes.get("default") or self.devices["default"]["default"]
+        for m, cfg in buckets.items():
+            if pairs <= m:
+                return cfg
+        return next(reversed(buckets.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def load_tuning(path: str | Path = TUNING_PATH) -> TuningTable:
+    """Read a tuning table (default: the one shipped next to this module)."""
+    path = Path(path)
+    with open(path) as f:
+        return TuningTable.from_json(json.load(f), str(path))
+
+
+@functools.lru_cache(maxsize=16)
+def device_name(device: torch.device) -> str:
+    """Tuning-table key of a device: the CUDA device name (e.g. ``NVIDIA H200``) or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def config_for(device: torch.device, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
+    """Tiles for a call on ``device`` with layer shape (H, I) and ``pairs`` = T*K routed pairs."""
+    return load_tuning().lookup(device_name(device), hidden, inter, pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Alignment: sort routed pairs by bank row, pad each row's group to BLOCK_M
+
+
+def max_padded_pairs(pairs: int, num_rows: int, block_m: int) -> int:
+    """Upper bound of the padded length P (a multiple of ``block_m``), known without device reads:
+    each non-empty row adds at most ``block_m - 1`` padding, and at most min(N, M) rows are non-empty."""
+    bound = pairs + min(num_rows, pairs) * (block_m - 1)
+    return triton.cdiv(bound, block_m) * block_m
+
+
+@dataclass
+class MoeAlignment:
+    """Routed pairs grouped by bank row, padded to whole blocks (all device tensors, no host sync).
+
+    ``sorted_ids_P`` int32: pair ids (t*K + k) grouped by row, each group padded to ``block_m`` with
+    the sentinel M; ``block_row_B`` int32: the bank row of each block (-1 past the end);
+    ``num_padded_1`` int32: the real padded length (blocks at or past it exit at once)."""
+
+    sorted_ids_P: torch.Tensor
+    block_row_B: torch.Tensor
+    num_padded_1: torch.Tensor
+    block_m: int
+
+
+def moe_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignment:
+    """Group the T*K routed pairs by bank row (``rows_TK`` int, values in [0, num_rows)).
+
+    Row ids are not range-checked here (that needs a device sync): out-of-range ids raise an
+    IndexError on CPU and a device-side assert on CUDA from the scatter below."""
+    rows_M = rows_TK.reshape(-1).to(torch.int64)
+    M = rows_M.numel()
+    dev = rows_M.device
+    counts_N = torch.zeros(num_rows, dtype=torch.int64, device=dev).scatter_add_(0, rows_M, torch.ones_like(rows_M))
+    padded_N = (counts_N + block_m - 1) // block_m * block_m
+    padded_end_N = torch.cumsum(padded_N, 0)
+    group_start_N = torch.cumsum(counts_N, 0) - counts_N
+    sorted_rows_M, order_M = torch.sort(rows_M, stable=True)
+    rank_M = torch.arange(M, device=dev) - group_start_N[sorted_rows_M]
+    dest_M = padded_end_N[sorted_rows_M] - padded_N[sorted_rows_M] + rank_M
+
+    P = max_padded_pairs(M, num_rows, block_m)
+    sorted_ids_P = torch.full((P,), M, dtype=torch.int32, device=dev)
+    sorted_ids_P.scatter_(0, dest_M, order_M.to(torch.int32))
+    block_start_B = torch.arange(0, P, block_m, device=dev)
+    block_row_B = torch.searchsorted(padded_end_N, block_start_B, right=True)
+    block_row_B = torch.where(block_row_B < num_rows, block_row_B, -1).to(torch.int32)
+    return MoeAlignment(sorted_ids_P, block_row_B, padded_end_N[-1:].to(torch.int32), block_m)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _block_coords(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
+    """Grouped program order (as in Triton's matmul tutorial): GROUP_M consecutive M blocks sweep
+    the N tiles together so their weight tiles stay in L2."""
+    per_group = GROUP_M * num_blocks_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _nvfp4_tile(q_ptrs, s_ptrs, shift, mask, DOT_DTYPE: tl.constexpr):
+    """Load one [BLOCK_K, BLOCK_N] weight tile (W^T) and return ``code * block_scale`` in DOT_DTYPE
+    (exact). Each byte/scale is addressed once per element it serves; repeats hit L1."""
+    packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    return (e2m1_to_f32((packed >> shift) & 15) * scale).to(DOT_DTYPE)
+
+
+@triton.jit
+def _gate_up_silu_kernel(
+    x_ptr, stride_xt,  # hidden [T, H]
+    q_ptr, stride_qn, stride_qr,  # w13_q [N, 2I, H/2] u8
+    s_ptr, stride_sn, stride_sr,  # w13_s [N, 2I, H/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32 (column stride 1)
+    act_ptr, stride_am,  # act [M, I]
+    sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+    M, H, I, TOPK, num_blocks_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid_m = pair < M
+    token = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
+    # W^T tiles [BLOCK_K, BLOCK_N]: column n of the tile is weight row n (gate) or I + n (up).
+    qg_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + (offs_k // 2)[:, None]
+    sg_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_k // SCALE_BLOCK)[:, None]
+    up_q = I * stride_qr
+    up_s = I * stride_sr
+    shift = ((offs_k % 2) * 4)[:, None]
+
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            x_mask = valid_m[:, None]
+            w_mask = valid_n[None, :]
+        else:
+            x_mask = valid_m[:, None] & (offs_k[None, :] < H - k0)
+            w_mask = valid_n[None, :] & (offs_k[:, None] < H - k0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE)
+        w_gate = _nvfp4_tile(qg_ptrs, sg_ptrs, shift, w_mask, DOT_DTYPE)
+        w_up = _nvfp4_tile(qg_ptrs + up_q, sg_ptrs + up_s, shift, w_mask, DOT_DTYPE)
+        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=INPUT_PRECISION)
+        acc_up = tl.dot(x, w_up, acc_up, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        qg_ptrs += BLOCK_K // 2
+        sg_ptrs += BLOCK_K // SCALE_BLOCK
+
+    gate = acc_gate * tl.load(g_ptr + row * stride_gn)
+    up = acc_up * tl.load(g_ptr + row * stride_gn + 1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, stride_am,  # act [M, I]
+    q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
+    s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32 (column stride 1)
+    w_ptr,  # routing weights [M] f32
+    out_ptr, stride_om,  # terms [M, H] (or the output [T, H] when K == 1)
+    sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+    M, H, I, num_blocks_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid_m = pair < M
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = act_ptr + pair64[:, None] * stride_am + offs_k[None, :]
+    q_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + (offs_k // 2)[:, None]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_k // SCALE_BLOCK)[:, None]
+    shift = ((offs_k % 2) * 4)[:, None]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a_mask = valid_m[:, None]
+            w_mask = valid_n[None, :]
+        else:
+            a_mask = valid_m[:, None] & (offs_k[None, :] < I - k0)
+            w_mask = valid_n[None, :] & (offs_k[:, None] < I - k0)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        w = _nvfp4_tile(q_ptrs, s_ptrs, shift, w_mask, DOT_DTYPE)
+        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // SCALE_BLOCK
+
+    route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0)
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[:, None]
+    out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _dot_setup(hidden_dtype: torch.dtype, device: torch.device):
+    """(DOT_DTYPE, INPUT_PRECISION). fp32 activations use IEEE dots (TF32 would round them to 10
+    mantissa bits). On CPU (the Triton interpreter) dots run in fp32 because the interpreter
+    multiplies bf16 operands as raw uint16; products of bf16/fp16 values are exact in fp32, so this
+    matches a tensor-core dot with fp32 accumulation up to summation order."""
+    if hidden_dtype == torch.float32 or device.type == "cpu":
+        return tl.float32, "ieee"
+    return (tl.bfloat16 if hidden_dtype == torch.bfloat16 else tl.float16), "tf32"
+
+
+def _check_inputs(hidden_TH, rows_TK, weights_TK, views) -> tuple[int, int, int]:
+    N, H, I = bank_shapes(views)
+    if hidden_TH.dim() != 2 or hidden_TH.dtype not in _HIDDEN_DTYPES:
+        raise ValueError(f"hidden_TH must be a 2-D {_HIDDEN_DTYPES} tensor [T, H], got {hidden_TH.dtype} {tuple(hidden_TH.shape)}")
+    if hidden_TH.shape[1] != H:
+        raise ValueError(f"hidden_TH has H={hidden_TH.shape[1]} but the banks have H={H} (views['w13_q'] is [N, 2I, H/2])")
+    T = hidden_TH.shape[0]
+    if rows_TK.dim() != 2 or rows_TK.shape[0] != T or rows_TK.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rows_TK must be int32/int64 [T={T}, K], got {rows_TK.dtype} {tuple(rows_TK.shape)}")
+    if tuple(weights_TK.shape) != tuple(rows_TK.shape) or not weights_TK.is_floating_point():
+        raise ValueError(f"weights_TK must be a float tensor of rows_TK's shape {tuple(rows_TK.shape)}, got {weights_TK.dtype} {tuple(weights_TK.shape)}")
+    for name, t in (("hidden_TH", hidden_TH), ("rows_TK", rows_TK), ("weights_TK", weights_TK)):
+        if t.device != views["w13_q"].device:
+            raise ValueError(f"{name} is on {t.device} but the banks are on {views['w13_q'].device}")
+    if views["gs"].stride(1) != 1:
+        raise ValueError(f"views['gs'] must have contiguous columns, got strides {tuple(views['gs'].stride())}")
+    return N, H, I
+
+
+def fused_moe_nvfp4(
+    hidden_TH: torch.Tensor,
+    rows_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    views: dict,
+    out_dtype: torch.dtype | None = None,
+    config: FusedMoeConfig | None = None,
+) -> torch.Tensor:
+    """SwiGLU MoE over NVFP4 expert banks, W4A16, with no bf16 copy of the weights and no host sync.
+
+    Args:
+        hidden_TH: ``[T, H]`` bf16/fp16/fp32 activations.
+        rows_TK: ``[T, K]`` int32/int64 bank row (expert or slot) of each routed pair, in [0, N)
+            (not range-checked: see ``moe_align``). Duplicate rows within a token are allowed.
+        weights_TK: ``[T, K]`` float routing weights (used in fp32).
+        views: NVFP4 bank views ``w13_q [N, 2I, H/2] u8``, ``w13_s [N, 2I, H/16] e4m3``,
+            ``w2_q [N, H, I/2] u8``, ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32``; rows contiguous,
+            any dim-0 stride.
+        out_dtype: output dtype (default: ``hidden_TH.dtype``).
+        config: tiles; default: ``config_for(device, H, I, T*K)`` from the tuning table.
+
+    Returns:
+        ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` in the compute dtype, plus
+        ``terms [T*K, H]`` in ``out_dtype`` when K > 1.
+    """
+    N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
+    out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _HIDDEN_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
+    T, K = rows_TK.shape
+    M = T * K
+    dev = hidden_TH.device
+    if M == 0:
+        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+    if N == 0:
+        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
+    if config is None:
+        config = config_for(dev, H, I, M)
+    if hidden_TH.stride(1) != 1:
+        hidden_TH = hidden_TH.contiguous()
+
+    align = moe_align(rows_TK, N, config.block_m)
+    weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
+    act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
+    # K == 1: pair id == token id, so the down kernel can write the output rows directly.
+    terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
+    with device_guard(dev):
+        _launch_gate_up(hidden_TH, views, align, act_MI, K, config)
+        _launch_down(act_MI, views, weights_M, align, terms_MH, config)
+    if K == 1:
+        return terms_MH
+    return terms_MH.view(T, K, H).sum(dim=1)
+
+
+def _launch_gate_up(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:
+    """Enqueue the gate_up + SiLU kernel (callers hold ``device_guard``): ``act_MI[pair] = silu(g) * u``."""
+    q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
+    M, I = act_MI.shape
+    H = hidden_TH.shape[1]
+    tiles = config.gate_up
+    num_blocks_m = align.sorted_ids_P.numel() // config.block_m
+    dot_dtype, precision = _dot_setup(hidden_TH.dtype, hidden_TH.device)
+    grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
+    _gate_up_silu_kernel[grid](
+        hidden_TH, hidden_TH.stride(0),
+        q, q.stride(0), q.stride(1),
+        s, s.stride(0), s.stride(1),
+        gs, gs.stride(0),
+        act_MI, act_MI.stride(0),
+        align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+        M, H, I, topk, num_blocks_m,
+        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _launch_down(act_MI, views, weights_M, align: MoeAlignment, terms_MH, config: FusedMoeConfig) -> None:
+    """Enqueue the down kernel (callers hold ``device_guard``): ``terms_MH[pair] = w * down @ act``."""
+    q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
+    M, I = act_MI.shape
+    H = terms_MH.shape[1]
+    tiles = config.down
+    num_blocks_m = align.sorted_ids_P.numel() // config.block_m
+    dot_dtype, precision = _dot_setup(act_MI.dtype, act_MI.device)
+    grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
+    _down_kernel[grid](
+        act_MI, act_MI.stride(0),
+        q, q.stride(0), q.stride(1),
+        s, s.stride(0), s.stride(1),
+        gs, gs.stride(0),
+        weights_M,
+        terms_MH, terms_MH.stride(0),
+        align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+        M, H, I, num_blocks_m,
+        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def moe_reference(
+    hidden_TH: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor, w13_NFH: torch.Tensor, w2_NHI: torch.Tensor
+) -> torch.Tensor:
+    """Plain-torch SwiGLU MoE (the tests' oracle), one bank row at a time, computed in fp32.
+
+    ``w13_NFH [N, 2I, H]`` (gate rows, then up), ``w2_NHI [N, H, I]`` dense weights (e.g. from
+    ``dequantize``); returns ``[T, H]`` in ``hidden_TH.dtype``. Not for hot paths (it syncs)."""
+    T, K = rows_TK.shape
+    I = w2_NHI.shape[2]
+    x_TH = hidden_TH.float()
+    out_TH = torch.zeros_like(x_TH)
+    rows_M = rows_TK.reshape(-1)
+    weights_M = weights_TK.reshape(-1).float()
+    for row in torch.unique(rows_M).tolist():
+        pairs = (rows_M == row).nonzero().flatten()
+        tokens = pairs // K
+        h = x_TH[tokens] @ w13_NFH[row].float().T
+        act = F.silu(h[:, :I]) * h[:, I:]
+        y = act @ w2_NHI[row].float().T
+        out_TH.index_add_(0, tokens, y * weights_M[pairs, None])
+    return out_TH.to(hidden_TH.dtype)

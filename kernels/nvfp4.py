@@ -1,0 +1,204 @@
+"""Triton NVFP4 dequantization: packed E2M1 codes + E4M3 block scales + FP32 globals -> dense weights.
+
+Legend: N bank rows (experts or slots), R rows of one matrix, C its columns (the GEMM's K dim),
+G row groups sharing one global (w13: 2 = gate, up; w2: 1), H hidden, I expert intermediate.
+
+Value = E2M1[code] * float(e4m3 block scale) * global, the same as ``moe_offload.formats.nvfp4.dequantize``
+(the torch reference). Codes are two per byte, element 2k in the low nibble; one scale per 16 columns.
+
+Inputs are bank views: each matrix row is contiguous, the stride between bank rows (dim 0) is
+arbitrary (views are column slices of ``[N, row_bytes]`` byte banks). The kernel runs natively on
+CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors (CI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.formats.nvfp4 import BLOCK
+
+# Untuned on purpose: the kernel is elementwise and memory-bound; a tile of 16 rows x 128 packed
+# bytes (4 KB read, 16-32 KB written) per program is past the size where the copy saturates HBM.
+_ROWS_PER_PROGRAM = 16
+_BYTES_PER_PROGRAM = 128
+_NUM_WARPS = 4
+
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BANK_KEYS = ("w13_q", "w13_s", "w2_q", "w2_s", "gs")
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """E2M1 codes (int32 in 0..15) -> exact fp32 values.
+
+    The sign bit and the 3 magnitude bits are placed into an fp16 bit pattern (exponent field =
+    E2M1 exponent, top mantissa bit = E2M1 mantissa), which is E2M1 * 2^-14 (0.5 lands on an fp16
+    subnormal, converted exactly); the caller folds the 2^14 into the block scale."""
+    bits = ((code & 8) << 12) | ((code & 7) << 9)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+#: multiply ``e2m1_to_f32`` results by this (exact: a power of two).
+E2M1_F16_SHIFT = tl.constexpr(16384.0)
+#: columns per block scale, and packed bytes per block scale.
+SCALE_BLOCK = tl.constexpr(BLOCK)
+BYTES_PER_SCALE = tl.constexpr(BLOCK // 2)
+
+
+@triton.jit
+def _dequant_nvfp4_kernel(
+    q_ptr, stride_qn, stride_qr,  # packed [N, R, C/2] u8, columns contiguous
+    s_ptr, stride_sn, stride_sr,  # block scales [N, R, C/16] e4m3, columns contiguous
+    g_ptr, stride_gn, stride_gg,  # globals [N, G] f32
+    o_ptr, stride_on, stride_or,  # out [N, R, C], columns contiguous
+    R, C_BYTES, ROWS_PER_GROUP,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = tl.program_id(1).to(tl.int64)
+    num_b = tl.cdiv(C_BYTES, BLOCK_B)
+    pid_r = pid // num_b
+    pid_b = pid % num_b
+
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask = (offs_r[:, None] < R) & (offs_b[None, :] < C_BYTES)
+
+    packed = tl.load(q_ptr + n * stride_qn + offs_r[:, None] * stride_qr + offs_b[None, :], mask=mask, other=0).to(tl.int32)
+    # byte b holds columns 2b (low nibble) and 2b+1; both lie in scale block 2b // 16 = b // 8.
+    scale = tl.load(s_ptr + n * stride_sn + offs_r[:, None] * stride_sr + (offs_b // BYTES_PER_SCALE)[None, :], mask=mask, other=0.0)
+    scale = scale.to(tl.float32) * E2M1_F16_SHIFT
+    glob = tl.load(g_ptr + n * stride_gn + (offs_r // ROWS_PER_GROUP) * stride_gg, mask=offs_r < R, other=0.0)
+
+    # (code * scale) is exact in fp32 (<= 6 significant bits); then one rounding for * global,
+    # the same two steps in the same order as the torch reference.
+    lo = (e2m1_to_f32(packed & 15) * scale) * glob[:, None]
+    hi = (e2m1_to_f32(packed >> 4) * scale) * glob[:, None]
+    vals = tl.interleave(lo, hi)  # [BLOCK_R, 2 * BLOCK_B]: column 2b from lo, 2b+1 from hi
+
+    offs_c = pid_b * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
+    out_mask = (offs_r[:, None] < R) & (offs_c[None, :] < 2 * C_BYTES)
+    tl.store(o_ptr + n * stride_on + offs_r[:, None] * stride_or + offs_c[None, :], vals.to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+def device_guard(device: torch.device):
+    """Context that makes ``device`` current for a Triton launch (CUDA only; a no-op on CPU)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def check_rows_contiguous(name: str, t: torch.Tensor) -> None:
+    """Raise unless the last dim of ``t`` is contiguous (bank views: any dim-0 stride is fine)."""
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}")
+
+
+def dequant_nvfp4(
+    packed_NRB: torch.Tensor, scale_NRS: torch.Tensor, global_NG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """Dequantize a stack of NVFP4 matrices.
+
+    Args:
+        packed_NRB: ``[N, R, C/2]`` uint8, two E2M1 codes per byte (column 2k in the low nibble).
+        scale_NRS: ``[N, R, C/16]`` float8_e4m3fn block scales (one per 16 columns).
+        global_NG: ``[N, G]`` float32 multipliers; rows are split into G equal consecutive groups,
+            group g uses ``global_NG[:, g]`` (w13: G=2 gate/up, w2: G=1).
+        out_dtype: float32, bfloat16 or float16.
+
+    Returns:
+        ``[N, R, C]`` contiguous tensor of ``out_dtype`` on the inputs' device (computed in fp32,
+        rounded once to ``out_dtype``; bit-identical to the torch reference).
+    """
+    if packed_NRB.dtype != torch.uint8 or packed_NRB.dim() != 3:
+        raise ValueError(f"packed_NRB must be a 3-D uint8 tensor [N, R, C/2], got {packed_NRB.dtype} {tuple(packed_NRB.shape)}")
+    N, R, c_bytes = packed_NRB.shape
+    C = 2 * c_bytes
+    if C % BLOCK:
+        raise ValueError(f"packed_NRB: columns C = 2 * {c_bytes} = {C} must be a multiple of {BLOCK} (one scale per {BLOCK})")
+    if scale_NRS.dtype != torch.float8_e4m3fn or tuple(scale_NRS.shape) != (N, R, C // BLOCK):
+        raise ValueError(
+            f"scale_NRS must be float8_e4m3fn {(N, R, C // BLOCK)} to match packed_NRB {tuple(packed_NRB.shape)}, "
+            f"got {scale_NRS.dtype} {tuple(scale_NRS.shape)}"
+        )
+    if global_NG.dtype != torch.float32 or global_NG.dim() != 2 or global_NG.shape[0] != N:
+        raise ValueError(f"global_NG must be a float32 tensor [N={N}, G], got {global_NG.dtype} {tuple(global_NG.shape)}")
+    G = global_NG.shape[1]
+    if G < 1 or R % G:
+        raise ValueError(f"global_NG: {G} groups must split the R={R} rows of packed_NRB evenly")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
+    for name, t in (("scale_NRS", scale_NRS), ("global_NG", global_NG)):
+        if t.device != packed_NRB.device:
+            raise ValueError(f"{name} is on {t.device} but packed_NRB is on {packed_NRB.device}")
+    check_rows_contiguous("packed_NRB", packed_NRB)
+    check_rows_contiguous("scale_NRS", scale_NRS)
+
+    out_NRC = torch.empty((N, R, C), dtype=out_dtype, device=packed_NRB.device)
+    if out_NRC.numel() == 0:
+        return out_NRC
+    grid = (triton.cdiv(R, _ROWS_PER_PROGRAM) * triton.cdiv(c_bytes, _BYTES_PER_PROGRAM), N)
+    with device_guard(packed_NRB.device):
+        _dequant_nvfp4_kernel[grid](
+            packed_NRB, packed_NRB.stride(0), packed_NRB.stride(1),
+            scale_NRS, scale_NRS.stride(0), scale_NRS.stride(1),
+            global_NG, global_NG.stride(0), global_NG.stride(1),
+            out_NRC, out_NRC.stride(0), out_NRC.stride(1),
+            R, c_bytes, R // G,
+            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_B=_BYTES_PER_PROGRAM, num_warps=_NUM_WARPS,
+        )
+    return out_NRC
+
+
+def bank_shapes(views: dict) -> tuple[int, int, int]:
+    """Validate an NVFP4 expert bank dict (see ``Nvfp4ModelOptFormat.banks``) -> ``(N, H, I)``.
+
+    Raises ValueError naming the bank whose key, dtype, shape, device or layout is wrong."""
+    missing = [k for k in BANK_KEYS if k not in views]
+    if missing:
+        raise ValueError(f"NVFP4 bank views are missing {missing} (need {list(BANK_KEYS)})")
+    w13_q = views["w13_q"]
+    if w13_q.dtype != torch.uint8 or w13_q.dim() != 3 or w13_q.shape[1] % 2:
+        raise ValueError(f"views['w13_q'] must be uint8 [N, 2I, H/2], got {w13_q.dtype} {tuple(w13_q.shape)}")
+    N, two_i, h_half = w13_q.shape
+    H, I = 2 * h_half, two_i // 2
+    if H % BLOCK or I % BLOCK:
+        raise ValueError(f"views['w13_q'] {tuple(w13_q.shape)}: H={H} and I={I} must be multiples of {BLOCK}")
+    expected = {
+        "w13_s": ((N, 2 * I, H // BLOCK), torch.float8_e4m3fn),
+        "w2_q": ((N, H, I // 2), torch.uint8),
+        "w2_s": ((N, H, I // BLOCK), torch.float8_e4m3fn),
+        "gs": ((N, 3), torch.float32),
+    }
+    for key, (shape, dtype) in expected.items():
+        t = views[key]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(
+                f"views['{key}'] must be {dtype} {shape} (N={N}, H={H}, I={I} from w13_q), got {t.dtype} {tuple(t.shape)}"
+            )
+        if t.device != w13_q.device:
+            raise ValueError(f"views['{key}'] is on {t.device} but views['w13_q'] is on {w13_q.device}")
+    for key in ("w13_q", "w13_s", "w2_q", "w2_s"):
+        check_rows_contiguous(f"views['{key}']", views[key])
+    return N, H, I
+
+
+def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense weights of NVFP4 expert banks.
+
+    Args:
+        views: ``w13_q [N, 2I, H/2] u8``, ``w13_s [N, 2I, H/16] e4m3``, ``w2_q [N, H, I/2] u8``,
+            ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32`` (gate, up, down multipliers).
+        dtype: output dtype (float32, bfloat16, float16).
+
+    Returns:
+        ``(w13 [N, 2I, H], w2 [N, H, I])``: gate rows first, then up; equal to
+        ``Nvfp4ModelOptFormat().dequantize(views, dtype)``.
+    """
+    bank_shapes(views)
+    gs_N3 = views["gs"]
+    w13_NFH = dequant_nvfp4(views["w13_q"], views["w13_s"], gs_N3[:, :2], dtype)
+    w2_NHI = dequant_nvfp4(views["w2_q"], views["w2_s"], gs_N3[:, 2:], dtype)
+    return w13_NFH, w2_NHI

@@ -1,0 +1,112 @@
+"""Copy mechanisms used by the cache: host->device rows (coalesced runs), device->device hit copies
+(one ``cudaMemcpyBatchAsync`` call, or the SM gather kernel), full-layer copies, and the resolution
+of the prefill hit path with its logged fallback.
+
+Every function here enqueues on the stream current at the call (the cache enters its copy
+stream first) and never synchronizes the device.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from moe_offload import log
+
+
+@dataclass(frozen=True)
+class RowCopy:
+    """Rows ``src_rows`` of ``src [*, row_bytes]`` -> rows ``dst_rows`` of ``dst [*, row_bytes]``."""
+
+    dst: torch.Tensor
+    src: torch.Tensor
+    dst_rows: np.ndarray
+    src_rows: np.ndarray
+
+
+def runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted ids -> maximal runs ``[start, end)`` of consecutive ids."""
+    if ids.size == 0:
+        return []
+    breaks = np.nonzero(np.diff(ids) != 1)[0]
+    starts = np.concatenate(([ids[0]], ids[breaks + 1]))
+    ends = np.concatenate((ids[breaks] + 1, [ids[-1] + 1]))
+    return list(zip(starts.tolist(), ends.tolist()))
+
+
+def pointer_arrays(copies: list[RowCopy], coalesce: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dst_ptrs, src_ptrs, sizes) as uint64 arrays for one batched call.
+
+    ``coalesce``: rows whose src and dst ids both advance by one are merged into one entry
+    (H2D misses: dst row e <- host row e).
+    """
+    dsts, srcs, sizes = [], [], []
+    for c in copies:
+        if c.dst_rows.size == 0:
+            continue
+        row = c.dst.shape[1]
+        d, s = c.dst_rows.astype(np.uint64), c.src_rows.astype(np.uint64)
+        if coalesce:
+            brk = np.nonzero((np.diff(d.astype(np.int64)) != 1) | (np.diff(s.astype(np.int64)) != 1))[0]
+            first = np.concatenate(([0], brk + 1))
+            last = np.concatenate((brk, [d.size - 1]))
+            n = (last - first + 1).astype(np.uint64)
+            d, s = d[first], s[first]
+        else:
+            n = np.ones_like(d)
+        dsts.append(np.uint64(c.dst.data_ptr()) + d * np.uint64(row))
+        srcs.append(np.uint64(c.src.data_ptr()) + s * np.uint64(row))
+        sizes.append(n * np.uint64(row))
+    if not dsts:
+        empty = np.zeros(0, dtype=np.uint64)
+        return empty, empty, empty
+    return np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes)
+
+
+def copy_rows_torch(copies: list[RowCopy], coalesce: bool) -> None:
+    """Row copies with ``Tensor.copy_`` (one call per run of consecutive rows)."""
+    for c in copies:
+        if c.dst_rows.size == 0:
+            continue
+        if coalesce:
+            for a, b in runs(c.dst_rows):
+                off = int(c.src_rows[np.searchsorted(c.dst_rows, a)]) - a
+                c.dst[a:b].copy_(c.src[a + off:b + off], non_blocking=True)
+        else:
+            for d, s in zip(c.dst_rows.tolist(), c.src_rows.tolist()):
+                c.dst[d].copy_(c.src[s], non_blocking=True)
+
+
+def index_tensor(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device, non_blocking=False)
+
+
+class HitPathUnavailable(RuntimeError):
+    """``prefill.hit_d2d_on_unavailable: error`` and the hit path cannot be used."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"prefill hit D2D path unavailable: reason={reason} ({detail}); "
+                         "set prefill.hit_d2d_on_unavailable=fallback to run with full-layer copies")
+        self.reason, self.detail = reason, detail
+
+
+def versions() -> dict:
+    cuda_rt = driver = None
+    if torch.cuda.is_available():
+        try:
+            from moe_offload.kernels.batch_memcpy import runtime_versions
+
+            cuda_rt, driver = runtime_versions()
+        except Exception as exc:  # the binding itself may be what failed; report what we can
+            cuda_rt = f"unknown ({type(exc).__name__})"
+    return {"cuda_runtime": cuda_rt or torch.version.cuda, "driver": driver, "torch": torch.__version__}
+
+
+def log_hit_fallback(reason: str, detail: str) -> None:
+    """One WARNING event per reason per process."""
+    log.log_once(f"prefill_hit_d2d_unavailable:{reason}", "prefill_hit_d2d_unavailable", logging.WARNING,
+                 reason=reason, fallback="full_layer_copy", detail=detail,
+                 setting="prefill.hit_d2d / prefill.hit_copy", **versions())

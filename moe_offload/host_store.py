@@ -1,0 +1,161 @@
+"""ExpertStore: every expert of every MoE layer in host memory, one exact-size pinned allocation per
+layer and bank ``[E, row_bytes]`` (raw bytes; ``BankSpec.view`` gives typed views).
+
+Pinning: plain host memory registered with ``cudaHostRegister`` (exact size; torch's
+``pin_memory()`` goes through a caching allocator that rounds sizes up). On a CPU-only torch the
+banks stay in plain memory and one ``host_store_unpinned`` event says so.
+Under TP each rank holds only its slice of every expert (gate/up rows, down columns of I).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from moe_offload import log
+from moe_offload.checkpoint.families import ModelGeometry
+from moe_offload.checkpoint.reader import CheckpointReader, detect_format
+from moe_offload.formats import BankSpec, ExpertFormat, FormatError, get_format
+from moe_offload.formats.base import TpSlice
+
+
+class StoreError(ValueError):
+    pass
+
+
+def _pin(t: torch.Tensor) -> bool:
+    """Register ``t``'s memory as pinned (page-locked) with the CUDA runtime; False without CUDA."""
+    if not torch.cuda.is_available() or t.numel() == 0:
+        return False
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
+    return True
+
+
+def _unpin(ptrs: list[int]) -> None:
+    for p in ptrs:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(p))
+
+
+class ExpertStore:
+    """Host banks of all MoE layers. ``bank(layer, name)`` is ``[E, row_bytes]`` uint8."""
+
+    def __init__(self, geometry: ModelGeometry, fmt: ExpertFormat, tp_rank: int = 0, tp_size: int = 1, pin: bool = True):
+        if not 0 <= tp_rank < tp_size:
+            raise StoreError(f"tp_rank {tp_rank} is outside [0, tp_size={tp_size})")
+        self.geometry = geometry
+        self.format = fmt
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if geometry.inter % tp_size:
+            raise FormatError(f"expert intermediate size {geometry.inter} is not divisible by tp={tp_size}")
+        self.inter = geometry.inter // tp_size
+        TpSlice(tp_rank, tp_size).bounds(geometry.inter, fmt.tp_multiple)
+        self.specs: list[BankSpec] = fmt.banks(geometry.hidden, self.inter)
+        self.layers: tuple[int, ...] = geometry.moe_layers
+        self.num_experts = geometry.num_experts
+        self._banks: dict[int, dict[str, torch.Tensor]] = {}
+        self.pinned = False
+        pinned_ptrs: list[int] = []
+        E = self.num_experts
+        for layer in self.layers:
+            banks = {}
+            for s in self.specs:
+                t = torch.empty((E, s.nbytes), dtype=torch.uint8)
+                if pin and _pin(t):
+                    pinned_ptrs.append(t.data_ptr())
+                banks[s.name] = t
+            self._banks[layer] = banks
+        self.pinned = bool(pinned_ptrs)
+        self._finalizer = weakref.finalize(self, _unpin, pinned_ptrs)
+        if pin and not self.pinned:
+            log.log_once("host_store_unpinned", "host_store_unpinned", logging.INFO, reason="no_cuda",
+                         detail="CPU-only torch: expert banks live in plain host memory")
+
+    # --- geometry ------------------------------------------------------------------------------
+    @property
+    def bytes_per_expert(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    @property
+    def bank_bytes(self) -> dict[str, int]:
+        """Row bytes of each bank (one expert)."""
+        return {s.name: s.nbytes for s in self.specs}
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_expert * self.num_experts * len(self.layers)
+
+    def bank(self, layer: int, name: str) -> torch.Tensor:
+        return self._banks[layer][name]
+
+    def banks(self, layer: int) -> dict[str, torch.Tensor]:
+        return self._banks[layer]
+
+    def views(self, layer: int) -> dict[str, torch.Tensor]:
+        return {s.name: s.view(self._banks[layer][s.name]) for s in self.specs}
+
+    def close(self) -> None:
+        """Unregister pinned memory now (also done when the store is garbage-collected)."""
+        self._finalizer()
+
+    def describe(self) -> dict:
+        return {
+            "format": self.format.name, "layers": len(self.layers), "experts": self.num_experts,
+            "tp_rank": self.tp_rank, "tp_size": self.tp_size, "pinned": self.pinned,
+            "bytes_per_expert": self.bytes_per_expert, "bank_row_bytes": self.bank_bytes, "total_bytes": self.total_bytes,
+        }
+
+    # --- filling -------------------------------------------------------------------------------
+    def put(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        for s in self.specs:
+            t = tensors[s.name]
+            if tuple(t.shape) != s.shape or t.dtype != s.dtype:
+                raise FormatError(f"bank {s.name}: got {tuple(t.shape)} {t.dtype}, expected {s.shape} {s.dtype}")
+            self._banks[layer][s.name][expert].copy_(t.contiguous().view(-1).view(torch.uint8))
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path | CheckpointReader, fmt: str | None = None, tp_rank: int = 0,
+                        tp_size: int = 1, pin: bool = True, progress: bool = True) -> "ExpertStore":
+        """Load every expert (this rank's slice) from an HF checkpoint dir into pinned banks."""
+        reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
+        detected = detect_format(reader)
+        if fmt not in (None, "auto") and fmt != detected:
+            raise StoreError(
+                f"{reader.path}: model.format is {fmt!r} but the checkpoint is {detected!r} (from config.json / "
+                "hf_quant_config.json); set model.format to auto or to the checkpoint's format"
+            )
+        fmt_obj = get_format(detected)
+        geo = reader.geometry
+        store = cls(geo, fmt_obj, tp_rank, tp_size, pin)
+        tp = TpSlice(tp_rank, tp_size)
+        fam = geo.family
+        total = len(store.layers) * geo.num_experts
+        bar = tqdm(total=total, desc=f"load experts ({detected}, rank {tp_rank}/{tp_size})", unit="expert",
+                   disable=not progress, unit_scale=True)
+        for layer in store.layers:
+            fused = reader.has(fam.fused_gate_up.format(l=layer))
+            for e in range(geo.num_experts):
+                if fused:
+                    tensors = store._read_fused_bf16(reader, layer, e, tp)
+                else:
+                    tensors = fmt_obj.read_expert(reader, lambda w: fam.expert_name(layer, e, w), geo.hidden, store.inter, tp)
+                store.put(layer, e, tensors)
+            bar.update(geo.num_experts)
+        bar.close()
+        store.reader_bytes = reader.bytes_read
+        return store
+
+    def _read_fused_bf16(self, reader: CheckpointReader, layer: int, e: int, tp: TpSlice) -> dict[str, torch.Tensor]:
+        fam = self.geometry.family
+        if self.format.name != "bf16":
+            raise StoreError(f"{reader.path}: fused expert tensors are only supported for bf16 checkpoints")
+        I = self.geometry.inter
+        i0, i1 = tp.bounds(I, 1)
+        gu = fam.fused_gate_up.format(l=layer)
+        gate = reader.get(gu, index=e, rows=(i0, i1), expect_dtype=torch.bfloat16)
+        up = reader.get(gu, index=e, rows=(I + i0, I + i1), expect_dtype=torch.bfloat16)
+        down = reader.get(fam.fused_down.format(l=layer), index=e, cols=(i0, i1), expect_dtype=torch.bfloat16)
+        return {"w13": torch.cat([gate, up], 0), "w2": down}

@@ -1,0 +1,65 @@
+"""Counters of the cache and copy paths: hits, misses, bytes per path, evictions, fallbacks, per layer."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+#: copy paths whose bytes are counted
+PATHS = ("decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "prefill_hit_d2d", "prefill_hit_gather")
+
+
+@dataclass
+class LayerCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    prefill_hits: int = 0
+    prefill_misses: int = 0
+    bytes: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+                "prefill_hits": self.prefill_hits, "prefill_misses": self.prefill_misses,
+                "bytes": {p: int(self.bytes[p]) for p in PATHS}}
+
+
+class CacheStats:
+    """Per-layer counters plus process-level fallbacks; ``snapshot()`` is what ``stats()`` returns."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.layers: dict[int, LayerCounters] = defaultdict(LayerCounters)
+        self.hit_d2d_fallbacks: Counter = Counter()
+        self.prefills = 0
+        self.decode_steps = 0
+
+    def layer(self, layer: int) -> LayerCounters:
+        return self.layers[layer]
+
+    def fallback(self, reason: str) -> None:
+        self.hit_d2d_fallbacks[reason] += 1
+
+    def snapshot(self) -> dict:
+        total = LayerCounters()
+        for c in self.layers.values():
+            total.hits += c.hits
+            total.misses += c.misses
+            total.evictions += c.evictions
+            total.prefill_hits += c.prefill_hits
+            total.prefill_misses += c.prefill_misses
+            total.bytes.update(c.bytes)
+        t = total.as_dict()
+        lookups = t["hits"] + t["misses"]
+        plookups = t["prefill_hits"] + t["prefill_misses"]
+        return {
+            "total": t,
+            "hit_rate": t["hits"] / lookups if lookups else None,
+            "prefill_hit_rate": t["prefill_hits"] / plookups if plookups else None,
+            "hit_d2d_fallbacks": dict(self.hit_d2d_fallbacks),
+            "prefills": self.prefills,
+            "decode_steps": self.decode_steps,
+            "per_layer": {layer: c.as_dict() for layer, c in sorted(self.layers.items())},
+        }

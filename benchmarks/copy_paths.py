@@ -92,6 +92,7 @@ class Gemm:
         self.stream = torch.cuda.Stream(device)
         self.a = torch.randn(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16)
         self.c = torch.empty_like(self.a)
+        self.stream.wait_stream(torch.cuda.current_stream(device))  # randn ran on the current stream
 
     def enqueue(self) -> None:
         with torch.cuda.stream(self.stream):
@@ -166,6 +167,7 @@ def bench_model(name: str, spec: dict, device: torch.device, copier: bm.BatchMem
     slot_of_t = torch.from_numpy(slot_of).to(device)
     expert_t = torch.arange(e, device=device)
     stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the fills above ran on the current stream
     out: dict[str, Any] = {"experts": e, "banks": dict(spec["banks"]), "layer_bytes": layer_bytes}
 
     def gather(_s):
@@ -192,6 +194,7 @@ def bench_model(name: str, spec: dict, device: torch.device, copier: bm.BatchMem
         if k in paths:
             for st in stage:
                 st.zero_()
+            stream.wait_stream(torch.cuda.current_stream(device))
             paths[k](stream)
             stream.synchronize()
             out["hits_isolated"][k]["verified"] = all(torch.equal(st, w) for st, w in zip(stage, want))
@@ -245,6 +248,7 @@ def sweep_row_sizes(device: torch.device, copier: bm.BatchMemcpy | None, gemm: G
     for r in sizes:
         pool = torch.randint(0, 256, (2 * SWEEP_ROWS, r), dtype=torch.uint8, device=device)
         stage = torch.zeros(SWEEP_ROWS, r, dtype=torch.uint8, device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         paths = {"gather": lambda s: gather_rows(stage, dst_t, pool, slot_t)}
         if copier is not None:
             ent = entries([(stage, pool)], np.arange(SWEEP_ROWS), slot_of)
@@ -297,7 +301,8 @@ def markdown(res: dict[str, Any]) -> str:
              f"Floors: H2D {res['floors']['h2d_GBps']:.1f} GB/s, D2D {res['floors']['d2d_GBps_read_plus_write']:.0f}"
              f" GB/s (r+w). GEMM alone: {res['gemm_alone']['wall_ms']:.2f} ms. Host time of one 512 x 64 KiB "
              f"call: {res['host_ms_512']}", "",
-             "| model | path | hits device ms | hits host ms | added under GEMM ms |", "| --- | --- | --- | --- | --- |"]
+             "| model | path | hits device ms | hits host ms | added under GEMM ms |",
+             "| --- | --- | --- | --- | --- |"]
     for name, m in res["models"].items():
         for k, v in m["hits_isolated"].items():
             added = m["hits_under_gemm"].get(k, {}).get("added_ms")
@@ -370,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 "gemm": f"{GEMM_COUNT} x {GEMM_N}^3 bf16 on another stream", "sweep_rows": SWEEP_ROWS},
         "floors": floors, "gemm_alone": gemm_alone, "host_ms_512": host_512, "models": models,
         "row_size_sweep": sweep,
-        "hit_copy_choice": hit_copy_choice(sweep, gemm_alone, gpu, f"benchmarks/results/{stem}.json"),
+        "hit_copy_choice": hit_copy_choice(sweep, gemm_alone, gpu, f"{stem}.json (benchmarks/copy_paths.py)"),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -153,38 +153,29 @@ class _CudaRuntime:
 
 
 class BatchMemcpy:
-    """One ``cudaMemcpyBatchAsync`` call per :meth:`copy`; obtain it from :func:`load_batch_memcpy`."""
+    """One ``cudaMemcpyBatchAsync`` call per :meth:`copy`; obtain it from :func:`load_batch_memcpy`.
+
+    Attributes: ``library_path`` (the libcudart bound), ``runtime_version`` and ``driver_version``
+    (1000*major + 10*minor), ``signature`` (``"12.8"`` or ``"13"``).
+    """
 
     def __init__(self, runtime: _CudaRuntime):
         self._rt = runtime
+        self.library_path, self.signature = runtime.library_path, runtime.signature
+        self.runtime_version, self.driver_version = runtime.runtime_version, runtime.driver_version
         self._attrs = _MemcpyAttributes(srcAccessOrder=SRC_ACCESS_ORDER_STREAM)
         self._attrs_idx = (ctypes.c_size_t * 1)(0)
         self._attrs_addr = ctypes.addressof(self._attrs)
         self._attrs_idx_addr = ctypes.addressof(self._attrs_idx)
-
-    @property
-    def library_path(self) -> str:
-        return self._rt.library_path
-
-    @property
-    def runtime_version(self) -> int:
-        return self._rt.runtime_version
-
-    @property
-    def driver_version(self) -> int:
-        return self._rt.driver_version
-
-    @property
-    def signature(self) -> str:
-        return self._rt.signature
 
     def copy(self, dst_ptrs_N: np.ndarray, src_ptrs_N: np.ndarray, sizes_N: np.ndarray, stream: Any) -> None:
         """Enqueue N copies (sizes in bytes) on ``stream`` (a ``torch.cuda.Stream`` or a raw handle).
 
         Sources are read in stream order. The call is asynchronous: the memory behind the pointers must
         stay valid until ``stream`` has passed the copy. Call it with the stream's device current. An
-        empty batch is a no-op. Raises :class:`BatchMemcpyError` for the legacy NULL stream, a capturing
-        stream, or a failed call (the thread's last CUDA error is cleared first).
+        empty batch is a no-op. Raises ValueError for malformed arrays, and :class:`BatchMemcpyError` for
+        the legacy NULL stream, a capturing stream, or a failed call (the thread's last CUDA error is
+        cleared first).
         """
         n = _check_entries(dst_ptrs_N, src_ptrs_N, sizes_N)
         if n == 0:
@@ -228,17 +219,18 @@ class BatchMemcpy:
 
 
 def _check_entries(dst_ptrs_N: np.ndarray, src_ptrs_N: np.ndarray, sizes_N: np.ndarray) -> int:
+    """N, after checking the arrays can be handed to the runtime as they are (ValueError if not)."""
     for label, arr in (("dst_ptrs_N", dst_ptrs_N), ("src_ptrs_N", src_ptrs_N), ("sizes_N", sizes_N)):
         if not isinstance(arr, np.ndarray) or arr.dtype != np.uint64 or arr.ndim != 1:
-            raise BatchMemcpyError(f"{label} must be a 1-D numpy uint64 array, got {type(arr).__name__} "
-                                   f"{getattr(arr, 'dtype', None)} {getattr(arr, 'shape', None)}")
+            raise ValueError(f"{label} must be a 1-D numpy uint64 array, got {type(arr).__name__} "
+                             f"{getattr(arr, 'dtype', None)} {getattr(arr, 'shape', None)}")
         if not arr.flags.c_contiguous:
-            raise BatchMemcpyError(f"{label} must be contiguous (its buffer is passed to the runtime as is)")
+            raise ValueError(f"{label} must be contiguous (its buffer is passed to the runtime as is)")
     n = len(sizes_N)
     if len(dst_ptrs_N) != n or len(src_ptrs_N) != n:
-        raise BatchMemcpyError(f"entry counts differ: {len(dst_ptrs_N)} dst, {len(src_ptrs_N)} src, {n} sizes")
+        raise ValueError(f"entry counts differ: {len(dst_ptrs_N)} dst, {len(src_ptrs_N)} src, {n} sizes")
     if n and not sizes_N.all():
-        raise BatchMemcpyError("sizes_N holds zero-byte entries")
+        raise ValueError("sizes_N holds zero-byte entries")
     return n
 
 
@@ -279,7 +271,7 @@ def _bind(path: str) -> _CudaRuntime:
         err = fn(ctypes.byref(value))
         if err != 0:
             lib.cudaGetLastError()
-            raise BatchMemcpyUnavailable("call_failed", f"{name} returned {get_error_name(err)} ({err})")
+            raise BatchMemcpyUnavailable("call_failed", f"{name} returned {(get_error_name(err) or b'?').decode()} ({err})")
         versions[name] = value.value
     runtime_version, driver_version = versions["cudaRuntimeGetVersion"], versions["cudaDriverGetVersion"]
     signature = signature_for(runtime_version)
@@ -341,9 +333,7 @@ def load_batch_memcpy(device: Any = None) -> BatchMemcpy:
     Binds the runtime once per process, then proves it with real H2D and D2D batch copies (joined
     probe); the outcome per device is cached, a failure included. Raises :class:`BatchMemcpyUnavailable`.
     """
-    if not torch.cuda.is_available():
-        raise BatchMemcpyUnavailable(
-            "no_cuda", f"torch {torch.__version__} sees no CUDA device (torch.version.cuda={torch.version.cuda})")
+    _resolve_runtime()  # raises no_cuda, runtime_too_old, ... (cached)
     dev = _cuda_device(device)
     with _lock:
         cached = _loaded.get(dev.index)

@@ -426,16 +426,16 @@ def fused_moe_nvfp4(
     act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
     # K == 1: pair id == token id, so the down kernel can write the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    with device_guard(dev):
-        _launch_gate_up(hidden_TH, views, align, act_MI, K, config)
-        _launch_down(act_MI, views, weights_M, align, terms_MH, config)
+    gate_up_silu(hidden_TH, views, align, act_MI, K, config)
+    down_weighted(act_MI, views, weights_M, align, terms_MH, config)
     if K == 1:
         return terms_MH
     return terms_MH.view(T, K, H).sum(dim=1)
 
 
-def _launch_gate_up(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:
-    """Enqueue the gate_up + SiLU kernel (callers hold ``device_guard``): ``act_MI[pair] = silu(g) * u``."""
+def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:
+    """Kernel 1 (enqueue only): ``act_MI[pair] = silu(gate @ x) * (up @ x)`` for every routed pair,
+    ``x = hidden_TH[pair // topk]``. Inputs as validated by ``fused_moe_nvfp4``; ``act_MI [T*K, I]``."""
     q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
     M, I = act_MI.shape
     H = hidden_TH.shape[1]
@@ -443,22 +443,24 @@ def _launch_gate_up(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, co
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = _dot_setup(hidden_TH.dtype, hidden_TH.device)
     grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
-    _gate_up_silu_kernel[grid](
-        hidden_TH, hidden_TH.stride(0),
-        q, q.stride(0), q.stride(1),
-        s, s.stride(0), s.stride(1),
-        gs, gs.stride(0),
-        act_MI, act_MI.stride(0),
-        align.sorted_ids_P, align.block_row_B, align.num_padded_1,
-        M, H, I, topk, num_blocks_m,
-        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    with device_guard(hidden_TH.device):
+        _gate_up_silu_kernel[grid](
+            hidden_TH, hidden_TH.stride(0),
+            q, q.stride(0), q.stride(1),
+            s, s.stride(0), s.stride(1),
+            gs, gs.stride(0),
+            act_MI, act_MI.stride(0),
+            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            M, H, I, topk, num_blocks_m,
+            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
 
 
-def _launch_down(act_MI, views, weights_M, align: MoeAlignment, terms_MH, config: FusedMoeConfig) -> None:
-    """Enqueue the down kernel (callers hold ``device_guard``): ``terms_MH[pair] = w * down @ act``."""
+def down_weighted(act_MI, views, weights_M, align: MoeAlignment, terms_MH, config: FusedMoeConfig) -> None:
+    """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act_MI[pair])``,
+    ``weights_M [T*K]`` fp32, ``terms_MH [T*K, H]``."""
     q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
     M, I = act_MI.shape
     H = terms_MH.shape[1]
@@ -466,19 +468,20 @@ def _launch_down(act_MI, views, weights_M, align: MoeAlignment, terms_MH, config
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = _dot_setup(act_MI.dtype, act_MI.device)
     grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
-    _down_kernel[grid](
-        act_MI, act_MI.stride(0),
-        q, q.stride(0), q.stride(1),
-        s, s.stride(0), s.stride(1),
-        gs, gs.stride(0),
-        weights_M,
-        terms_MH, terms_MH.stride(0),
-        align.sorted_ids_P, align.block_row_B, align.num_padded_1,
-        M, H, I, num_blocks_m,
-        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
+    with device_guard(act_MI.device):
+        _down_kernel[grid](
+            act_MI, act_MI.stride(0),
+            q, q.stride(0), q.stride(1),
+            s, s.stride(0), s.stride(1),
+            gs, gs.stride(0),
+            weights_M,
+            terms_MH, terms_MH.stride(0),
+            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            M, H, I, num_blocks_m,
+            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
 
 
 def moe_reference(

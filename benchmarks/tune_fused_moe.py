@@ -1,0 +1,130 @@
+"""Tune the fused NVFP4 MoE tiles on this GPU and write them into ``kernels/fused_moe_tuning.json``.
+
+Legend: T tokens, K top-k, M = T*K routed pairs, E experts, H hidden, I intermediate.
+
+For each layer shape and token count, every ``block_m`` is tried; for each, the gate_up and the down
+kernel are timed separately over their tile space (``triton.testing.do_bench``) and the fastest of
+each is kept; the entry stored for bucket M is the ``block_m`` with the lowest sum. Results go under
+``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other devices' entries are kept.
+
+Usage (CUDA only): ``python benchmarks/tune_fused_moe.py [--shapes qwen3-30b-a3b flash-next]
+[--tokens 1 8 64 ...] [--space small|full] [--out kernels/fused_moe_tuning.json]``.
+The small space takes a few minutes per shape on an H200 (mostly Triton compiles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
+from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
+
+DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
+SPACES = {
+    "small": {"block_n": (64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)},
+    "full": {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
+}
+BLOCK_MS = (16, 32, 64, 128)
+
+
+def tile_space(space: str, group_m: int):
+    from moe_offload.kernels.fused_moe import KernelTiles
+
+    s = SPACES[space]
+    for bn, bk, w, st in itertools.product(s["block_n"], s["block_k"], s["num_warps"], s["num_stages"]):
+        yield KernelTiles(block_n=bn, block_k=bk, group_m=group_m, num_warps=w, num_stages=st)
+
+
+def time_ms(fn) -> float | None:
+    """Median ms of ``fn``; None when the config cannot run here (e.g. out of shared memory)."""
+    import triton.testing
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return triton.testing.do_bench(fn, warmup=5, rep=25)
+    except (OutOfResources, RuntimeError):
+        return None
+
+
+def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, space: str) -> tuple[dict, float]:
+    from moe_offload.kernels.fused_moe import FusedMoeConfig, down_weighted, gate_up_silu, moe_align
+
+    dev = views["w13_q"].device
+    rows_TK, weights_TK = random_routing(T, E, K, dev)
+    hidden_TH = torch.randn(T, H, device=dev).bfloat16()
+    M = T * K
+    act_MI = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
+    terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    weights_M = weights_TK.reshape(-1).float()
+    # group_m only helps when several M blocks share an expert's weight tiles
+    group_m = 1 if M <= E else 8
+    best, best_ms = None, float("inf")
+    for block_m in BLOCK_MS:
+        if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
+            continue
+        align = moe_align(rows_TK, E, block_m)
+        align_ms = time_ms(lambda: moe_align(rows_TK, E, block_m))
+        timed = {}
+        for which in ("gate_up", "down"):
+            for tiles in tile_space(space, group_m):
+                cfg = FusedMoeConfig(block_m, tiles, tiles)
+                if which == "gate_up":
+                    ms = time_ms(lambda: gate_up_silu(hidden_TH, views, align, act_MI, K, cfg))
+                else:
+                    ms = time_ms(lambda: down_weighted(act_MI, views, weights_M, align, terms_MH, cfg))
+                if ms is not None and ms < timed.get(which, (None, float("inf")))[1]:
+                    timed[which] = (tiles, ms)
+        if len(timed) < 2 or align_ms is None:
+            continue
+        total = align_ms + timed["gate_up"][1] + timed["down"][1]
+        print(f"  T={T:5d} block_m={block_m:3d}: align {align_ms:.3f} + gate_up {timed['gate_up'][1]:.3f} "
+              f"+ down {timed['down'][1]:.3f} = {total:.3f} ms", flush=True)
+        if total < best_ms:
+            best, best_ms = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0]), total
+    if best is None:
+        raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
+    return best.to_dict(), best_ms
+
+
+def main(argv=None) -> int:
+    from moe_offload.kernels.fused_moe import TUNING_PATH, TuningTable, shape_key
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=DEFAULT_TOKENS, help="token counts T to tune at")
+    ap.add_argument("--space", choices=sorted(SPACES), default="small")
+    ap.add_argument("--out", type=Path, default=TUNING_PATH, help="tuning table to update")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/tune_fused_moe.py needs CUDA", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
+    TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
+    for shape in args.shapes:
+        H, I, E, K = SHAPES[shape]
+        print(f"{name} {shape}: H={H} I={I} E={E} K={K}", flush=True)
+        views = random_banks(H, I, E, device)
+        entries = {}
+        for T in sorted(args.tokens):
+            cfg, ms = tune_bucket(views, H, I, E, K, T, args.space)
+            entries[str(T * K)] = cfg
+            print(f"  -> T={T}: {ms:.3f} ms with {cfg}", flush=True)
+        data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+        del views
+        torch.cuda.empty_cache()
+    TuningTable.from_json(data, str(args.out))  # what we write must load
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny synthetic checkpoints (built once per session) and the gpu marker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run on CPU tensors through the interpreter in CI (set before triton is imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+FAMILY_PRESETS = ("tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mixtral")
+FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """``tiny_ckpt(preset, fmt)`` -> path of a synthetic checkpoint (built once per session)."""
+    from moe_offload.checkpoint.synthetic import make_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    built: dict[tuple[str, str], str] = {}
+
+    def get(preset: str, fmt: str) -> str:
+        key = (preset, fmt)
+        if key not in built:
+            out = root / f"{preset}-{fmt}"
+            make_checkpoint(preset, fmt, out, progress=False)
+            built[key] = str(out)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_once():
+    from moe_offload import log
+
+    log.reset_once_keys()
+    yield

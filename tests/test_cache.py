@@ -1,0 +1,192 @@
+"""OffloadMoeCache: invariants under random routing, budgets, and the logged hit-path fallback."""
+
+import io
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload import log
+from moe_offload.cache import BudgetError, OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig, load_config
+from moe_offload.copy_paths import HitPathUnavailable
+from moe_offload.engine import Engine
+from moe_offload.host_store import ExpertStore
+
+
+def _store(tiny_ckpt, fmt="nvfp4-modelopt"):
+    return ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", fmt), progress=False)
+
+
+def _cache(store, budget, **prefill):
+    return OffloadMoeCache(store, CacheConfig(budget=budget), PrefillConfig(**prefill), "cpu")
+
+
+def _check_invariants(cache):
+    owners = cache.owner[cache.owner >= 0]
+    assert len(set(owners.tolist())) == owners.size  # a slot has at most one owner, an expert one slot
+    lp, e = np.nonzero(cache.slot_of >= 0)
+    for l_, e_ in zip(lp.tolist(), e.tolist()):
+        assert cache.owner[cache.slot_of[l_, e_]] == l_ * cache.E + e_  # map and owners agree
+    assert (cache.slot_of >= 0).sum() == owners.size
+
+
+def test_decode_invariants_hold_under_random_routing(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "10 slots")
+    rng = random.Random(0)
+    K = store.geometry.top_k
+    for step in range(300):
+        layer = rng.choice(store.layers)
+        T = rng.choice([1, 2])
+        ids = torch.tensor([rng.sample(range(store.num_experts), K) for _ in range(T)])
+        experts, slots, _ = cache.ensure(layer, ids)
+        assert sorted(set(ids.flatten().tolist())) == experts.tolist()
+        # every routed expert is resident in the slot returned, and its bytes are the host's
+        for e, s in zip(experts.tolist(), slots.tolist()):
+            assert cache.resident(layer)[e] == s
+            for name in cache.pool:
+                assert torch.equal(cache.pool[name][s], store.bank(layer, name)[e])
+        _check_invariants(cache)
+    st = cache.stats()["total"]
+    lookups = st["hits"] + st["misses"]
+    assert lookups > 0 and st["misses"] >= 10  # the pool is smaller than the routed set
+    # bytes moved equal misses x bytes per expert
+    assert st["bytes"]["decode_h2d"] == st["misses"] * store.bytes_per_expert
+    assert st["evictions"] == st["misses"] - 10  # the first 10 misses filled free slots
+
+
+def test_decode_never_evicts_a_slot_used_by_the_same_step(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    K = store.geometry.top_k
+    cache = _cache(store, f"{K} slots")
+    layer = store.layers[0]
+    for start in range(0, store.num_experts - K, 1):
+        ids = torch.arange(start, start + K).view(1, K)
+        experts, slots, _ = cache.ensure(layer, ids)
+        assert len(set(slots.tolist())) == K  # K distinct slots: none reused within the step
+
+
+def test_budget_below_minimum_states_the_minimum(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    with pytest.raises(BudgetError) as e:
+        _cache(store, "2 slots")
+    msg = str(e.value)
+    min_bytes = 2 * store.num_experts * store.bytes_per_expert + store.geometry.top_k * store.bytes_per_expert
+    assert str(min_bytes) in msg and "fraction of experts" in msg
+
+
+def test_byte_budget_counts_the_staging_buffers(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    B = store.bytes_per_expert
+    cache = _cache(store, str(2 * store.num_experts * B + 7 * B) + "b")
+    assert cache.num_slots == 7
+
+
+def test_prefill_bytes_by_path_add_up(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0", hit_copy="gather")
+    cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
+    cache.resolve_hit_path()
+    cache.begin_prefill()
+    for layer in store.layers:
+        views = cache.wait_layer(layer)
+        for name, spec in zip(cache.pool, store.specs):
+            assert torch.equal(cache.staging[cache._buffer_for(layer)][name], store.bank(layer, name))
+        nxt = cache.next_layer(layer)
+        if nxt is not None:
+            cache.prefetch_layer(nxt)
+        cache.release_layer(layer)
+    st = cache.stats()["total"]
+    half = store.num_experts // 2 * len(store.layers)
+    assert st["prefill_hits"] == half and st["prefill_misses"] == half
+    assert st["bytes"]["prefill_miss_h2d"] == half * store.bytes_per_expert
+    assert st["bytes"]["prefill_hit_gather"] == half * store.bytes_per_expert
+    assert st["bytes"]["prefill_full_h2d"] == 0
+
+
+# --- fallback: structured event, counters, fault injection, error mode -----------------------------
+def _engine(path, *extra):
+    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "cache.budget=0.5",
+                             "logging.level=WARNING", *extra])
+    return Engine.from_config(cfg, progress=False)
+
+
+def _capture_json():
+    buf = io.StringIO()
+    log.configure("INFO", "json", stream=buf)
+    return buf
+
+
+def _events(buf, name):
+    return [r for r in map(json.loads, buf.getvalue().splitlines()) if r["event"] == name]
+
+
+def test_cpu_device_falls_back_with_exactly_one_event_and_a_counter(tiny_ckpt):
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    buf = _capture_json()
+    eng = _engine(path, "prefill.hit_copy=auto")
+    ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    a, _ = eng.prefill(ids)
+    eng.prefill(ids)
+    ev = _events(buf, "prefill_hit_d2d_unavailable")
+    assert len(ev) == 1
+    e = ev[0]
+    assert e["level"] == "WARNING" and e["reason"] == "cpu_device" and e["fallback"] == "full_layer_copy"
+    for key in ("rank", "world_size", "cuda_runtime", "driver", "torch"):
+        assert key in e
+    stats = eng.cache.stats()
+    assert stats["hit_d2d_fallbacks"] == {"cpu_device": 2} and stats["hit_path"] == "full_layer_copy"
+    assert stats["total"]["bytes"]["prefill_full_h2d"] > 0
+    b, _ = _engine(path, "prefill.hit_copy=gather").prefill(ids)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)  # same math, different copy path
+
+
+def test_overlap_off_is_a_logged_reason(tiny_ckpt):
+    buf = _capture_json()
+    _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.overlap=false", "prefill.hit_copy=gather")
+    assert [e["reason"] for e in _events(buf, "prefill_hit_d2d_unavailable")] == ["overlap_off"]
+
+
+def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_output(tiny_ckpt, monkeypatch):
+    path = tiny_ckpt("tiny-qwen3-next", "nvfp4-ct")
+    ids = torch.randint(3, 300, (1, 64), generator=torch.Generator().manual_seed(1))
+    want, _ = _engine(path, "prefill.hit_copy=gather").prefill(ids)
+    eng = _engine(path, "prefill.hit_copy=gather")
+    import moe_offload.kernels.copy as copy_mod
+
+    calls = {"n": 0}
+    real = copy_mod.gather_rows
+
+    def flaky(*args, **kw):  # fault injection: the third hit copy of the run fails
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected copy failure")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(copy_mod, "gather_rows", flaky)
+    buf = _capture_json()
+    got, _ = eng.prefill(ids)
+    again, _ = eng.prefill(ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again, want, atol=1e-5, rtol=0)
+    ev = _events(buf, "prefill_hit_d2d_unavailable")
+    assert [e["reason"] for e in ev] == ["call_failed"] and "injected" in ev[0]["detail"]
+    assert eng.cache.stats()["hit_d2d_fallbacks"] == {"call_failed": 2}
+    assert eng.cache.hit_mode is None
+
+
+def test_error_mode_fails_start_up_with_the_reason(tiny_ckpt):
+    with pytest.raises(HitPathUnavailable, match="reason=cpu_device"):
+        _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_copy=batch_memcpy", "prefill.hit_d2d_on_unavailable=error")
+
+
+def test_hit_d2d_off_logs_nothing_and_copies_whole_layers(tiny_ckpt):
+    buf = _capture_json()
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_d2d=false")
+    eng.prefill(torch.arange(3, 60)[None])
+    assert _events(buf, "prefill_hit_d2d_unavailable") == []
+    st = eng.cache.stats()
+    assert st["total"]["bytes"]["prefill_full_h2d"] > 0 and st["hit_d2d_fallbacks"] == {}

@@ -1,0 +1,188 @@
+"""Checkpoint read/write for each family and format, and every validation error."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import FAMILY_PRESETS, FORMATS
+from moe_offload.checkpoint.families import UnknownFamilyError
+from moe_offload.checkpoint.inspect import inspect_checkpoint
+from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader, detect_format
+from moe_offload.host_store import ExpertStore, StoreError
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_synthetic_checkpoint_is_detected_and_inspected(tiny_ckpt, preset, fmt):
+    path = tiny_ckpt(preset, fmt)
+    info = inspect_checkpoint(path)
+    assert info["format"] == fmt and info["experts"] > 0
+    assert info["bytes_per_expert"] == sum(info["bytes_per_expert_per_bank"].values())
+    assert detect_format(CheckpointReader(path)) == fmt
+
+
+@pytest.mark.parametrize("preset", FAMILY_PRESETS)
+def test_transformers_loads_the_bf16_checkpoint_with_matching_names(tiny_ckpt, preset):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_ckpt(preset, "bf16")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    reader = CheckpointReader(path)
+    geo = reader.geometry
+    # transformers merged our per-expert tensors into its fused parameters: compare one expert
+    experts = model.model.layers[0].mlp.experts
+    gate = reader.get(geo.family.expert_name(0, 1, "gate") + ".weight").float()
+    down = reader.get(geo.family.expert_name(0, 1, "down") + ".weight").float()
+    assert torch.equal(experts.gate_up_proj[1, : geo.inter], gate)
+    assert torch.equal(experts.down_proj[1], down)
+
+
+def test_mixtral_uses_its_own_on_disk_names(tiny_ckpt):
+    names = CheckpointReader(tiny_ckpt("tiny-mixtral", "bf16")).names()
+    assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+
+
+def test_num_local_experts_and_num_experts_both_accepted(tiny_ckpt, tmp_path):
+    src = tiny_ckpt("tiny-qwen3-moe", "bf16")
+    dst = tmp_path / "c"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    n = cfg.pop("num_local_experts", None) or cfg.pop("num_experts")
+    cfg["num_experts"] = n
+    (dst / "config.json").write_text(json.dumps(cfg))
+    assert CheckpointReader(dst).geometry.num_experts == n
+
+
+def test_fused_bf16_expert_names_load_into_the_same_store(tiny_ckpt, tmp_path):
+    src = tiny_ckpt("tiny-qwen3-moe", "bf16")
+    reader = CheckpointReader(src)
+    geo = reader.geometry
+    tensors = load_file(f"{src}/model.safetensors")
+    fam = geo.family
+    for layer in geo.moe_layers:
+        gu, dn = [], []
+        for e in range(geo.num_experts):
+            gu.append(torch.cat([tensors.pop(fam.expert_name(layer, e, w) + ".weight") for w in ("gate", "up")]))
+            dn.append(tensors.pop(fam.expert_name(layer, e, "down") + ".weight"))
+        tensors[fam.fused_gate_up.format(l=layer)] = torch.stack(gu)
+        tensors[fam.fused_down.format(l=layer)] = torch.stack(dn)
+    dst = tmp_path / "fused"
+    shutil.copytree(src, dst)
+    save_file(tensors, str(dst / "model.safetensors"))
+    a = ExpertStore.from_checkpoint(src, progress=False)
+    b = ExpertStore.from_checkpoint(dst, progress=False)
+    for layer in geo.moe_layers:
+        for name in a.bank_bytes:
+            assert torch.equal(a.bank(layer, name), b.bank(layer, name))
+
+
+# --- validation errors: each writes the bad file itself -------------------------------------------
+def _copy(tiny_ckpt, tmp_path, fmt="nvfp4-modelopt"):
+    dst = tmp_path / "bad"
+    shutil.copytree(tiny_ckpt("tiny-qwen3-moe", fmt), dst)
+    return dst
+
+
+def test_missing_expert_tensor_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    t = load_file(str(dst / "model.safetensors"))
+    del t["model.layers.1.mlp.experts.3.up_proj.weight_scale"]
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale is missing"):
+        ExpertStore.from_checkpoint(dst, progress=False)
+
+
+def test_wrong_dtype_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    t = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight_scale"
+    t[name] = t[name].float()
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"{name}.*dtype torch.float32"):
+        ExpertStore.from_checkpoint(dst, progress=False)
+
+
+def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    t = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    t[name] = t[name][:, :4].contiguous()
+    save_file(t, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=name):
+        inspect_checkpoint(dst)
+
+
+def test_truncated_file_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    f = dst / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt.*model.safetensors|model.safetensors.*truncated"):
+        CheckpointReader(dst)
+
+
+def test_corrupt_header_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    f = dst / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[8:20] = b"\x00garbage!!!\x00"
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="model.safetensors.*corrupt"):
+        CheckpointReader(dst)
+
+
+def test_unknown_family_is_named(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["model_type"] = "llama4"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnknownFamilyError, match="llama4.*qwen3_moe"):
+        CheckpointReader(dst)
+
+
+def test_format_mismatch_is_named(tiny_ckpt):
+    with pytest.raises(StoreError, match="model.format is 'nvfp4-ct' but the checkpoint is 'nvfp4-modelopt'"):
+        ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), fmt="nvfp4-ct", progress=False)
+
+
+def test_quant_config_without_tensors_is_a_named_error(tiny_ckpt, tmp_path):
+    """config.json claims compressed-tensors but the tensors are ModelOpt's."""
+    dst = _copy(tiny_ckpt, tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    (dst / "hf_quant_config.json").unlink()
+    with pytest.raises(CheckpointError, match="weight_packed is missing"):
+        ExpertStore.from_checkpoint(dst, progress=False)
+
+
+def test_inspect_cli_exits_non_zero_with_the_error(tiny_ckpt, tmp_path):
+    dst = _copy(tiny_ckpt, tmp_path)
+    (dst / "model.safetensors").write_bytes(b"\x01\x02")
+    r = subprocess.run([sys.executable, "-m", "moe_offload.cli", "inspect", str(dst), "--json"], capture_output=True, text=True)
+    assert r.returncode != 0 and "model.safetensors" in r.stderr
+
+
+def test_inspect_cli_json_reports_the_geometry(tiny_ckpt):
+    r = subprocess.run([sys.executable, "-m", "moe_offload.cli", "inspect", tiny_ckpt("tiny-mixtral", "nvfp4-ct"), "--json"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["family"] == "mixtral" and info["format"] == "nvfp4-ct" and info["top_k"] == 2
+
+
+def test_sharded_checkpoint_with_index_reads(tmp_path, monkeypatch):
+    from moe_offload.checkpoint import synthetic
+
+    monkeypatch.setattr(synthetic, "_SHARD_BYTES", 100_000)
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-sharded", synthetic.Preset("qwen3_moe", synthetic.PRESETS["tiny-qwen3-moe"].config, False))
+    synthetic.make_checkpoint("tiny-sharded", "nvfp4-ct", tmp_path / "s", progress=False)
+    assert (tmp_path / "s" / "model.safetensors.index.json").is_file()
+    store = ExpertStore.from_checkpoint(tmp_path / "s", progress=False)
+    assert store.num_experts == 16

@@ -1,0 +1,68 @@
+"""Config tree: YAML + --set, named errors, budgets."""
+
+import pytest
+
+from moe_offload.config import Budget, ConfigError, load_config, parse_bytes
+
+
+def test_embedded_default_loads_from_any_cwd(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config()
+    assert cfg.model.preset == "tiny-qwen3-moe"
+
+
+def test_unknown_key_is_named_with_the_accepted_keys(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("cache:\n  polcy: lru\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p)
+    msg = str(e.value)
+    assert "cache.polcy" in msg and "budget" in msg and "policy" in msg and str(p) in msg
+
+
+def test_bad_value_names_key_value_and_accepted_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["prefill.hit_copy=fastest"])
+    msg = str(e.value)
+    assert "prefill.hit_copy" in msg and "fastest" in msg and "batch_memcpy" in msg
+
+
+def test_out_of_range_value_is_rejected():
+    with pytest.raises(ConfigError, match="decode.max_tokens"):
+        load_config(None, ["decode.max_tokens=0"])
+
+
+def test_set_overrides_are_typed():
+    cfg = load_config(None, ["prefill.overlap=false", "decode.max_new_tokens=5", "cache.budget=12GiB"])
+    assert cfg.prefill.overlap is False and cfg.decode.max_new_tokens == 5
+    assert cfg.cache.budget == Budget(kind="bytes", value=12 * 2**30)
+
+
+@pytest.mark.parametrize("raw,kind,value", [
+    (0.37, "fraction", 0.37), ("37%", "fraction", 0.37), ("300 slots", "slots", 300.0),
+    ("auto", "auto", 0.0), ("1.5GB", "bytes", 1.5e9), (1, "fraction", 1.0),
+])
+def test_budget_forms_parse(raw, kind, value):
+    b = Budget.parse(raw)
+    assert b.kind == kind and b.value == pytest.approx(value)
+
+
+@pytest.mark.parametrize("raw", [0, 1.5, "lots", "-3 slots", True])
+def test_bad_budgets_say_what_is_accepted(raw):
+    with pytest.raises(ValueError):
+        Budget.parse(raw)
+
+
+def test_bad_budget_in_config_is_a_named_error():
+    with pytest.raises(ConfigError, match="cache.budget"):
+        load_config(None, ["cache.budget=2.5"])
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2kb") == 2000
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,42 @@
+"""ExpertStore: exact bank sizes, bytes per expert, TP slices that concatenate to the whole expert."""
+
+import pytest
+import torch
+
+from moe_offload.formats import FormatError
+from moe_offload.host_store import ExpertStore
+
+
+@pytest.mark.parametrize("fmt,expected", [
+    # tiny-qwen3-moe: H=64, I=32. NVFP4: codes 2I*H/2 + scales 2I*H/16 + codes H*I/2 + scales H*I/16 + 3 fp32
+    ("nvfp4-modelopt", 2048 + 256 + 1024 + 128 + 12),
+    ("bf16", (2 * 32 * 64 + 64 * 32) * 2),
+])
+def test_bytes_per_expert_and_exact_bank_sizes(tiny_ckpt, fmt, expected):
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", fmt), progress=False)
+    assert store.bytes_per_expert == expected
+    for layer in store.layers:
+        for name, row in store.bank_bytes.items():
+            assert store.bank(layer, name).shape == (store.num_experts, row)
+    assert store.total_bytes == expected * store.num_experts * len(store.layers)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4-modelopt", "nvfp4-ct"])
+def test_tp_rank_slices_concatenate_to_the_whole_expert(tiny_ckpt, fmt):
+    path = tiny_ckpt("tiny-qwen3-moe", fmt)
+    full = ExpertStore.from_checkpoint(path, progress=False)
+    parts = [ExpertStore.from_checkpoint(path, tp_rank=r, tp_size=2, progress=False) for r in range(2)]
+    layer = full.layers[1]
+    w13, w2 = full.format.dequantize(full.views(layer), torch.float32)
+    p = [s.format.dequantize(s.views(layer), torch.float32) for s in parts]
+    I, half = full.inter, full.inter // 2
+    gate = torch.cat([p[0][0][:, :half], p[1][0][:, :half]], 1)
+    up = torch.cat([p[0][0][:, half:], p[1][0][:, half:]], 1)
+    assert torch.equal(torch.cat([gate, up], 1), w13)
+    assert torch.equal(torch.cat([p[0][1], p[1][1]], 2), w2)
+    assert parts[0].bytes_per_expert * 2 == full.bytes_per_expert + (12 if fmt != "bf16" else 0)
+
+
+def test_nvfp4_tp_that_breaks_16_element_blocks_is_a_named_error(tiny_ckpt):
+    with pytest.raises(FormatError, match="multiple of 16"):
+        ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), tp_rank=0, tp_size=4, progress=False)

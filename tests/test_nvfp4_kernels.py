@@ -1,0 +1,304 @@
+"""NVFP4 Triton kernels (dequant, fused MoE) against the plain-torch references, on awkward shapes.
+
+Legend: T tokens, K top-k, N bank rows, H hidden, I intermediate, R/C rows/cols, G global groups.
+
+Without CUDA the kernels run in the Triton interpreter on CPU tensors; TRITON_INTERPRET must be set
+before the kernel modules are imported (``@triton.jit`` reads it when decorating). With CUDA the
+same tests run natively.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, dequantize, random_nvfp4  # noqa: E402
+from moe_offload.kernels.fused_moe import (  # noqa: E402
+    FusedMoeConfig,
+    KernelTiles,
+    TuningTable,
+    fused_moe_nvfp4,
+    load_tuning,
+    max_padded_pairs,
+    moe_align,
+    moe_reference,
+)
+from moe_offload.kernels.nvfp4 import dequant_banks, dequant_nvfp4  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FMT = Nvfp4ModelOptFormat()
+
+
+def make_banks(N: int, H: int, I: int, seed: int = 0) -> dict:
+    """NVFP4 bank views of N random experts, laid out as the store does: column slices of one
+    ``[N, row_bytes]`` byte tensor (plus 8 spare bytes per row), so dim 0 is not contiguous."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = FMT.banks(H, I)
+    raw_NB = torch.zeros(N, sum(s.nbytes for s in specs) + 8, dtype=torch.uint8)
+    views, off = {}, 0
+    for spec in specs:
+        views[spec.name] = spec.view(raw_NB[:, off : off + spec.nbytes])
+        off += spec.nbytes
+    for e in range(N):
+        q, s, _ = random_nvfp4(2 * I, H, gen)
+        views["w13_q"][e], views["w13_s"][e] = q, s
+        q, s, _ = random_nvfp4(H, I, gen)
+        views["w2_q"][e], views["w2_s"][e] = q, s
+    # random_nvfp4 data with global g0 has weight std 0.02; scale gate/up to std ~1/sqrt(H) and down
+    # to ~1/sqrt(I) so pre-activations are ~N(0, 1) and SiLU is exercised on both sides of zero.
+    # Each global is drawn separately, so a swapped or misapplied global changes the result.
+    g0 = 0.02 / (2.93 * 80.0)
+    fan_in = torch.tensor([H, H, I], dtype=torch.float32)
+    views["gs"].copy_(g0 / 0.02 / fan_in.sqrt() * (0.5 + torch.rand(N, 3, generator=gen)))
+    raw_NB = raw_NB.to(DEVICE)
+    off, out = 0, {}
+    for spec in specs:
+        out[spec.name] = spec.view(raw_NB[:, off : off + spec.nbytes])
+        off += spec.nbytes
+    return out
+
+
+def stacked_nvfp4(N: int, R: int, C: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    parts = [random_nvfp4(R, C, gen) for _ in range(N)]
+    packed = torch.stack([p[0] for p in parts]).to(DEVICE)
+    scale = torch.stack([p[1] for p in parts]).to(DEVICE)
+    return packed, scale, gen
+
+
+# ---------------------------------------------------------------------------------------------
+# dequant_nvfp4 / dequant_banks
+#
+# Exactness in fp32: E2M1 values have <= 2 significant bits and E4M3 scales <= 4, so code * scale
+# is exact in fp32; the kernel then does one fp32 multiply by the same global, in the same order
+# as the torch reference. Both round the same exact product once, so the results are bit-identical.
+
+
+def test_dequant_decodes_every_code_and_every_scale_exactly():
+    # all 256 bytes (every low/high nibble pair) against every finite E4M3 bit pattern
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 16, 16).repeat(254, 1, 1)
+    scale_bits = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    scale = scale_bits.view(torch.float8_e4m3fn).view(254, 1, 1).expand(254, 16, 2).contiguous()
+    glob = torch.ones(254, 1)
+    packed, scale, glob = packed.to(DEVICE), scale.to(DEVICE), glob.to(DEVICE)
+    out = dequant_nvfp4(packed, scale, glob, torch.float32)
+    ref = dequantize(packed, scale, glob.view(-1, 1, 1), torch.float32)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize(
+    "N, R, C, G",
+    [(1, 16, 16, 1), (5, 48, 96, 2), (3, 34, 272, 2), (2, 7, 32, 1), (3, 30, 48, 3)],
+    ids=["single", "odd-N-G2", "two-column-programs", "rows-not-a-tile-multiple", "G3"],
+)
+def test_dequant_matches_the_torch_reference_bit_for_bit_in_fp32(N, R, C, G):
+    packed, scale, gen = stacked_nvfp4(N, R, C)
+    glob_NG = (torch.rand(N, G, generator=gen) * 0.01 + 1e-4).to(DEVICE)
+    out = dequant_nvfp4(packed, scale, glob_NG, torch.float32)
+    ref = dequantize(packed, scale, torch.repeat_interleave(glob_NG, R // G, dim=1).unsqueeze(-1), torch.float32)
+    assert out.shape == (N, R, C)
+    assert torch.equal(out, ref)
+
+
+def test_dequant_banks_reads_non_contiguous_bank_views():
+    views = make_banks(N=5, H=64, I=32)
+    assert not views["w13_q"].is_contiguous() and not views["gs"].is_contiguous()
+    w13, w2 = dequant_banks(views, torch.float32)
+    ref13, ref2 = FMT.dequantize(views, torch.float32)
+    assert torch.equal(w13, ref13) and torch.equal(w2, ref2)
+
+
+def test_dequant_to_bf16_matches_the_reference_within_one_bf16_ulp():
+    views = make_banks(N=3, H=32, I=16)
+    w13, w2 = dequant_banks(views, torch.bfloat16)
+    ref13, ref2 = FMT.dequantize(views, torch.float32)
+    # On CUDA the fp32 -> bf16 conversion rounds to nearest even (bit-identical; the GPU test checks
+    # equality); the Triton interpreter truncates, which is off by at most one bf16 ulp = 2^-7 relative.
+    for out, ref in ((w13, ref13), (w2, ref2)):
+        torch.testing.assert_close(out.float(), ref, rtol=2**-7, atol=0.0)
+
+
+def test_dequant_names_the_tensor_with_the_wrong_dtype_or_shape():
+    packed, scale, _ = stacked_nvfp4(2, 16, 32)
+    glob = torch.ones(2, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="scale_NRS"):
+        dequant_nvfp4(packed, scale.view(torch.uint8), glob)
+    with pytest.raises(ValueError, match="global_NG"):
+        dequant_nvfp4(packed, scale, torch.ones(2, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="packed_NRB"):
+        dequant_nvfp4(packed.float(), scale, glob)
+    views = make_banks(N=2, H=32, I=16)
+    del views["w2_s"]
+    with pytest.raises(ValueError, match="w2_s"):
+        dequant_banks(views)
+
+
+# ---------------------------------------------------------------------------------------------
+# moe_align
+
+
+def test_moe_align_groups_pairs_by_row_in_whole_blocks():
+    rows_TK = torch.tensor([[3, 0], [3, 3], [0, 4], [3, 1], [4, 3]], device=DEVICE)
+    N, block_m = 6, 16
+    al = moe_align(rows_TK, N, block_m)
+    M = rows_TK.numel()
+    ids, block_row = al.sorted_ids_P.cpu(), al.block_row_B.cpu()
+    assert ids.numel() == max_padded_pairs(M, N, block_m) and ids.numel() % block_m == 0
+    real = ids[ids < M]
+    assert sorted(real.tolist()) == list(range(M))  # every pair exactly once
+    num_padded = int(al.num_padded_1)
+    assert num_padded == 4 * block_m  # rows 0, 1, 3, 4 are non-empty; each fits one block
+    flat = rows_TK.flatten().cpu()
+    for b in range(num_padded // block_m):
+        block = ids[b * block_m : (b + 1) * block_m]
+        assert (flat[block[block < M]] == block_row[b]).all()
+    assert (ids[num_padded:] == M).all() and (block_row[num_padded // block_m :] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# fused_moe_nvfp4
+
+SMALL_TILES = FusedMoeConfig(16, KernelTiles(16, 16, group_m=2), KernelTiles(16, 16, group_m=2))  # many K steps/N tiles
+WIDE_K = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(32, 64))  # BLOCK_K > H or I: masked K tail
+CONFIGS = {"small-tiles": SMALL_TILES, "wide-k": WIDE_K, "table": None}
+
+# (T, K, N, H, I, routing)
+CASES = {
+    "one-token-top1": (1, 1, 3, 32, 16, "random"),
+    "one-token-top4": (1, 4, 6, 64, 32, "random"),
+    "odd-T-some-experts-empty": (7, 2, 5, 64, 16, "rows-0-and-3"),
+    "all-tokens-on-one-expert": (17, 2, 4, 32, 32, "all-row-2"),
+    "odd-T-top3": (7, 3, 9, 32, 32, "random"),
+}
+
+
+def routing(T, K, N, kind, gen):
+    if kind == "random":
+        rows = torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(T)])
+    elif kind == "rows-0-and-3":
+        rows = torch.tensor([0, 3])[torch.randint(0, 2, (T, K), generator=gen)]
+    else:
+        rows = torch.full((T, K), 2)
+    weights = torch.rand(T, K, generator=gen)
+    return rows.to(DEVICE), (weights / weights.sum(1, keepdim=True)).to(DEVICE)
+
+
+def run_case(case, dtype, config, seed=0):
+    T, K, N, H, I, kind = CASES[case]
+    views = make_banks(N, H, I, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    rows, weights = routing(T, K, N, kind, gen)
+    out = fused_moe_nvfp4(hidden, rows, weights, views, config=config)
+    w13, w2 = FMT.dequantize(views, torch.float32)
+    ref = moe_reference(hidden.float(), rows, weights, w13, w2)
+    return out, ref
+
+
+def assert_close_to_scale(out, ref, rel):
+    """|out - ref| <= rel * (|ref| + max|ref|): relative where values are large, scaled by the
+    output's magnitude where they cancel to near zero."""
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.float(), ref, rtol=rel, atol=rel * scale)
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("case", CASES.keys())
+def test_fused_moe_matches_the_reference_in_fp32(case, config):
+    out, ref = run_case(case, torch.float32, config)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # Same exact weights and fp32 activations on both sides; only the summation order (<= 64 terms)
+    # and exp() differ, i.e. a few fp32 ulps (~1e-7 relative). 1e-5 leaves two orders of margin while
+    # any wrong nibble, scale, global or routing weight moves results by >= 1e-2.
+    assert_close_to_scale(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["small-tiles", "table"])
+@pytest.mark.parametrize("case", CASES.keys())
+def test_fused_moe_matches_the_reference_in_bf16(case, config):
+    out, ref = run_case(case, torch.bfloat16, config)
+    assert out.dtype == torch.bfloat16
+    # The fp32 reference sees the same bf16 inputs; the kernel rounds three times to bf16 (the SiLU
+    # activation, each weighted per-pair term, the output), each <= 2^-7 relative (one ulp: the
+    # interpreter truncates, CUDA rounds to nearest, half that). Errors add up to ~3 * 2^-7 ~ 2.4e-2
+    # in the worst case; 3e-2 sits just above it.
+    assert_close_to_scale(out, ref, 3e-2)
+
+
+def test_fused_moe_writes_the_requested_out_dtype():
+    T, K, N, H, I = 5, 2, 4, 32, 16
+    views = make_banks(N, H, I)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    rows, weights = routing(T, K, N, "random", gen)
+    out = fused_moe_nvfp4(hidden, rows, weights, views, out_dtype=torch.bfloat16, config=SMALL_TILES)
+    ref = moe_reference(hidden, rows, weights, *FMT.dequantize(views, torch.float32))
+    assert out.dtype == torch.bfloat16
+    # fp32 compute, two roundings to bf16 (per-pair terms and the sum): <= 2 * 2^-7
+    assert_close_to_scale(out, ref, 2 * 2**-7)
+
+
+def test_fused_moe_with_no_tokens_returns_an_empty_output():
+    views = make_banks(N=2, H=32, I=16)
+    hidden = torch.zeros(0, 32, device=DEVICE)
+    rows = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    out = fused_moe_nvfp4(hidden, rows, torch.zeros(0, 2, device=DEVICE), views)
+    assert out.shape == (0, 32)
+
+
+def test_fused_moe_names_the_mismatched_input():
+    views = make_banks(N=2, H=32, I=16)
+    rows = torch.zeros(3, 1, dtype=torch.int64, device=DEVICE)
+    weights = torch.ones(3, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden_TH"):
+        fused_moe_nvfp4(torch.zeros(3, 64, device=DEVICE), rows, weights, views)
+    with pytest.raises(ValueError, match="weights_TK"):
+        fused_moe_nvfp4(torch.zeros(3, 32, device=DEVICE), rows, weights[:2], views)
+    with pytest.raises(ValueError, match="rows_TK"):
+        fused_moe_nvfp4(torch.zeros(3, 32, device=DEVICE), rows.float(), weights, views)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tuning table
+
+
+def tiles(bn):
+    return {"block_n": bn, "block_k": 64, "group_m": 8, "num_warps": 4, "num_stages": 3}
+
+
+def entry(bm, bn=64):
+    return {"block_m": bm, "gate_up": tiles(bn), "down": tiles(bn)}
+
+
+def test_tuning_lookup_picks_device_then_shape_then_the_smallest_bucket_that_fits():
+    table = TuningTable.from_json(
+        {
+            "schema": 1,
+            "devices": {
+                "default": {"default": {"64": entry(16)}},
+                "GPU X": {"H2048_I768": {"64": entry(32), "4096": entry(64)}, "default": {"8": entry(128)}},
+            },
+        }
+    )
+    assert table.lookup("GPU X", 2048, 768, 64).block_m == 32
+    assert table.lookup("GPU X", 2048, 768, 65).block_m == 64
+    assert table.lookup("GPU X", 2048, 768, 10**6).block_m == 64  # past the last bucket: the largest
+    assert table.lookup("GPU X", 4096, 768, 1).block_m == 128  # unknown shape: the device default
+    assert table.lookup("other GPU", 2048, 768, 1).block_m == 16  # unknown device: the global default
+
+
+def test_tuning_table_rejects_a_bad_entry_naming_where_it_is():
+    bad = {"schema": 1, "devices": {"default": {"default": {"64": {"block_m": 24, **entry(16)}}}}}
+    bad["devices"]["default"]["default"]["64"]["block_m"] = 24
+    with pytest.raises(ValueError, match=r"devices\['default'\]\['default'\]\['64'\]"):
+        TuningTable.from_json(bad)
+    with pytest.raises(ValueError, match="default"):
+        TuningTable.from_json({"schema": 1, "devices": {"GPU X": {"default": {"64": entry(16)}}}})
+
+
+def test_the_shipped_tuning_table_loads():
+    assert load_tuning().lookup("default", 2048, 768, 8).block_m >= 16

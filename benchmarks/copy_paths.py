@@ -71,8 +71,14 @@ def timed(stream: torch.cuda.Stream, fn: Callable[[torch.cuda.Stream], None], re
     return {"device_ms": statistics.median(dev), "host_ms": statistics.median(host)}
 
 
-def blocking(stream: torch.cuda.Stream, fn: Callable, spin_cycles: int, spin_ms: float) -> dict[str, Any]:
-    """Host ms of ``fn`` enqueued behind a spin kernel of ``spin_ms``; over half the spin means it blocked."""
+def blocking(stream: torch.cuda.Stream, fn: Callable, idle: dict[str, float], spin_cycles: int,
+             spin_ms: float) -> dict[str, Any]:
+    """Whether the batch call makes the host wait for the copy, not just spend CPU time on it.
+
+    ``idle`` is :func:`timed` of ``fn`` on an idle stream. The call is repeated behind a spin kernel of
+    ``spin_ms``: host time that collapses behind the spin was waiting on the copy (the stream was idle),
+    host time that grows by the spin waited on the stream; host time that stays put is CPU cost.
+    """
     host = []
     for _ in range(3):
         with torch.cuda.stream(stream):
@@ -81,8 +87,10 @@ def blocking(stream: torch.cuda.Stream, fn: Callable, spin_cycles: int, spin_ms:
             fn(stream)
             host.append((time.perf_counter() - t0) * 1e3)
         stream.synchronize()
-    ms = statistics.median(host)
-    return {"host_ms_behind_spin": ms, "spin_ms": spin_ms, "host_blocks": ms > 0.5 * spin_ms}
+    behind = statistics.median(host)
+    return {"host_ms_behind_spin": behind, "spin_ms": spin_ms,
+            "host_waits_when_stream_idle": idle["host_ms"] > 0.5 * idle["device_ms"] and idle["host_ms"] > 2 * behind,
+            "host_waits_behind_busy_stream": behind - idle["host_ms"] > 0.5 * spin_ms}
 
 
 class Gemm:
@@ -99,27 +107,39 @@ class Gemm:
             for _ in range(GEMM_COUNT):
                 torch.matmul(self.a, self.a, out=self.c)
 
-    def run(self, copy_stream: torch.cuda.Stream, fn: Callable | None, reps: int) -> dict[str, float]:
-        """Median wall ms from a common start until GEMMs (and copies, if ``fn``) are done."""
-        total, copy = [], []
+    def compare(self, copy_stream: torch.cuda.Stream, fns: dict[str, Callable], reps: int) -> dict[str, Any]:
+        """Median wall ms from a common start until the GEMMs and the copies of ``fns[k]`` are done.
+
+        The GEMMs alone run interleaved with the variants, rep by rep, so clock drift under sustained
+        load (power, temperature) hits baseline and variants alike; ``added_ms`` is over that baseline.
+        """
+        variants: dict[str, Callable | None] = {"gemm_alone": None, **fns}
+        wall: dict[str, list[float]] = {k: [] for k in variants}
+        copy: dict[str, list[float]] = {k: [] for k in variants}
         for rep in range(reps + 1):
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            ev[0].record(self.stream)
-            copy_stream.wait_event(ev[0])
-            self.enqueue()
-            if fn is not None:
-                with torch.cuda.stream(copy_stream):
-                    ev[1].record(copy_stream)
-                    fn(copy_stream)
-                    ev[2].record(copy_stream)
-                self.stream.wait_event(ev[2])
-            ev[3].record(self.stream)
-            ev[3].synchronize()
-            if rep:
-                total.append(ev[0].elapsed_time(ev[3]))
-                copy.append(ev[1].elapsed_time(ev[2]) if fn is not None else 0.0)
-        return {"wall_ms": statistics.median(total), "copy_ms": statistics.median(copy),
-                "wall_spread_ms": max(total) - min(total)}
+            for k, fn in variants.items():
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+                ev[0].record(self.stream)
+                copy_stream.wait_event(ev[0])
+                self.enqueue()
+                if fn is not None:
+                    with torch.cuda.stream(copy_stream):
+                        ev[1].record(copy_stream)
+                        fn(copy_stream)
+                        ev[2].record(copy_stream)
+                    self.stream.wait_event(ev[2])
+                ev[3].record(self.stream)
+                ev[3].synchronize()
+                if rep:
+                    wall[k].append(ev[0].elapsed_time(ev[3]))
+                    copy[k].append(ev[1].elapsed_time(ev[2]) if fn is not None else 0.0)
+        alone = statistics.median(wall["gemm_alone"])
+        out: dict[str, Any] = {"gemm_alone_ms": alone, "gemm_alone_spread_ms": max(wall["gemm_alone"]) -
+                               min(wall["gemm_alone"])}
+        for k in fns:
+            out[k] = {"wall_ms": statistics.median(wall[k]), "copy_ms": statistics.median(copy[k]),
+                      "added_ms": statistics.median(wall[k]) - alone}
+        return out
 
 
 def bandwidth_floors(device: torch.device, reps: int) -> dict[str, float]:
@@ -153,8 +173,8 @@ def entries(banks: list[tuple[torch.Tensor, torch.Tensor]], dst_rows: np.ndarray
     return np.concatenate(dst), np.concatenate(src), np.concatenate(size)
 
 
-def bench_model(name: str, spec: dict, device: torch.device, copier: bm.BatchMemcpy | None, gemm: Gemm,
-                gemm_alone: dict, floors: dict, spin: tuple[int, float], reps: int) -> dict[str, Any]:
+def bench_model(spec: dict, device: torch.device, copier: bm.BatchMemcpy | None, gemm: Gemm, floors: dict,
+                spin: tuple[int, float], reps: int) -> dict[str, Any]:
     e = spec["experts"]
     rng = np.random.default_rng(0)
     slots = [torch.randint(0, 256, (2 * e, r), dtype=torch.uint8, device=device) for _, r in spec["banks"]]
@@ -198,12 +218,8 @@ def bench_model(name: str, spec: dict, device: torch.device, copier: bm.BatchMem
             paths[k](stream)
             stream.synchronize()
             out["hits_isolated"][k]["verified"] = all(torch.equal(st, w) for st, w in zip(stage, want))
-    out["hits_under_gemm"] = {}
-    for k in ("gather", "batch_memcpy"):
-        if k in paths:
-            res = gemm.run(stream, paths[k], reps)
-            res["added_ms"] = res["wall_ms"] - gemm_alone["wall_ms"]
-            out["hits_under_gemm"][k] = res
+    out["hits_under_gemm"] = gemm.compare(stream, {k: paths[k] for k in ("gather", "batch_memcpy") if k in paths},
+                                          reps)
 
     miss = np.sort(rng.permutation(e)[: e // 2])  # half the layer missing, random ids
     starts, lengths = runs_of(miss)
@@ -234,12 +250,12 @@ def bench_model(name: str, spec: dict, device: torch.device, copier: bm.BatchMem
                 ent = entries([pairs[i] for i in idx], dst_rows, src_rows)
                 fn = (lambda ent_: lambda s: copier.copy(*ent_, s))(ent)
                 res = timed(stream, fn, reps)
-                res.update(blocking(stream, fn, *spin), entries=len(ent[0]))
+                res.update(blocking(stream, fn, res, *spin), entries=len(ent[0]))
                 out["mixed_vs_large"][f"{kind}_{label}"] = res
     return out
 
 
-def sweep_row_sizes(device: torch.device, copier: bm.BatchMemcpy | None, gemm: Gemm, gemm_alone: dict,
+def sweep_row_sizes(device: torch.device, copier: bm.BatchMemcpy | None, gemm: Gemm,
                     reps: int) -> list[dict[str, Any]]:
     sizes = sorted({65536} | {r for spec in MODELS.values() for _, r in spec["banks"]})
     stream, rows = torch.cuda.Stream(device), []
@@ -253,20 +269,25 @@ def sweep_row_sizes(device: torch.device, copier: bm.BatchMemcpy | None, gemm: G
         if copier is not None:
             ent = entries([(stage, pool)], np.arange(SWEEP_ROWS), slot_of)
             paths["batch_memcpy"] = (lambda ent_: lambda s: copier.copy(*ent_, s))(ent)
-        row: dict[str, Any] = {"row_bytes": r}
+        under = gemm.compare(stream, paths, reps)
+        row: dict[str, Any] = {"row_bytes": r, "gemm_alone_ms": under["gemm_alone_ms"],
+                               "gemm_alone_spread_ms": under["gemm_alone_spread_ms"]}
         for k, fn in paths.items():
-            iso, under = timed(stream, fn, reps), gemm.run(stream, fn, reps)
+            iso = timed(stream, fn, reps)
             row[k] = {"isolated_device_ms": iso["device_ms"], "isolated_host_ms": iso["host_ms"],
-                      "added_under_gemm_ms": under["wall_ms"] - gemm_alone["wall_ms"]}
+                      "added_under_gemm_ms": under[k]["added_ms"], "copy_ms_under_gemm": under[k]["copy_ms"]}
         rows.append(row)
     return rows
 
 
-def hit_copy_choice(sweep: list[dict], gemm_alone: dict, gpu: str, source: str) -> dict[str, Any]:
-    """Per row size, the path that adds less wall time under the GEMM; a tie goes to the isolated winner."""
-    tie_ms = max(0.02, gemm_alone["wall_spread_ms"])
+def hit_copy_choice(sweep: list[dict], gpu: str, source: str) -> dict[str, Any]:
+    """Per row size, the path that adds less wall time under the GEMM; a tie goes to the isolated winner.
+
+    A tie is a difference within the spread of the GEMM-alone baseline measured alongside (>= 0.05 ms).
+    """
     rules = []
     for row in sweep:
+        tie_ms = max(0.05, row["gemm_alone_spread_ms"])
         if "batch_memcpy" not in row:
             choice = "gather"
         else:
@@ -278,7 +299,7 @@ def hit_copy_choice(sweep: list[dict], gemm_alone: dict, gpu: str, source: str) 
                 choice = "batch_memcpy" if b["isolated_device_ms"] < g["isolated_device_ms"] else "gather"
         rules.append({"min_row_bytes": row["row_bytes"], "choice": choice, "measured_at_row_bytes": row["row_bytes"]})
     rules[0]["min_row_bytes"] = 0
-    return {gpu: {"source": source, "tie_ms": tie_ms, "rules": rules}}
+    return {gpu: {"source": source, "rules": rules}}
 
 
 def git_sha() -> str:
@@ -299,7 +320,7 @@ def markdown(res: dict[str, Any]) -> str:
              f"{env['probe'].get('runtime_version')}, driver {env['probe'].get('driver_version')}; batch path: "
              f"{'ok' if env['probe']['ok'] else env['probe']['reason']}", "",
              f"Floors: H2D {res['floors']['h2d_GBps']:.1f} GB/s, D2D {res['floors']['d2d_GBps_read_plus_write']:.0f}"
-             f" GB/s (r+w). GEMM alone: {res['gemm_alone']['wall_ms']:.2f} ms. Host time of one 512 x 64 KiB "
+             f" GB/s (r+w). GEMM alone: {res['gemm_alone_ms']:.2f} ms. Host time of one 512 x 64 KiB "
              f"call: {res['host_ms_512']}", "",
              "| model | path | hits device ms | hits host ms | added under GEMM ms |",
              "| --- | --- | --- | --- | --- |"]
@@ -315,12 +336,13 @@ def markdown(res: dict[str, Any]) -> str:
             if k in mh:
                 lines.append(f"| {name} | {k} | {mh[k]['device_ms']:.3f} | {mh[k]['GBps']:.1f} | "
                              f"{mh['h2d_floor_ms']:.3f} |")
-    lines += ["", "| model | batch entries | host ms | device ms | host ms behind spin | blocks |",
-              "| --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "| model | batch entries | host ms (idle stream) | device ms | host ms behind spin | "
+              "host waits (idle / busy stream) |", "| --- | --- | --- | --- | --- | --- |"]
     for name, m in res["models"].items():
         for k, v in m.get("mixed_vs_large", {}).items():
             lines.append(f"| {name} | {k} ({v['entries']}) | {v['host_ms']:.3f} | {v['device_ms']:.3f} | "
-                         f"{v['host_ms_behind_spin']:.3f} | {v['host_blocks']} |")
+                         f"{v['host_ms_behind_spin']:.3f} | {v['host_waits_when_stream_idle']} / "
+                         f"{v['host_waits_behind_busy_stream']} |")
     lines += ["", "| row bytes | gather ms | batch ms | gather added under GEMM | batch added under GEMM | choice |",
               "| --- | --- | --- | --- | --- | --- |"]
     rules = {r["measured_at_row_bytes"]: r["choice"] for g in res["hit_copy_choice"].values() for r in g["rules"]}
@@ -337,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per measurement (median)")
+    ap.add_argument("--git-sha", default=None, help="record this SHA (for a tree copied without .git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("copy_paths: needs a CUDA device", file=sys.stderr)
@@ -355,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     spin_cycles = int(spin_cycles * 5.0 / spin_ms)  # ~5 ms
     spin_ms = timed(stream, lambda _: torch.cuda._sleep(spin_cycles), 3)["device_ms"]
     gemm = Gemm(device)
-    gemm_alone = gemm.run(stream, None, args.reps)
+    gemm_alone_ms = gemm.compare(stream, {}, args.reps)["gemm_alone_ms"]  # also warms the clocks up
     host_512 = None
     if copier is not None:
         n, r = 512, 64 << 10
@@ -366,16 +389,16 @@ def main(argv: list[str] | None = None) -> int:
         d2d, h2d = entries([(b, a)], rows, rows[::-1].copy()), entries([(b, h)], rows, rows)
         host_512 = {"d2d_host_ms": timed(stream, lambda s: copier.copy(*d2d, s), args.reps)["host_ms"],
                     "h2d_host_ms": timed(stream, lambda s: copier.copy(*h2d, s), args.reps)["host_ms"]}
-    models = {name: bench_model(name, spec, device, copier, gemm, gemm_alone, floors, (spin_cycles, spin_ms),
-                                args.reps) for name, spec in MODELS.items()}
-    sweep = sweep_row_sizes(device, copier, gemm, gemm_alone, args.reps)
+    models = {name: bench_model(spec, device, copier, gemm, floors, (spin_cycles, spin_ms), args.reps)
+              for name, spec in MODELS.items()}
+    sweep = sweep_row_sizes(device, copier, gemm, args.reps)
     res = {
-        "env": {"git_sha": git_sha(), "timestamp": stamp, "gpu": gpu, "torch": torch.__version__,
+        "env": {"git_sha": args.git_sha or git_sha(), "timestamp": stamp, "gpu": gpu, "torch": torch.__version__,
                 "torch_cuda": torch.version.cuda, "probe": probe, "reps": args.reps,
                 "gemm": f"{GEMM_COUNT} x {GEMM_N}^3 bf16 on another stream", "sweep_rows": SWEEP_ROWS},
-        "floors": floors, "gemm_alone": gemm_alone, "host_ms_512": host_512, "models": models,
+        "floors": floors, "gemm_alone_ms": gemm_alone_ms, "host_ms_512": host_512, "models": models,
         "row_size_sweep": sweep,
-        "hit_copy_choice": hit_copy_choice(sweep, gemm_alone, gpu, f"{stem}.json (benchmarks/copy_paths.py)"),
+        "hit_copy_choice": hit_copy_choice(sweep, gpu, f"{stem}.json (benchmarks/copy_paths.py)"),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")

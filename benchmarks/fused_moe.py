@@ -92,16 +92,18 @@ def hbm_bandwidth(device) -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def versions(device) -> dict:
+def versions(device, git_sha: str | None) -> dict:
     import triton
 
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        sha, dirty = "unknown", None
+    dirty = None
+    if git_sha is None:
+        try:
+            git_sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+            dirty = bool(subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip())
+        except (OSError, subprocess.CalledProcessError):
+            git_sha = "unknown"
     return {
-        "git_sha": sha,
+        "git_sha": git_sha,
         "git_dirty": dirty,
         "torch": torch.__version__,
         "triton": triton.__version__,
@@ -192,6 +194,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="directory for JSON + markdown")
     ap.add_argument("--json", action="store_true", help="print the JSON report to stdout")
+    ap.add_argument("--git-sha", help="record this commit (default: `git rev-parse HEAD`; for copies without .git)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/fused_moe.py needs CUDA", file=sys.stderr)
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
         for T in TOKENS:
             results += bench_shape(name, T, device, bandwidth)
             torch.cuda.empty_cache()
-    report = {"versions": versions(device), "hbm_bandwidth_GBps": bandwidth / 1e9, "results": results}
+    report = {"versions": versions(device, args.git_sha), "hbm_bandwidth_GBps": bandwidth / 1e9, "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fused_moe.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "fused_moe.md").write_text(markdown(report))

@@ -120,9 +120,9 @@ def main(argv=None) -> int:
         data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
         del views
         torch.cuda.empty_cache()
-    TuningTable.from_json(data, str(args.out))  # what we write must load
-    args.out.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.out}")
+        TuningTable.from_json(data, str(args.out))  # what we write must load
+        args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each shape: a cut-short run keeps its results
+        print(f"wrote {shape} to {args.out}", flush=True)
     return 0
 
 

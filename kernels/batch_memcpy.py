@@ -37,6 +37,7 @@ raises :class:`BatchMemcpyUnavailable`, and the cache logs the structured event 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import statistics
 import threading
@@ -271,7 +272,8 @@ def _bind(path: str) -> _CudaRuntime:
         err = fn(ctypes.byref(value))
         if err != 0:
             lib.cudaGetLastError()
-            raise BatchMemcpyUnavailable("call_failed", f"{name} returned {(get_error_name(err) or b'?').decode()} ({err})")
+            err_name = (get_error_name(err) or b"?").decode()
+            raise BatchMemcpyUnavailable("call_failed", f"{name} returned {err_name} ({err})")
         versions[name] = value.value
     runtime_version, driver_version = versions["cudaRuntimeGetVersion"], versions["cudaDriverGetVersion"]
     signature = signature_for(runtime_version)
@@ -373,8 +375,7 @@ def _run_probe(device: Any, joined: bool) -> None:
     dev = _cuda_device(device)
     sizes_N = np.asarray(_PROBE_SIZES, dtype=np.uint64)
     dst_off_N, src_off_N, dst_total, src_total = _probe_layout(sizes_N)
-    host_src = np.random.default_rng(0x5EED).integers(1, 256, size=src_total, dtype=np.uint8)
-    host_src[host_src == _POISON] = 0x5A
+    host_src = _probe_host_bytes(src_total)
     with torch.cuda.device(dev):
         current = torch.cuda.current_stream(dev)
         src_pinned = torch.empty(src_total, dtype=torch.uint8, pin_memory=True)
@@ -403,6 +404,19 @@ def _run_probe(device: Any, joined: bool) -> None:
                 for p in _compare(kind, got[kind], src_bytes[kind], sizes_N, dst_off_N, src_off_N)]
     if problems:
         raise BatchMemcpyUnavailable("wrong_bytes", "; ".join(problems) + f" (joined={joined})")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe_host_bytes(nbytes: int) -> np.ndarray:
+    """Random non-poison bytes, made once per process.
+
+    Generating them takes ~25 ms of host time; per probe, that would let a few ms of backlog on the
+    current stream drain before the fills are enqueued, and hide the race the probe must survive.
+    """
+    out = np.random.default_rng(0x5EED).integers(1, 256, size=nbytes, dtype=np.uint8)
+    out[out == _POISON] = 0x5A
+    out.flags.writeable = False
+    return out
 
 
 def _compare(kind: str, got: np.ndarray, src: np.ndarray, sizes_N: np.ndarray, dst_off_N: np.ndarray,

@@ -146,3 +146,11 @@ def choose_hit_copy(device_name: str, row_bytes: int) -> str:
         return table["unknown_device"]["choice"]
     fitting = [r for r in entry["rules"] if r["min_row_bytes"] <= row_bytes]
     return max(fitting, key=lambda r: r["min_row_bytes"])["choice"]
+
+
+def h2d_batch_min_row_bytes(device_name: str) -> int:
+    """Smallest row (bytes) that goes into a host->device ``cudaMemcpyBatchAsync`` call on this device;
+    smaller rows are copied per coalesced run (see ``h2d_batch`` in ``hit_copy_table.json``)."""
+    table = _hit_copy_table()["h2d_batch"]
+    entry = table["devices"].get(device_name, table["unknown_device"])
+    return int(entry["min_row_bytes"])

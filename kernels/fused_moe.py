@@ -34,7 +34,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.nvfp4 import E2M1_F16_SHIFT, SCALE_BLOCK, bank_shapes, device_guard, e2m1_to_f32
+from moe_offload.kernels.nvfp4 import (
+    BYTES_PER_SCALE,
+    E2M1_F16_SHIFT,
+    SCALE_BLOCK,
+    bank_shapes,
+    device_guard,
+    e2m1_to_f32,
+)
 
 TUNING_PATH = Path(__file__).with_name("fused_moe_tuning.json")
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -231,12 +238,22 @@ def _block_coords(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_tile(q_ptrs, s_ptrs, shift, mask, DOT_DTYPE: tl.constexpr):
-    """Load one [BLOCK_K, BLOCK_N] weight tile (W^T) and return ``code * block_scale`` in DOT_DTYPE
-    (exact). Each byte/scale is addressed once per element it serves; repeats hit L1."""
+def _nvfp4_tile(q_ptrs, s_ptrs, mask, DOT_DTYPE: tl.constexpr):
+    """``code * block_scale`` (exact in DOT_DTYPE) of one weight tile in its stored orientation:
+    ``q_ptrs`` address ``[BLOCK_N rows, BLOCK_K/2 bytes]`` (contiguous along K, so loads vectorize),
+    ``s_ptrs`` the scale of each byte (8 consecutive bytes share one: repeated addresses, served by
+    L1). Returns ``[BLOCK_N, BLOCK_K]``, column 2b from the low nibble of byte b."""
     packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
-    return (e2m1_to_f32((packed >> shift) & 15) * scale).to(DOT_DTYPE)
+    lo = e2m1_to_f32(packed & 15) * scale
+    hi = e2m1_to_f32(packed >> 4) * scale
+    return tl.interleave(lo, hi).to(DOT_DTYPE)
+
+
+# Both GEMMs compute the transposed tile, acc[n, m] = W[n, :] . x[m, :], i.e. dot(W, x^T): the
+# dequantized weights are the dot's first operand straight from registers (Hopper's wgmma takes A
+# from registers, B from shared memory), and a decode block of 16 pairs is the dot's N side
+# rather than a mostly-padding M side.
 
 
 @triton.jit
@@ -262,38 +279,38 @@ def _gate_up_silu_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
 
-    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]
-    # W^T tiles [BLOCK_K, BLOCK_N]: column n of the tile is weight row n (gate) or I + n (up).
-    qg_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + (offs_k // 2)[:, None]
-    sg_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_k // SCALE_BLOCK)[:, None]
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
+    # weight tiles [BN, BK/2] bytes: gate rows n, up rows I + n
+    qg_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
+    sg_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
     up_q = I * stride_qr
     up_s = I * stride_sr
-    shift = ((offs_k % 2) * 4)[:, None]
 
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             x_mask = valid_m[:, None]
-            w_mask = valid_n[None, :]
+            w_mask = valid_n[:, None]
         else:
             x_mask = valid_m[:, None] & (offs_k[None, :] < H - k0)
-            w_mask = valid_n[None, :] & (offs_k[:, None] < H - k0)
-        x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE)
-        w_gate = _nvfp4_tile(qg_ptrs, sg_ptrs, shift, w_mask, DOT_DTYPE)
-        w_up = _nvfp4_tile(qg_ptrs + up_q, sg_ptrs + up_s, shift, w_mask, DOT_DTYPE)
-        acc_gate = tl.dot(x, w_gate, acc_gate, input_precision=INPUT_PRECISION)
-        acc_up = tl.dot(x, w_up, acc_up, input_precision=INPUT_PRECISION)
+            w_mask = valid_n[:, None] & (offs_kb[None, :] < (H - k0) // 2)
+        x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE))
+        w_gate = _nvfp4_tile(qg_ptrs, sg_ptrs, w_mask, DOT_DTYPE)
+        acc_gate = tl.dot(w_gate, x_t, acc_gate, input_precision=INPUT_PRECISION)
+        w_up = _nvfp4_tile(qg_ptrs + up_q, sg_ptrs + up_s, w_mask, DOT_DTYPE)
+        acc_up = tl.dot(w_up, x_t, acc_up, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         qg_ptrs += BLOCK_K // 2
         sg_ptrs += BLOCK_K // SCALE_BLOCK
 
     gate = acc_gate * tl.load(g_ptr + row * stride_gn)
     up = acc_up * tl.load(g_ptr + row * stride_gn + 1)
-    act = gate / (1.0 + tl.exp(-gate)) * up
-    act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
+    act = gate / (1.0 + tl.exp(-gate)) * up  # [BN, BM]
+    act_ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_am + offs_n[:, None]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
 
 
 @triton.jit
@@ -320,31 +337,31 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
 
-    a_ptrs = act_ptr + pair64[:, None] * stride_am + offs_k[None, :]
-    q_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + (offs_k // 2)[:, None]
-    s_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_k // SCALE_BLOCK)[:, None]
-    shift = ((offs_k % 2) * 4)[:, None]
+    a_ptrs = act_ptr + pair64[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
+    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
             a_mask = valid_m[:, None]
-            w_mask = valid_n[None, :]
+            w_mask = valid_n[:, None]
         else:
             a_mask = valid_m[:, None] & (offs_k[None, :] < I - k0)
-            w_mask = valid_n[None, :] & (offs_k[:, None] < I - k0)
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
-        w = _nvfp4_tile(q_ptrs, s_ptrs, shift, w_mask, DOT_DTYPE)
-        acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+            w_mask = valid_n[:, None] & (offs_kb[None, :] < (I - k0) // 2)
+        a_t = tl.trans(tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE))
+        w = _nvfp4_tile(q_ptrs, s_ptrs, w_mask, DOT_DTYPE)
+        acc = tl.dot(w, a_t, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
     route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0)
-    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[:, None]
-    out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[None, :]  # [BN, BM]
+    out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
 
 
 # ---------------------------------------------------------------------------------------------

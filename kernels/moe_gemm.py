@@ -34,9 +34,10 @@ def swiglu(gate_up_PF: torch.Tensor) -> torch.Tensor:
 
 def _grouped(x_PH: torch.Tensor, w_CNK: torch.Tensor, offs_C: torch.Tensor) -> torch.Tensor:
     """x [P, K] @ w[g].T for the groups given by cumulative ends ``offs_C``."""
-    if _grouped_mm is not None:
+    if _grouped_mm is not None and (x_PH.device.type == "cpu" or x_PH.dtype == torch.bfloat16):
         return _grouped_mm(x_PH, w_CNK.transpose(-2, -1), offs=offs_C)
-    # very old torch: per-group loop (one host sync for the offsets)
+    # CUDA grouped_mm is bf16-only; fp32/fp16 on CUDA (a debugging configuration) and very old
+    # torch take a per-group loop, which reads the offsets on the host (one sync per call).
     out = x_PH.new_zeros(x_PH.shape[0], w_CNK.shape[1])
     start = 0
     for g, end in enumerate(offs_C.tolist()):
@@ -70,7 +71,9 @@ def moe_grouped(
     tok_P = order_P // K
     w_P = weights_TK.reshape(-1)[order_P].float()
     x_PH = hidden_TH.to(compute_dtype)[tok_P]
-    counts_N = torch.bincount(sorted_rows_P, minlength=num_rows)
+    # scatter_add, not bincount: CUDA bincount reads the max id on the host (a device sync)
+    counts_N = torch.zeros(num_rows, dtype=torch.long, device=flat_P.device).scatter_add_(
+        0, sorted_rows_P, torch.ones_like(sorted_rows_P))
     ends_N = torch.cumsum(counts_N, 0)
     arange_P = torch.arange(P, device=hidden_TH.device)
     for r0 in range(0, num_rows, chunk_rows):

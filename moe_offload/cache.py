@@ -145,12 +145,16 @@ class OffloadMoeCache:
             self.owner[s] = lp * self.E + e
 
     def _h2d_rows(self, copies: list[RowCopy], coalesce: bool) -> None:
-        if self._batch is not None:
-            dst, src, size = pointer_arrays(copies, coalesce)
-            if size.size:
-                self._batch.copy(dst, src, size, self.copy_stream)
+        """Host -> device rows: large rows in one batched call, small rows per coalesced run
+        (small entries in a batch made the host wait for the whole copy on the H200)."""
+        if self._batch is None:
+            copy_rows_torch(copies, coalesce)
             return
-        copy_rows_torch(copies, coalesce)
+        large = [c for c in copies if c.dst.shape[1] >= self._h2d_batch_min]
+        dst, src, size = pointer_arrays(large, coalesce)
+        if size.size:
+            self._batch.copy(dst, src, size, self.copy_stream)
+        copy_rows_torch([c for c in copies if c.dst.shape[1] < self._h2d_batch_min], coalesce)
 
     def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
         """Make exactly these experts resident (deterministic residency for benchmarks and tests).
@@ -396,6 +400,9 @@ class OffloadMoeCache:
             return
         from moe_offload.kernels.batch_memcpy import BatchMemcpyUnavailable, load_batch_memcpy
 
+        from moe_offload.kernels.copy import h2d_batch_min_row_bytes
+
+        self._h2d_batch_min = h2d_batch_min_row_bytes(torch.cuda.get_device_name(self.device))
         try:
             self._batch = load_batch_memcpy(self.device)
         except BatchMemcpyUnavailable as exc:

@@ -81,7 +81,13 @@ def copy_rows_torch(copies: list[RowCopy], coalesce: bool) -> None:
 
 
 def index_tensor(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(device, non_blocking=False)
+    """Host index array -> int64 tensor on ``device`` without a host sync: staged through pinned
+    memory (torch's host allocator keeps the block until the copy on the current stream is done);
+    a pageable ``.to(cuda)`` would wait for the whole stream."""
+    t = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class HitPathUnavailable(RuntimeError):

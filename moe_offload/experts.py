@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from moe_offload.cache import OffloadMoeCache
+from moe_offload.copy_paths import index_tensor
 from moe_offload.formats import ExpertFormat
 from moe_offload.kernels.moe_gemm import moe_grouped
 
@@ -89,8 +90,8 @@ class OffloadedExperts(nn.Module):
             cache.stats_.decode_steps += 1
         experts, slots, ids_TK = cache.ensure(self.layer_idx, topk_ids_TK)
         dev = hidden_TH.device
-        rows_TK = torch.from_numpy(np.searchsorted(experts, ids_TK)).to(dev)
-        slot_idx = torch.from_numpy(slots).to(dev)
+        rows_TK = index_tensor(np.searchsorted(experts, ids_TK), dev)
+        slot_idx = index_tensor(slots, dev)
         views = {k: v.index_select(0, slot_idx) for k, v in cache.slot_views().items()}
         return self.compute(hidden_TH, rows_TK, topk_w_TK, views, int(experts.size))
 

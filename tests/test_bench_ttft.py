@@ -1,0 +1,158 @@
+"""CPU smoke test of ``moe-offload bench ttft`` on the embedded tiny model (the CI run of issue 5).
+
+One bench run (module fixture, ~10 s on 2 cores) with the smallest sweep that still shows the
+behaviours: residency 0, 0.5 and 1 (the tiny model has 16 experts per layer, so these are exactly
+0, 8 and 16 resident experts), modes gather (works on the CPU) and off (full-layer copies).
+Timings on a CPU are not checked: only the structure of the report and the byte/hit accounting,
+which are exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from moe_offload.bench.ttft import BenchError, make_plan
+from moe_offload.cli import build_parser
+from moe_offload.cli import main as cli_main
+from moe_offload.config import load_config
+
+RESIDENCIES = (0.0, 0.5, 1.0)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """``(rc, printed JSON, written JSON, out dir)`` of one smoke run."""
+    out = tmp_path_factory.mktemp("results")
+    cache = tmp_path_factory.mktemp("presets")
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "64",
+            "--residency", ",".join(f"{r:g}" for r in RESIDENCIES), "--modes", "gather,off",
+            "--set", "device=cpu", "--set", f"model.cache_dir={cache}", "--set", "logging.level=WARNING"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli_main(argv)
+    written = sorted(out.glob("ttft-*.json"))
+    return rc, stdout.getvalue(), json.loads(written[0].read_text()) if written else None, out
+
+
+def _cell(result, mode, residency):
+    (cell,) = [c for c in result["cells"] if c["mode"] == mode and c["residency"] == residency]
+    return cell
+
+
+def test_the_smoke_run_exits_zero_and_prints_the_json_it_writes(bench):
+    rc, printed, written, _ = bench
+    assert rc == 0
+    assert json.loads(printed) == written
+
+
+def test_the_file_name_carries_the_preset_and_the_git_sha(bench):
+    _, _, result, out = bench
+    assert (out / f"ttft-tiny-qwen3-moe-{result['git']['sha'][:12]}.json").is_file()
+
+
+def test_a_markdown_table_is_written_next_to_the_json(bench):
+    _, _, _, out = bench
+    (md,) = out.glob("ttft-*.md")
+    text = md.read_text()
+    assert "| residency | hit % | PCIe floor ms | gather ms | ×floor | off ms | ×floor |" in text
+
+
+def test_the_report_records_versions_device_and_resolved_config(bench):
+    result = bench[2]
+    assert result["versions"]["torch"] and "transformers" in result["versions"]
+    assert result["device"]["type"] == "cpu"
+    assert result["config"]["model"]["preset"] == "tiny-qwen3-moe"
+    assert result["config"]["prefill"]["warmup"] is True
+
+
+def test_floors_hold_the_bandwidth_and_a_compute_floor_for_each_prompt_length(bench):
+    floors = bench[2]["floors"]
+    assert floors["h2d"]["GBps"] > 0
+    assert floors["pcie_all_miss_s"] > 0
+    assert floors["compute"]["64"]["mode"] == "gather"  # off never takes the hit path: not a compute floor
+    assert floors["compute"]["64"]["ttft_s"] > 0
+
+
+def test_every_mode_and_residency_has_a_measured_cell_with_its_floors(bench):
+    result = bench[2]
+    want = {(m, r) for m in ("gather", "off") for r in RESIDENCIES}
+    assert {(c["mode"], c["residency"]) for c in result["cells"]} == want
+    for c in result["cells"]:
+        assert c["ttft_s"]["median"] > 0 and len(c["ttft_s"]["reps"]) == 1
+        assert c["floor_s"] == max(c["pcie_floor_s"], c["compute_floor_s"])
+        assert c["ratio_to_floor"] == pytest.approx(c["ttft_s"]["median"] / c["floor_s"])
+
+
+@pytest.mark.parametrize("mode", ["gather", "off"])
+def test_the_measured_hit_fraction_rises_with_residency(bench, mode):
+    fractions = [_cell(bench[2], mode, r)["hit_fraction"] for r in RESIDENCIES]
+    assert fractions == [0.0, 0.5, 1.0]  # 0, 8 and 16 of 16 experts: exact
+
+
+def test_mode_off_moves_more_h2d_bytes_than_gather_at_half_residency(bench):
+    result = bench[2]
+    off, gather = _cell(result, "off", 0.5), _cell(result, "gather", 0.5)
+    all_bytes = result["model"]["all_expert_bytes"]
+    assert off["bytes"]["h2d"] == all_bytes  # the whole layer, every layer
+    assert gather["bytes"]["h2d"] == all_bytes // 2  # only the misses
+    assert gather["bytes"]["prefill_hit_gather"] == all_bytes // 2  # the hits, device side
+
+
+def test_gather_takes_the_hit_path_on_the_cpu_and_off_does_not(bench):
+    modes = bench[2]["modes"]
+    assert (modes["gather"]["hit_path"], modes["off"]["hit_path"]) == ("gather", "full_layer_copy")
+
+
+def test_peers_are_skipped_with_a_reason_on_the_cpu(bench):
+    peers = bench[2]["peers"]
+    assert set(peers) == {"accelerate", "full_gpu"}
+    assert all(p["status"] == "skipped" and "cpu" in p["reason"] for p in peers.values())
+
+
+def test_every_target_of_issue_5_is_evaluated_or_says_why_not(bench):
+    targets = bench[2]["targets"]
+    assert {t["id"] for t in targets} == {"ttft_within_1.10x_floor", "all_resident_vs_bf16_grouped_mm",
+                                          "speedup_vs_accelerate_at_0.37", "hit_d2d_speedup_vs_off"}
+    for t in targets:
+        assert t["met"] in (True, False) or t["detail"], t
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--residency", "0,1.5", "fractions in [0, 1]"),
+    ("--modes", "gather,fast", "subset of"),
+    ("--prompt-lens", "0", "positive integers"),
+    ("--peers", "vllm", "subset of"),
+])
+def test_a_bad_sweep_option_is_an_error_naming_the_option(option, value, needle):
+    args = build_parser().parse_args(["bench", "ttft", option, value])
+    with pytest.raises(BenchError) as info:
+        make_plan(args, load_config(None))
+    assert option in str(info.value) and needle in str(info.value)
+
+
+def test_residency_one_is_always_measured_because_it_is_the_compute_floor():
+    plan = make_plan(build_parser().parse_args(["bench", "ttft", "--residency", "0,0.5"]), load_config(None))
+    assert plan.residencies == (0.0, 0.5, 1.0)
+
+
+def test_tensor_parallel_without_a_tp_runner_is_a_clear_error(capsys):
+    try:
+        from moe_offload.parallel import run_tp_bench_ttft  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("moe_offload.parallel provides the TP runner: the TP bench is tested with it")
+    assert cli_main(["bench", "ttft", "--tp", "2", "--set", "device=cpu"]) == 2
+    assert "run_tp_bench_ttft" in capsys.readouterr().err
+
+
+def test_a_model_with_fewer_than_three_moe_layers_is_refused(tmp_path, capsys):
+    # the cache reuses the last two staged layers across passes: a 2-layer pass would copy nothing
+    argv = ["bench", "ttft", "--layers", "2", "--set", "device=cpu", "--set", f"model.cache_dir={tmp_path}",
+            "--out", str(tmp_path / "out")]
+    assert cli_main(argv) == 2
+    assert "at least 3" in capsys.readouterr().err

@@ -5,23 +5,23 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES"
-stages="${*:-setup probe tests copy fused ckpt ttft}"
+stages="${*:-setup probe ckpt ttft tests copy fused}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
-has tests && timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
-has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
-has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1
 if has ckpt; then
-  /usr/bin/time -v moe-offload make-checkpoint --preset qwen3-30b-a3b --format nvfp4-modelopt --out /tmp/q30 --json \
-    > "$RES/make_q30.json" 2> "$RES/make_q30.time"
+  moe-offload make-checkpoint --preset qwen3-30b-a3b --format nvfp4-modelopt --out /tmp/q30 --json \
+    > "$RES/make_q30.json" 2> "$RES/make_q30.err"
 fi
 if has ttft; then
   timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml --set model.checkpoint=/tmp/q30 \
     ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
 fi
+has tests && timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
+has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .
 cp "$RES"/*.log "$OUT/" 2>/dev/null; ls -la "$RES"

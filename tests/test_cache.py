@@ -190,3 +190,20 @@ def test_hit_d2d_off_logs_nothing_and_copies_whole_layers(tiny_ckpt):
     assert _events(buf, "prefill_hit_d2d_unavailable") == []
     st = eng.cache.stats()
     assert st["total"]["bytes"]["prefill_full_h2d"] > 0 and st["hit_d2d_fallbacks"] == {}
+
+
+def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ckpt):
+    """Chunk 1 admits staged experts into free slots; chunk 2 copies them device-side only."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    eng = _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.chunk_tokens=64", "prefill.warmup=false")
+    ids = torch.randint(3, 300, (1, 128), generator=torch.Generator().manual_seed(3))
+    logits, _ = eng.prefill(ids)
+    per_layer = eng.cache.stats()["per_layer"]
+    total = eng.cache.stats()["total"]["bytes"]
+    E, B, L = eng.store.num_experts, eng.store.bytes_per_expert, len(eng.store.layers)
+    # every expert crossed PCIe once (chunk 1: nothing resident yet, so whole layers)
+    assert total["prefill_miss_h2d"] + total["prefill_full_h2d"] == E * B * L
+    assert total["prefill_hit_gather"] == E * B * L  # and was copied on the device for chunk 2
+    assert all(c["prefill_hits"] == E for c in per_layer.values())
+    want, _ = _engine(path, "cache.budget=1.0", "prefill.chunk_tokens=8192").prefill(ids)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)  # fp32 noise across chunking

@@ -19,8 +19,9 @@ fi
 if has ttft; then
   timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml --set model.checkpoint=/tmp/q30 \
     ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
 fi
-has tests && timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
 has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .

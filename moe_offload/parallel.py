@@ -28,13 +28,16 @@ Launching (the process group: NCCL on CUDA, gloo on the CPU):
   worker processes are spawned (gloo on the CPU; NCCL with one GPU per rank when there are enough
   GPUs, else an error) and rank 0's result is printed as ``generate`` prints it. ``run_on_ranks``
   is that launcher for any per-rank function (benchmarks use it too).
-- Embedding under a host's own process group::
+- Embedding under a host's own process group (an existing ``ProcessGroup``; nothing is created)::
 
-      tp = init_tp(cfg.parallel.tp, device, group=host_tp_group)      # rank/size from the group
-      rt = build_tp_engine(cfg, tp)                                   # reference engine, or:
-      reduce = make_reducer(host_tp_group, cfg.parallel.reduce)       # None when the host reduces
+      tp = init_tp(cfg.parallel.tp, device, group=host_tp_group)    # rank and size from the group
+      rt = build_tp_engine(cfg, tp)                                 # the reference engine, or the host's model:
+      store = ExpertStore.from_checkpoint(path, fmt, tp.rank, tp.world_size)   # this rank's slice only
+      cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device)
+      reduce = make_reducer(host_tp_group, cfg.parallel.reduce)     # None: the host reduces the output
       experts = OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce)
-      monitor = ResidencyMonitor(cache, host_tp_group, cfg.parallel.check_interval).attach(model)
+      ResidencyMonitor(cache, host_tp_group, cfg.parallel.check_interval).attach(host_model)
+      gather_hit_paths(cache, host_tp_group)                        # after the first prefill
 
 Legend: W world size (TP ranks), L MoE layers, E experts per layer, T tokens, H hidden.
 """

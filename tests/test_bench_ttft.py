@@ -3,8 +3,8 @@
 One bench run (module fixture, ~10 s on 2 cores) with the smallest sweep that still shows the
 behaviours: residency 0, 0.5 and 1 (the tiny model has 16 experts per layer, so these are exactly
 0, 8 and 16 resident experts), modes gather (works on the CPU) and off (full-layer copies).
-Timings on a CPU are not checked: only the structure of the report and the byte/hit accounting,
-which are exact.
+A second run with two TP ranks (spawned, gloo; ~20 s) checks the per-rank figures. Timings on a CPU
+are not checked: only the structure of the report and the byte/hit accounting, which are exact.
 """
 
 from __future__ import annotations
@@ -139,20 +139,45 @@ def test_residency_one_is_always_measured_because_it_is_the_compute_floor():
     assert plan.residencies == (0.0, 0.5, 1.0)
 
 
-def test_tensor_parallel_without_a_tp_runner_is_a_clear_error(capsys):
-    try:
-        from moe_offload.parallel import run_tp_bench_ttft  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("moe_offload.parallel provides the TP runner: the TP bench is tested with it")
-    assert cli_main(["bench", "ttft", "--tp", "2", "--set", "device=cpu"]) == 2
-    assert "run_tp_bench_ttft" in capsys.readouterr().err
-
-
 def test_a_model_with_fewer_than_three_moe_layers_is_refused(tmp_path, capsys):
     # the cache reuses the last two staged layers across passes: a 2-layer pass would copy nothing
     argv = ["bench", "ttft", "--layers", "2", "--set", "device=cpu", "--set", f"model.cache_dir={tmp_path}",
             "--out", str(tmp_path / "out")]
     assert cli_main(argv) == 2
     assert "at least 3" in capsys.readouterr().err
+
+
+def test_the_pool_holds_exactly_the_resident_experts_so_it_is_full_when_prefill_starts(bench):
+    result = bench[2]
+    top_k, layers = result["model"]["top_k"], result["model"]["moe_layers"]
+    for c in result["cells"]:
+        assert c["slots"] == max(c["resident_per_layer"] * layers, top_k)  # top-k: the decode minimum
+
+
+@pytest.fixture(scope="module")
+def bench_tp2(tmp_path_factory):
+    """The written JSON of a TP=2 smoke run (two spawned CPU ranks over gloo)."""
+    out = tmp_path_factory.mktemp("results-tp2")
+    cache = tmp_path_factory.mktemp("presets-tp2")
+    argv = ["bench", "ttft", "--tp", "2", "--out", str(out), "--reps", "1", "--prompt-lens", "64",
+            "--residency", "0,1", "--modes", "gather", "--set", "device=cpu", "--set", f"model.cache_dir={cache}",
+            "--set", "logging.level=WARNING"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(argv) == 0
+    (written,) = out.glob("ttft-*.json")
+    return json.loads(written.read_text())
+
+
+def test_under_tp_every_rank_reports_its_bandwidth_and_bytes(bench_tp2):
+    assert [r["tp_rank"] for r in bench_tp2["floors"]["h2d"]["per_rank"]] == [0, 1]
+    for c in bench_tp2["cells"]:
+        assert [r["tp_rank"] for r in c["per_rank"]] == [0, 1]
+
+
+def test_under_tp_each_rank_moves_only_its_slice_of_the_missed_experts(bench, bench_tp2):
+    whole = bench[2]["model"]["all_expert_bytes"]  # TP=1, same preset
+    (cold,) = [c for c in bench_tp2["cells"] if c["residency"] == 0.0]
+    per_rank = [r["h2d_bytes"] for r in cold["per_rank"]]
+    assert per_rank[0] == per_rank[1] == bench_tp2["model"]["all_expert_bytes"]
+    # each rank holds half of every expert; only the fp32 global scales (12 bytes an expert) are on both
+    assert sum(per_rank) < 1.01 * whole  # 12 of 3468 bytes an expert: 0.35%, so 1% is loose yet tight

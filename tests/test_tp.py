@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FAMILY_PRESETS, FORMATS
@@ -30,12 +31,14 @@ from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.formats import FormatError, get_format
 from moe_offload.host_store import ExpertStore
-from moe_offload.parallel import ResidencyDivergence, build_tp_engine, check_residency, close_tp, init_tp
+from moe_offload.parallel import (
+    ResidencyDivergence, build_tp_engine, check_residency, close_tp, init_tp, make_reducer,
+)
 
 WORLD = 2
 PROMPT = list(range(10, 30))
 NEW_TOKENS = 12
-PREFILL_LENGTHS = (1, 7, 100)  # 1 and 7 take the decode path (<= decode.max_tokens), 100 the prefill path
+PREFILL_LENGTHS = (1, 7, 48)  # 1 and 7 take the decode path (<= decode.max_tokens), 48 the prefill path
 # TP=2 vs TP=1 in float32 on the CPU. Every rank's weights are exactly the TP=1 weights (gate/up rows
 # and down columns are split, NVFP4 blocks never straddle ranks), so the only difference is the order
 # of the fp32 sum over I in the down projection: two partial sums of I/2 terms plus one add (the
@@ -122,7 +125,7 @@ def _mechanics_job(tp, nvfp4_path: str, bf16_path: str) -> dict:
     resident = {l: [int(e) for e in (cache.resident(l) >= 0).nonzero()[0]] for l in cache.store.layers}
     if tp.rank == 1:  # evict one expert on rank 1 only
         cache.set_residency({**resident, layer: resident[layer][1:]})
-    out["evicted"] = {"layer": layer, "expert": resident[layer][0]}
+    out["evicted"] = {"layer": layer}
     out["on_demand"] = _divergence(lambda: check_residency(cache, tp.group))
 
     if tp.rank == 1:  # drop all of the layer on rank 1: 2 one-token decode steps re-route at most 8 of 16
@@ -135,6 +138,14 @@ def _mechanics_job(tp, nvfp4_path: str, bf16_path: str) -> dict:
     rt2 = build_tp_engine(_cfg(bf16_path, f"parallel.tp={WORLD}", f"prefill.hit_copy={hit_copy}"), tp, progress=False)
     rt2.engine.generate(PROMPT, 2)
     out["hit_paths"] = rt2.hit_paths()
+
+    # embedding: a host's own process group is joined as is (nothing created, nothing destroyed)
+    host_group = dist.new_group(list(range(WORLD)))
+    host_tp = init_tp(WORLD, torch.device("cpu"), group=host_group)
+    summed = make_reducer(host_group, "runtime")(torch.full((3,), float(tp.rank + 1)))
+    out["host_group"] = {"rank": host_tp.rank, "owns": host_tp.owns_default_group, "summed": summed.tolist(),
+                         "host_reducer": make_reducer(host_group, "host"),
+                         "check_step": check_residency(rt2.engine.cache, host_group)}
     return out
 
 
@@ -278,6 +289,16 @@ def test_an_expert_evicted_on_one_rank_only_is_detected_on_every_rank(mechanics)
 def test_the_periodic_check_stops_decoding_when_residency_diverges(mechanics):
     layer = mechanics[0]["evicted"]["layer"]
     assert [(r["periodic"] or {}).get("layer") for r in mechanics] == [layer] * WORLD
+
+
+def test_a_hosts_own_process_group_is_joined_as_is(mechanics):
+    hosts = [r["host_group"] for r in mechanics]
+    assert [(h["rank"], h["owns"]) for h in hosts] == [(0, False), (1, False)]
+    assert all(h["summed"] == [3.0, 3.0, 3.0] and h["check_step"] == hosts[0]["check_step"] for h in hosts)
+
+
+def test_host_reduction_leaves_the_partial_output_to_the_host(mechanics):
+    assert [r["host_group"]["host_reducer"] for r in mechanics] == [None] * WORLD
 
 
 # ------------------------------------------------------------------------------------- hit paths, logs

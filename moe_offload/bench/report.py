@@ -210,10 +210,14 @@ def _header(result: dict) -> list[str]:
         f"H2D bandwidth {h2d['GBps']:.1f} GB/s ({h2d['bytes'] / 2**30:.3g} GiB, median of {h2d['reps']}; "
         f"{h2d['method']}). Experts: {m['bytes_per_expert'] / 1e6:.3g} MB each, {m['experts']} x "
         f"{m['moe_layers']} layers = {m['all_expert_bytes'] / 1e9:.3g} GB; every expert missing costs "
-        f"{_ms(f['pcie_all_miss_s'])} ms over PCIe. Budget {s['budget_slots']} slots (the largest residency); "
+        f"{_ms(f['pcie_all_miss_s'])} ms over PCIe. Slot pool: {_budget_text(s)}; "
         f"{s['reps']} reps per cell: median [min–max] ms; warmup {'on' if s['warmup'] else 'off'}. "
         "×floor = TTFT / max(PCIe floor, compute floor).",
     ]
+    if m["tp"] > 1:
+        lines += ["", f"TP={m['tp']}: expert bytes, H2D bytes and the PCIe floor are per rank (each rank moves its "
+                  f"1/{m['tp']} slice of every expert over its own link; bandwidth of the slowest rank, all ranks "
+                  "measured at once; JSON: cells[*].per_rank, floors.h2d.per_rank)."]
     if m["full_layers"] != m["layers"]:
         lines += ["", f"Truncated to {m['layers']} of {m['full_layers']} layers: per layer = TTFT / {m['layers']}; "
                   f"extrapolated to {m['full_layers']} layers = TTFT x {m['full_layers'] / m['layers']:.3g} "
@@ -221,13 +225,21 @@ def _header(result: dict) -> list[str]:
     return lines
 
 
+def _budget_text(s: dict) -> str:
+    if s["budget"] == "residency":
+        return "exactly the resident experts at each residency (full when prefill starts)"
+    return f"{max(s['slots'].values())} slots at every residency (free slots get prefill admissions)"
+
+
 def _ttft_table(result: dict, n: int) -> list[str]:
-    s, modes = result["settings"], result["settings"]["modes"]
+    s, m, modes = result["settings"], result["model"], result["settings"]["modes"]
+    truncated = m["full_layers"] != m["layers"]
     cf = result["floors"]["compute"][str(n)]
     floor = f"{_ms(cf['ttft_s'])} ms, mode {cf['mode']}" if cf else "–"
+    extra = [f"best hit-D2D ms at {m['full_layers']} layers"] if truncated else []
+    head = ["residency", "hit %", "PCIe floor ms", *(f"{mo} ms | ×floor" for mo in modes), *extra]
     lines = ["", f"## {n} tokens", "", f"Compute floor (all experts resident): {floor}.", "",
-             "| residency | hit % | PCIe floor ms | " + " | ".join(f"{mo} ms | ×floor" for mo in modes) + " |",
-             "| " + " | ".join(["---"] * (3 + 2 * len(modes))) + " |"]
+             "| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * (3 + 2 * len(modes) + len(extra))) + " |"]
     for r in s["residencies"]:
         row = {mo: _cell(result, n, mo, r) for mo in modes}
         first = next((c for c in row.values() if c), None)
@@ -242,6 +254,9 @@ def _ttft_table(result: dict, n: int) -> list[str]:
             t = c["ttft_s"]
             mark = "" if mo == "off" or _hit_on(c) else " †"
             cols += [f"{_ms(t['median'])} [{_ms(t['min'])}–{_ms(t['max'])}]{mark}", _num(c["ratio_to_floor"])]
+        if truncated:
+            hits = [c["extrapolated_s"] for mo, c in row.items() if mo != "off" and _hit_on(c)]
+            cols.append(_ms(min(hits)) if hits else "–")
         lines.append("| " + " | ".join(cols) + " |")
     return lines
 

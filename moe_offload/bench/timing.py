@@ -60,11 +60,13 @@ class HostTimer:
         self.forward_s = self.experts_s = 0.0
         self.experts_calls = 0
         self._t = {}
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post_forward)
+        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post_forward)]
         for m in experts:
-            m.register_forward_pre_hook(self._pre)
-            m.register_forward_hook(self._post_experts)
+            self._handles += [m.register_forward_pre_hook(self._pre), m.register_forward_hook(self._post_experts)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
 
     def reset(self) -> None:
         self.forward_s = self.experts_s = 0.0

@@ -10,8 +10,8 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
 1. pinned H2D bandwidth: one 1 GiB copy from host memory pinned the way ExpertStore pins it
    (``cudaHostRegister``), CUDA events, median of 10 (CPU device: a 64 MiB host copy, so the smoke
    test has the same fields);
-2. the engine is built once (checkpoint -> pinned store happens once); every further mode gets a
-   fresh ``OffloadMoeCache`` over the same store and budget, then a prefill warmup, as in serving;
+2. the engine is built once (checkpoint -> pinned store happens once); every further (mode, budget)
+   gets a fresh ``OffloadMoeCache`` over the same store, then a prefill warmup, as in serving;
 3. per (prompt length, mode, residency): ``reps`` TTFTs from ``Engine.measure_ttft`` (synchronized,
    first token sampled), each after ``cache.set_residency`` (which evicts everything first). The
    resident set of layer l at residency r is the first round(r*E) experts of a seeded permutation of
@@ -21,44 +21,44 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
    the fastest hit-D2D mode at residency 1 (added to the sweep when absent);
 5. peers (CUDA only; the engine is torn down first so they get the GPU), then issue 5's targets.
 
-Budget: slots = the largest residency's resident experts, exactly. At a lower residency the other
-slots are free and prefill admits staged experts into them after each layer (the runtime's warming
-of the decode cache); that cost is inside the measured TTFT, as in serving.
+Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks through
+``moe_offload.parallel.run_on_ranks`` (spawned, or one rank per process under torchrun); every rank
+measures its own link at the same time, bytes are reported per rank, the floors are per rank (each
+rank moves its 1/N slice of every expert; the slowest link sets the bandwidth) and the peers, being
+single-device baselines, run only at TP=1.
+
+Budget (``--budget``): ``residency`` (default) sizes the slot pool to exactly the resident experts
+of each residency (at least top-k), so the pool is full when prefill starts, as in a server at steady
+state with that budget. ``max`` sizes it once per mode for the largest residency: at lower residencies
+the other slots are free and prefill admits staged experts into them after each layer (the runtime's
+warming of the decode cache), so that cost is inside the measured TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from moe_offload import log
-from moe_offload.bench.timing import HostTimer, measure_h2d
+from moe_offload.bench.sweep import MODES, cell_config, free_memory, pool_slots, sweep
+from moe_offload.bench.timing import measure_h2d
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
 
-#: prefill settings of each mode; "auto" is accepted too (the runtime's per-row-size choice)
-MODES = {
-    "batch_memcpy": {"hit_d2d": True, "hit_copy": "batch_memcpy"},
-    "gather": {"hit_d2d": True, "hit_copy": "gather"},
-    "auto": {"hit_d2d": True, "hit_copy": "auto"},
-    "off": {"hit_d2d": False},
-}
 PEERS = ("accelerate", "full_gpu")
+BUDGETS = ("residency", "max")
 # The embedded default is the CI smoke test: it must run in seconds on a CPU, so it gets shorter
 # prompts (the tiny model allows 4096 positions) and fewer repetitions than a real model.
 DEFAULT_PROMPT_LENS = {"smoke": "64", "model": "128,1024,8192"}
+DEFAULT_REPS = {"smoke": 2, "model": 5}
 # cache.py keeps the last two staged layers and reuses a staged layer as is: with fewer MoE layers a
 # pass would start with its first layers already staged and copy nothing for them
 MIN_MOE_LAYERS = 3
-DEFAULT_REPS = {"smoke": 2, "model": 5}
 
 
 class BenchError(ValueError):
@@ -75,6 +75,7 @@ class Plan:
     peer_layers: int | None
     peer_reps: int
     seed: int
+    budget: str
     notes: tuple[str, ...]
 
 
@@ -92,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "1 is always added (it is the compute floor)")
     p.add_argument("--modes", default="batch_memcpy,gather,off",
                    help=f"comma-separated prefill copy modes: {', '.join(MODES)} (off = full-layer H2D copies)")
+    p.add_argument("--budget", choices=BUDGETS, default="residency",
+                   help="slot pool per residency (residency: exactly the resident experts, the pool is full as in "
+                   "steady-state serving) or once for the largest residency (max: free slots get prefill admissions)")
     p.add_argument("--reps", type=int, help=f"timed repetitions per cell (default {DEFAULT_REPS['model']}; "
                    f"{DEFAULT_REPS['smoke']} for the tiny presets); one untimed pass per prompt length and mode")
     p.add_argument("--peers", default="accelerate,full_gpu",
@@ -138,140 +142,37 @@ def make_plan(a: argparse.Namespace, cfg: OffloadConfig) -> Plan:
         if value is not None and value < 1:
             raise BenchError(f"{name} must be >= 1, got {value}")
     return Plan(tuple(sorted(lens)), tuple(sorted(res)), modes, reps, peers, a.peer_layers, a.peer_reps, a.seed,
-                tuple(notes))
+                a.budget, tuple(notes))
 
 
-def bench_config(a: argparse.Namespace, extra: list[str] = ()) -> OffloadConfig:
-    """Config file (or embedded default) < --preset/--format/--layers < prefill.warmup=true < --set < ``extra``."""
+def bench_config(a: argparse.Namespace) -> OffloadConfig:
+    """Config file (or embedded default) < --preset/--format/--layers < prefill.warmup=true < --set."""
     base = [f"model.preset={a.preset}"] if a.preset else []
     base += [f"model.format={a.format}"] if a.format else []
     base += [f"model.layers={a.layers}"] if a.layers else []
     base += [f"parallel.tp={a.tp}"] if a.tp != 1 else []
-    return load_config(a.config, [*base, "prefill.warmup=true", *a.set, *extra])
+    return load_config(a.config, [*base, "prefill.warmup=true", *a.set])
 
 
-def mode_config(cfg: OffloadConfig, mode: str) -> OffloadConfig:
-    c = cfg.model_copy(deep=True)
-    for key, value in MODES[mode].items():
-        setattr(c.prefill, key, value)  # validated on assignment
-    return c
+@dataclass(frozen=True)
+class Setup:
+    """What the sweep needs besides the plan: the checkpoint, its geometry, the residency counts, the pool
+    sizes and the prompts (seeded: identical in every process)."""
+
+    path: Path
+    geometry: object
+    counts: dict[float, int]
+    slots: dict[float, int]
+    prompts: dict[int, list[int]]
 
 
-# ---------------------------------------------------------------------------------------- engine
-def _experts_modules(engine) -> list[torch.nn.Module]:
-    from moe_offload.experts import OffloadedExperts
+def prepare(cfg: OffloadConfig, plan: Plan, progress: bool = True) -> Setup:
+    from moe_offload.checkpoint.reader import CheckpointReader
+    from moe_offload.engine import ensure_checkpoint
 
-    return [m for m in engine.model.modules() if isinstance(m, OffloadedExperts)]
-
-
-def switch_mode(engine, cfg: OffloadConfig) -> None:
-    """Give ``engine`` a fresh cache with ``cfg.prefill`` over the same store (no checkpoint reload),
-    then warm it up so the hit path resolves under load, as at start-up."""
-    from moe_offload.cache import OffloadMoeCache
-
-    experts = _experts_modules(engine)
-    engine.cache.synchronize()
-    engine.cache = None
-    for m in experts:
-        m.cache = None
-    gc.collect()  # the old pool and staging buffers go before the new ones are allocated
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()
-    cache = OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device)
-    engine.cache, engine.cfg = cache, cfg
-    for m in experts:
-        m.cache = cache
-    if cfg.prefill.warmup:
-        engine.warmup()
-    else:
-        cache.resolve_hit_path()
-
-
-def resident_sets(layers: tuple[int, ...], num_experts: int, counts: dict[float, int], seed: int) -> dict:
-    """``{residency: {layer: experts}}``: the first ``counts[r]`` experts of a seeded per-layer permutation."""
-    rng = np.random.default_rng(seed)
-    perms = {layer: rng.permutation(num_experts) for layer in layers}
-    return {r: {layer: sorted(perms[layer][:n].tolist()) for layer in layers} for r, n in counts.items()}
-
-
-def _summary(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "reps": values}
-
-
-def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps: int) -> dict:
-    """``reps`` TTFTs of ``ids`` with exactly ``resident`` experts resident at the start of each."""
-    ttft, host_fwd, host_layer = [], [], []
-    stats = {}
-    for _ in range(reps):
-        engine.cache.set_residency(resident)
-        engine.cache.reset()
-        timer.reset()
-        ttft.append(engine.measure_ttft(ids))
-        stats = engine.cache.stats()
-        host_fwd.append(timer.forward_s)
-        host_layer.append(timer.experts_s / max(timer.experts_calls, 1))
-    tot = stats["total"]
-    b = tot["bytes"]
-    looked = tot["prefill_hits"] + tot["prefill_misses"]
-    return {
-        "hit_fraction": tot["prefill_hits"] / looked if looked else None,
-        "ttft_s": _summary(ttft),
-        "hit_path": stats["hit_path"],
-        "hit_d2d_fallbacks": stats["hit_d2d_fallbacks"],
-        "prefills": stats["prefills"],
-        "bytes": {"h2d": b["prefill_full_h2d"] + b["prefill_miss_h2d"],
-                  "d2d": b["prefill_hit_d2d"] + b["prefill_hit_gather"],
-                  **{k: v for k, v in b.items() if k.startswith("prefill_")}},
-        "host": {"forward_s": statistics.median(host_fwd), "experts_per_layer_s": statistics.median(host_layer)},
-    }
-
-
-def run_engine(cfg: OffloadConfig, plan: Plan, prompts: dict[int, list[int]], counts: dict[float, int]) -> dict:
-    """All cells of the sweep on one engine; returns ``{"cells", "modes", "store"}``. Tears the engine down."""
-    from moe_offload.engine import Engine
-
-    engine = Engine.from_config(mode_config(cfg, plan.modes[0]))
-    store = engine.store
-    described = store.describe()
-    sets = resident_sets(store.layers, store.num_experts, counts, plan.seed)
-    timer = HostTimer(engine.model, _experts_modules(engine))
-    cells, modes = [], {}
-    bar = tqdm(total=len(plan.modes) * len(plan.prompt_lens) * len(plan.residencies), desc="ttft cells", unit="cell")
-    for i, mode in enumerate(plan.modes):
-        mcfg = mode_config(cfg, mode)
-        if i:
-            switch_mode(engine, mcfg)
-        modes[mode] = {**MODES[mode], "hit_path": engine.cache.hit_mode or "full_layer_copy",
-                       "prefill": mcfg.prefill.model_dump()}
-        for n in plan.prompt_lens:
-            engine.cache.set_residency(sets[plan.residencies[0]])
-            engine.measure_ttft(prompts[n])  # untimed: first pass of this shape (allocator, kernel caches)
-            for r in plan.residencies:
-                bar.set_postfix(mode=mode, tokens=n, residency=r)
-                cell = measure_cell(engine, timer, prompts[n], sets[r], plan.reps)
-                cells.append({"prompt_len": n, "mode": mode, "residency": r, "resident_per_layer": counts[r], **cell})
-                bar.update(1)
-    bar.close()
-    engine.cache.synchronize()
-    del engine, store, timer
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return {"cells": cells, "modes": modes, "store": described}
-
-
-# ---------------------------------------------------------------------------------------- main
-def _run_tp(a: argparse.Namespace, tp: int) -> int:
-    try:
-        from moe_offload.parallel import run_tp_bench_ttft
-    except ImportError as exc:
-        raise RuntimeError(
-            f"bench ttft with tensor parallelism (tp={tp}) needs moe_offload.parallel.run_tp_bench_ttft(args) "
-            f"(issue 6), which this installation does not provide ({exc}); run with --tp 1") from None
-    return run_tp_bench_ttft(a)
-
-
-def _check_prompts(plan: Plan, cfg: OffloadConfig, reader) -> None:
+    path = ensure_checkpoint(cfg.model, progress)
+    reader = CheckpointReader(path)
+    geo = reader.geometry
     max_pos = reader.config.get("max_position_embeddings")
     too_long = [n for n in plan.prompt_lens if max_pos and n > max_pos]
     if too_long:
@@ -280,62 +181,125 @@ def _check_prompts(plan: Plan, cfg: OffloadConfig, reader) -> None:
     if too_short:
         raise BenchError(f"--prompt-lens {too_short}: prompts of at most decode.max_tokens={cfg.decode.max_tokens} "
                          "tokens take the decode path, not prefill; use longer prompts")
-
-
-def run(a: argparse.Namespace, plan: Plan) -> dict:
-    """Everything but the report: floors, engine cells, peers. Returns the raw result dict."""
-    from moe_offload.bench import peers as peer_runs
-    from moe_offload.bench import report
-    from moe_offload.checkpoint.reader import CheckpointReader
-    from moe_offload.config import config_to_dict
-    from moe_offload.engine import ensure_checkpoint, resolve_device
-
-    probe = bench_config(a)
-    device = resolve_device(probe.device)
-    path = ensure_checkpoint(probe.model)
-    reader = CheckpointReader(path)
-    geo = reader.geometry
-    _check_prompts(plan, probe, reader)
     E, L = geo.num_experts, len(geo.moe_layers)
     if L < MIN_MOE_LAYERS:
         raise BenchError(f"{path} has {L} MoE layers; the bench needs at least {MIN_MOE_LAYERS} (the cache reuses "
                          "the last two staged layers across passes, so a shallower model would copy nothing); "
                          "raise --layers")
     counts = {r: math.floor(r * E + 0.5) for r in plan.residencies}
-    slots = max(max(counts.values()) * L, geo.top_k)
-    notes = list(plan.notes)
-    if any(s.split("=", 1)[0].strip() == "cache.budget" for s in a.set):
-        notes.append(f"--set cache.budget replaced: the bench sizes the pool to the largest residency ({slots} slots)")
-    cfg = bench_config(a, [f"cache.budget={slots} slots"])
-    h2d = measure_h2d(device)
     gen = torch.Generator().manual_seed(plan.seed)
     prompts = {n: torch.randint(3, geo.vocab, (n,), generator=gen).tolist() for n in plan.prompt_lens}
-    engine_part = run_engine(cfg, plan, prompts, counts)
-    peer_part = peer_runs.run_peers(path, plan, prompts, device, notes)
-    store = engine_part.pop("store")
+    return Setup(path, geo, counts, pool_slots(plan.budget, counts, L, geo.top_k), prompts)
+
+
+# ---------------------------------------------------------------------------------------- one GPU
+def run_single(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
+    """The sweep on one device, then the peers; the engine's part of the result."""
+    from moe_offload.bench.peers import run_peers
+    from moe_offload.engine import Engine, resolve_device
+
+    setup = prepare(cfg, plan)
+    device = resolve_device(cfg.device)
+    h2d = measure_h2d(device)
+    engine = Engine.from_config(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]]))
+    part = sweep(engine, cfg, plan, setup.prompts, setup.counts, setup.slots)
+    part["store"] = engine.store.describe()
+    engine.cache.synchronize()
+    del engine  # the last reference: the pool and the pinned store go before the peers are built
+    free_memory()
+    part["peers"] = run_peers(setup.path, plan, setup.prompts, device, notes)
+    return {**part, "setup": setup, "h2d": h2d}
+
+
+# ---------------------------------------------------------------------------------------- TP
+def _tp_rank(cfg: OffloadConfig, tp, plan: Plan) -> dict:
+    """One TP rank: its own H2D floor (all ranks at once: their links are busy together in a TP
+    prefill), then the same sweep on every rank (collectives in lockstep); rank 0's result is kept,
+    with every rank's bandwidth and bytes per cell."""
+    import torch.distributed as dist
+
+    from moe_offload.engine import ensure_checkpoint
+    from moe_offload.parallel import build_tp_engine, per_rank_bytes
+
+    def gathered(obj):
+        out = [None] * tp.world_size
+        dist.all_gather_object(out, obj, group=tp.group)
+        return out
+
+    if tp.rank == 0:  # a preset is built once, by one rank
+        ensure_checkpoint(cfg.model)
+    tp.barrier()
+    setup = prepare(cfg, plan, progress=False)
+    tp.barrier()
+    h2d = gathered({"tp_rank": tp.rank, **measure_h2d(tp.device)})
+    rt = build_tp_engine(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]]), tp,
+                         progress=tp.rank == 0)
+
+    def per_rank(cell: dict) -> None:
+        cell["per_rank"] = [{k: r[k] for k in ("tp_rank", "h2d_bytes", "moved")}
+                            for r in gathered(per_rank_bytes(rt.engine.cache))]
+
+    part = sweep(rt.engine, cfg, plan, setup.prompts, setup.counts, setup.slots, show_bar=tp.rank == 0,
+                 on_cell=per_rank)
+    part["store"] = rt.engine.store.describe()
+    rt.engine.cache.synchronize()
+    return {**part, "setup": setup, "h2d_per_rank": h2d}
+
+
+def run_tp(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict | None:
+    """The sweep on ``parallel.tp`` ranks (spawned, or this process is one rank under torchrun);
+    None on ranks other than 0. Floors are per rank: each rank moves its 1/tp slice over its own link,
+    and the slowest link sets the bandwidth."""
+    try:
+        from moe_offload.parallel import run_on_ranks
+    except ImportError as exc:
+        raise RuntimeError(f"bench ttft with parallel.tp={cfg.parallel.tp} needs moe_offload.parallel (issue 6), "
+                           f"which this installation lacks ({exc}); run with --tp 1") from None
+    part = run_on_ranks(cfg, _tp_rank, plan)
+    if part is None:
+        return None
+    ranks = part.pop("h2d_per_rank")
+    slowest = min(ranks, key=lambda r: r["GBps"])
+    h2d = {**slowest, "per_rank": ranks, "method": slowest["method"] + "; every rank at once, the slowest rank's"}
+    if plan.peers:
+        notes.append("peers run only with --tp 1 (they are single-device baselines)")
+    return {**part, "h2d": h2d, "peers": {}}
+
+
+# ---------------------------------------------------------------------------------------- main
+def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, notes: list[str],
+             started: str) -> dict:
+    """The result dict (before ``report.derive``). Under TP the expert bytes are per rank."""
+    from moe_offload.bench import report
+    from moe_offload.config import config_to_dict
+    from moe_offload.engine import resolve_device
+
+    setup, store = part.pop("setup"), part.pop("store")
+    geo = setup.geometry
     return {
         "schema": "moe-offload/bench-ttft/1",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        **report.environment(device, a.git_sha),
+        "created": started,
+        **report.environment(resolve_device(cfg.device), a.git_sha),
         "model": {
             "label": report.model_label(cfg), "preset": None if cfg.model.checkpoint else cfg.model.preset,
-            "checkpoint": str(path), "format": store["format"], "model_type": geo.model_type,
-            "layers": geo.num_layers, "moe_layers": L, "full_layers": report.full_layers(cfg, geo.num_layers),
-            "experts": E, "top_k": geo.top_k, "hidden": geo.hidden, "intermediate": geo.inter,
+            "checkpoint": str(setup.path), "format": store["format"], "model_type": geo.model_type,
+            "layers": geo.num_layers, "moe_layers": len(geo.moe_layers),
+            "full_layers": report.full_layers(cfg, geo.num_layers), "experts": geo.num_experts, "top_k": geo.top_k,
+            "hidden": geo.hidden, "intermediate": geo.inter, "tp": cfg.parallel.tp,
             "bytes_per_expert": store["bytes_per_expert"], "all_expert_bytes": store["total_bytes"],
             "host_store": store,
         },
         "config": config_to_dict(cfg),
         "config_note": "prefill.hit_d2d and prefill.hit_copy are set per mode (see modes[*].prefill); "
-                       "cache.budget is sized by the bench",
+                       "cache.budget per residency (see settings.slots); under TP, expert bytes are per rank",
         "settings": {"prompt_lens": list(plan.prompt_lens), "residencies": list(plan.residencies),
-                     "resident_per_layer": {str(r): n for r, n in counts.items()}, "modes": list(plan.modes),
-                     "reps": plan.reps, "warmup": cfg.prefill.warmup, "budget_slots": slots, "seed": plan.seed,
+                     "resident_per_layer": {str(r): n for r, n in setup.counts.items()}, "modes": list(plan.modes),
+                     "reps": plan.reps, "warmup": cfg.prefill.warmup, "budget": plan.budget,
+                     "slots": {str(r): n for r, n in setup.slots.items()}, "seed": plan.seed,
                      "residency_sets": "first round(r*E) experts of a seeded per-layer permutation (nested)",
                      "peers": list(plan.peers), "peer_layers": plan.peer_layers, "peer_reps": plan.peer_reps},
-        "floors": {"h2d": h2d},
-        **engine_part,
-        "peers": peer_part,
+        "floors": {"h2d": part.pop("h2d")},
+        **part,
         "notes": notes,
     }
 
@@ -343,19 +307,19 @@ def run(a: argparse.Namespace, plan: Plan) -> dict:
 def main(a: argparse.Namespace) -> int:
     from moe_offload.bench import report
 
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     cfg = bench_config(a)
     plan = make_plan(a, cfg)
     log.configure(cfg.logging.level, cfg.logging.format)
-    if cfg.parallel.tp > 1:
-        return _run_tp(a, cfg.parallel.tp)
-    result = run(a, plan)
+    notes = list(plan.notes)
+    if any(s.split("=", 1)[0].strip() == "cache.budget" for s in a.set):
+        notes.append(f"--set cache.budget is replaced: the bench sizes the pool itself (--budget {plan.budget})")
+    part = run_tp(cfg, plan, notes) if cfg.parallel.tp > 1 else run_single(cfg, plan, notes)
+    if part is None:  # a torchrun rank other than 0: rank 0 reports
+        return 0
+    result = assemble(a, cfg, plan, part, notes, started)
     report.derive(result)
     paths = report.write(result, Path(a.out))
-    if a.json:
-        import json
-
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(paths["markdown_text"])
+    print(json.dumps(result, indent=2, default=str) if a.json else paths["markdown_text"])
     log.info_rank0("bench_ttft_written", json=str(paths["json"]), markdown=str(paths["md"]))
     return 0

@@ -12,7 +12,8 @@ Floors measured in the same run: HBM bandwidth (one large device copy) turns the
 routed experts' weights into a weight-read floor for the NVFP4 and bf16 layouts. Every time is also
 reported as a ratio to ``bf16_grouped_mm``.
 
-Usage: ``python benchmarks/fused_moe.py [--out benchmarks/results] [--json]`` (about a minute on an H200).
+Usage: ``python benchmarks/fused_moe.py [--out benchmarks/results] [--json] [--git-sha SHA]`` (about a
+minute on an H200); writes ``fused_moe-<YYYYmmdd-HHMM>.json`` and ``.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -208,8 +209,9 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     report = {"versions": versions(device, args.git_sha), "hbm_bandwidth_GBps": bandwidth / 1e9, "results": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "fused_moe.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "fused_moe.md").write_text(markdown(report))
+    stem = f"fused_moe-{dt.datetime.now().strftime('%Y%m%d-%H%M')}"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(report))
     print(json.dumps(report, indent=2) if args.json else markdown(report))
     return 0
 

@@ -6,12 +6,17 @@ H hidden, I expert intermediate, P padded pair slots (multiple of BLOCK_M), B = 
     y[t] = sum_k w[t,k] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t)),   e = rows[t, k]
 
 Steps, all enqueued without a host sync (the grid is sized from host-known upper bounds):
-1. ``moe_align``: sort pairs by bank row and pad each row's group to BLOCK_M (torch ops on device).
+1. ``moe_align``: group pairs by bank row and pad each row's group to BLOCK_M (three small kernels:
+   count, prefix sum, place).
 2. ``_gate_up_silu_kernel``: per block of one row, x @ [gate; up]^T with NVFP4 dequant in the K loop,
    epilogue ``silu(gate) * up`` -> ``act_MI`` (pair order, compute dtype).
 3. ``_down_kernel``: ``act @ down^T`` with dequant in the K loop, times the routing weight ->
    ``terms_MH`` (pair order); ``terms.view(T, K, H).sum(1)`` reduces over K (deterministic, no atomics).
    With K == 1 the kernel writes the output directly.
+
+Weight tiles are loaded transposed, ``[BLOCK_K/2 bytes, BLOCK_N rows]`` (contiguous along K), and
+split by nibble into even and odd K columns; the activations are loaded as even and odd columns to
+match, so each K step is two dots of depth BLOCK_K/2 and no register interleave is needed.
 
 Numerics: ``code * block_scale`` is exact in bf16/fp16 (<= 6 significant bits, exponents within range),
 so the tensor-core operands are the exact NVFP4 values; the per-matrix global multiplies the fp32
@@ -62,10 +67,10 @@ class KernelTiles:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name}={v}: must be a power of two >= 16 (tl.dot and the 16-column scale blocks)")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n={self.block_n}: must be a power of two >= 16 (tl.dot minimum)")
+        if self.block_k < 32 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (two K/2 dots, each >= 16)")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"invalid tiles {self}: group_m >= 1, num_warps a power of two <= 16, num_stages >= 1")
 
@@ -171,7 +176,7 @@ def config_for(device: torch.device, hidden: int, inter: int, pairs: int) -> Fus
 
 
 # ---------------------------------------------------------------------------------------------
-# Alignment: sort routed pairs by bank row, pad each row's group to BLOCK_M
+# Alignment: group routed pairs by bank row, pad each row's group to BLOCK_M
 
 
 def max_padded_pairs(pairs: int, num_rows: int, block_m: int) -> int:
@@ -185,8 +190,8 @@ def max_padded_pairs(pairs: int, num_rows: int, block_m: int) -> int:
 class MoeAlignment:
     """Routed pairs grouped by bank row, padded to whole blocks (all device tensors, no host sync).
 
-    ``sorted_ids_P`` int32: pair ids (t*K + k) grouped by row, each group padded to ``block_m`` with
-    the sentinel M; ``block_row_B`` int32: the bank row of each block (-1 past the end);
+    ``sorted_ids_P`` int32: pair ids (t*K + k) grouped by row (rows in ascending order), each group
+    padded to ``block_m`` with the sentinel M; ``block_row_B`` int32: the bank row of each block (-1 past the end);
     ``num_padded_1`` int32: the real padded length (blocks at or past it exit at once)."""
 
     sorted_ids_P: torch.Tensor
@@ -195,29 +200,66 @@ class MoeAlignment:
     block_m: int
 
 
-def moe_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignment:
-    """Group the T*K routed pairs by bank row (``rows_TK`` int, values in [0, num_rows)).
+@triton.jit
+def _count_rows_kernel(rows_ptr, counts_ptr, M, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
+    ok = (offs < M) & (rows >= 0) & (rows < N)
+    tl.atomic_add(counts_ptr + rows, 1, mask=ok)
 
-    Row ids are not range-checked here (that needs a device sync): out-of-range ids raise an
-    IndexError on CPU and a device-side assert on CUDA from the scatter below."""
-    rows_M = rows_TK.reshape(-1).to(torch.int64)
+
+@triton.jit
+def _row_starts_kernel(counts_ptr, cursor_ptr, num_padded_ptr, N, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: padded group starts (exclusive prefix sum of counts rounded up to BLOCK_M)."""
+    total = tl.full((), 0, tl.int32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        count = tl.load(counts_ptr + offs, mask=offs < N, other=0)
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(cursor_ptr + offs, total + tl.cumsum(padded, 0) - padded, mask=offs < N)
+        total += tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
+
+
+@triton.jit
+def _place_pairs_kernel(rows_ptr, cursor_ptr, sorted_ids_ptr, block_row_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
+    ok = (offs < M) & (rows >= 0) & (rows < N)
+    dest = tl.atomic_add(cursor_ptr + rows, 1, mask=ok)
+    tl.store(sorted_ids_ptr + dest, offs, mask=ok)
+    # every block of a row holds at least one real pair, so this writes every used block's row
+    tl.store(block_row_ptr + dest // BLOCK_M, rows.to(tl.int32), mask=ok)
+
+
+_ALIGN_BLOCK = 1024  # pairs per program of the count/place kernels (elementwise; not tuned)
+
+
+def moe_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignment:
+    """Group the T*K routed pairs by bank row (``rows_TK`` int, values in [0, num_rows)), padding each
+    row's group to whole ``block_m`` blocks; three small Triton kernels, no host sync.
+
+    Within a row the order of pairs follows atomics (it varies run to run); results do not, since
+    every pair's output row is computed independently of its position in the block.
+    Row ids are not range-checked (that needs a host sync): pairs outside [0, num_rows) are left
+    out, so their tokens' outputs are undefined, but nothing is written out of bounds."""
+    rows_M = rows_TK.reshape(-1)
     M = rows_M.numel()
     dev = rows_M.device
-    counts_N = torch.zeros(num_rows, dtype=torch.int64, device=dev).scatter_add_(0, rows_M, torch.ones_like(rows_M))
-    padded_N = (counts_N + block_m - 1) // block_m * block_m
-    padded_end_N = torch.cumsum(padded_N, 0)
-    group_start_N = torch.cumsum(counts_N, 0) - counts_N
-    sorted_rows_M, order_M = torch.sort(rows_M, stable=True)
-    rank_M = torch.arange(M, device=dev) - group_start_N[sorted_rows_M]
-    dest_M = padded_end_N[sorted_rows_M] - padded_N[sorted_rows_M] + rank_M
-
     P = max_padded_pairs(M, num_rows, block_m)
+    counts_N = torch.zeros(num_rows, dtype=torch.int32, device=dev)
+    cursor_N = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
     sorted_ids_P = torch.full((P,), M, dtype=torch.int32, device=dev)
-    sorted_ids_P.scatter_(0, dest_M, order_M.to(torch.int32))
-    block_start_B = torch.arange(0, P, block_m, device=dev)
-    block_row_B = torch.searchsorted(padded_end_N, block_start_B, right=True)
-    block_row_B = torch.where(block_row_B < num_rows, block_row_B, -1).to(torch.int32)
-    return MoeAlignment(sorted_ids_P, block_row_B, padded_end_N[-1:].to(torch.int32), block_m)
+    block_row_B = torch.full((P // block_m,), -1, dtype=torch.int32, device=dev)
+    grid = (triton.cdiv(M, _ALIGN_BLOCK),)
+    with device_guard(dev):
+        _count_rows_kernel[grid](rows_M, counts_N, M, num_rows, BLOCK=_ALIGN_BLOCK)
+        _row_starts_kernel[(1,)](
+            counts_N, cursor_N, num_padded_1, num_rows, BLOCK_M=block_m, BLOCK=min(1024, triton.next_power_of_2(num_rows))
+        )
+        _place_pairs_kernel[grid](rows_M, cursor_N, sorted_ids_P, block_row_B, M, num_rows, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK)
+    return MoeAlignment(sorted_ids_P, block_row_B, num_padded_1, block_m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,22 +280,18 @@ def _block_coords(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_tile(q_ptrs, s_ptrs, mask, DOT_DTYPE: tl.constexpr):
-    """``code * block_scale`` (exact in DOT_DTYPE) of one weight tile in its stored orientation:
-    ``q_ptrs`` address ``[BLOCK_N rows, BLOCK_K/2 bytes]`` (contiguous along K, so loads vectorize),
-    ``s_ptrs`` the scale of each byte (8 consecutive bytes share one: repeated addresses, served by
-    L1). Returns ``[BLOCK_N, BLOCK_K]``, column 2b from the low nibble of byte b."""
+def _nvfp4_tile_t(q_ptrs, s_ptrs, mask, DOT_DTYPE: tl.constexpr):
+    """One transposed weight tile, split by nibble: ``q_ptrs`` address ``[BLOCK_K/2 bytes, BLOCK_N rows]``
+    (contiguous along dim 0, so loads vectorize), ``s_ptrs`` the scale of each byte (8 consecutive
+    bytes share one: repeated addresses, served by L1). Returns ``(lo, hi)``, each ``[BLOCK_K/2,
+    BLOCK_N]`` = ``code * block_scale`` (exact in DOT_DTYPE): lo holds even K columns, hi odd ones.
+    Splitting K into even/odd halves (and the activations likewise) avoids interleaving registers,
+    which Triton 3.6 miscompiled for bf16 dots on small tiles."""
     packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
-    lo = e2m1_to_f32(packed & 15) * scale
-    hi = e2m1_to_f32(packed >> 4) * scale
-    return tl.interleave(lo, hi).to(DOT_DTYPE)
-
-
-# Both GEMMs compute the transposed tile, acc[n, m] = W[n, :] . x[m, :], i.e. dot(W, x^T): the
-# dequantized weights are the dot's first operand straight from registers (Hopper's wgmma takes A
-# from registers, B from shared memory), and a decode block of 16 pairs is the dot's N side
-# rather than a mostly-padding M side.
+    lo = (e2m1_to_f32(packed & 15) * scale).to(DOT_DTYPE)
+    hi = (e2m1_to_f32(packed >> 4) * scale).to(DOT_DTYPE)
+    return lo, hi
 
 
 @triton.jit
@@ -278,39 +316,41 @@ def _gate_up_silu_kernel(
     token = (pair // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_kb = tl.arange(0, BLOCK_K // 2)  # byte b of the tile holds K columns 2b and 2b+1
 
-    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :]  # [BM, BK]
-    # weight tiles [BN, BK/2] bytes: gate rows n, up rows I + n
-    qg_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
-    sg_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
+    x_ptrs = x_ptr + token[:, None] * stride_xt + 2 * offs_kb[None, :]  # even columns [BM, BK/2]
+    # transposed weight tiles [BK/2 bytes, BN rows]: gate rows n, up rows I + n
+    qg_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + offs_kb[:, None]
+    sg_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_kb // BYTES_PER_SCALE)[:, None]
     up_q = I * stride_qr
     up_s = I * stride_sr
 
-    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K:
             x_mask = valid_m[:, None]
-            w_mask = valid_n[:, None]
+            w_mask = valid_n[None, :]
         else:
-            x_mask = valid_m[:, None] & (offs_k[None, :] < H - k0)
-            w_mask = valid_n[:, None] & (offs_kb[None, :] < (H - k0) // 2)
-        x_t = tl.trans(tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE))
-        w_gate = _nvfp4_tile(qg_ptrs, sg_ptrs, w_mask, DOT_DTYPE)
-        acc_gate = tl.dot(w_gate, x_t, acc_gate, input_precision=INPUT_PRECISION)
-        w_up = _nvfp4_tile(qg_ptrs + up_q, sg_ptrs + up_s, w_mask, DOT_DTYPE)
-        acc_up = tl.dot(w_up, x_t, acc_up, input_precision=INPUT_PRECISION)
+            x_mask = valid_m[:, None] & (offs_kb[None, :] < (H - k0) // 2)
+            w_mask = valid_n[None, :] & (offs_kb[:, None] < (H - k0) // 2)
+        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE)
+        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(DOT_DTYPE)
+        lo, hi = _nvfp4_tile_t(qg_ptrs, sg_ptrs, w_mask, DOT_DTYPE)
+        acc_gate = tl.dot(x_even, lo, acc_gate, input_precision=INPUT_PRECISION)
+        acc_gate = tl.dot(x_odd, hi, acc_gate, input_precision=INPUT_PRECISION)
+        lo, hi = _nvfp4_tile_t(qg_ptrs + up_q, sg_ptrs + up_s, w_mask, DOT_DTYPE)
+        acc_up = tl.dot(x_even, lo, acc_up, input_precision=INPUT_PRECISION)
+        acc_up = tl.dot(x_odd, hi, acc_up, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K
         qg_ptrs += BLOCK_K // 2
         sg_ptrs += BLOCK_K // SCALE_BLOCK
 
     gate = acc_gate * tl.load(g_ptr + row * stride_gn)
     up = acc_up * tl.load(g_ptr + row * stride_gn + 1)
-    act = gate / (1.0 + tl.exp(-gate)) * up  # [BN, BM]
-    act_ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_am + offs_n[:, None]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * stride_am + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
 
 
 @triton.jit
@@ -336,32 +376,33 @@ def _down_kernel(
     pair64 = pair.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
     offs_kb = tl.arange(0, BLOCK_K // 2)
 
-    a_ptrs = act_ptr + pair64[:, None] * stride_am + offs_k[None, :]  # [BM, BK]
-    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
-    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
+    a_ptrs = act_ptr + pair64[:, None] * stride_am + 2 * offs_kb[None, :]  # even columns [BM, BK/2]
+    q_ptrs = q_ptr + row * stride_qn + offs_n[None, :] * stride_qr + offs_kb[:, None]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[None, :] * stride_sr + (offs_kb // BYTES_PER_SCALE)[:, None]
 
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         if EVEN_K:
             a_mask = valid_m[:, None]
-            w_mask = valid_n[:, None]
+            w_mask = valid_n[None, :]
         else:
-            a_mask = valid_m[:, None] & (offs_k[None, :] < I - k0)
-            w_mask = valid_n[:, None] & (offs_kb[None, :] < (I - k0) // 2)
-        a_t = tl.trans(tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE))
-        w = _nvfp4_tile(q_ptrs, s_ptrs, w_mask, DOT_DTYPE)
-        acc = tl.dot(w, a_t, acc, input_precision=INPUT_PRECISION)
+            a_mask = valid_m[:, None] & (offs_kb[None, :] < (I - k0) // 2)
+            w_mask = valid_n[None, :] & (offs_kb[:, None] < (I - k0) // 2)
+        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        lo, hi = _nvfp4_tile_t(q_ptrs, s_ptrs, w_mask, DOT_DTYPE)
+        acc = tl.dot(a_even, lo, acc, input_precision=INPUT_PRECISION)
+        acc = tl.dot(a_odd, hi, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
     route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0)
-    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[None, :]  # [BN, BM]
-    out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[:, None]
+    out_ptrs = out_ptr + pair64[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_m[:, None] & valid_n[None, :])
 
 
 # ---------------------------------------------------------------------------------------------

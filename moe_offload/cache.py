@@ -164,6 +164,7 @@ class OffloadMoeCache:
         if need > self.num_slots:
             raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")
         self._join_copy_stream()
+        self.staged_layer = [None, None]  # the next pass starts cold: nothing reused from staging
         for s in range(self.num_slots):
             self._evict(s)
             self.policy.free(s)

@@ -24,10 +24,16 @@ RESIDENCIES = (0.0, 0.5, 1.0)
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def presets(tmp_path_factory):
+    """model.cache_dir shared by the runs below: the tiny preset is built once."""
+    return tmp_path_factory.mktemp("presets")
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory, presets):
     """``(rc, printed JSON, written JSON, out dir)`` of one smoke run."""
     out = tmp_path_factory.mktemp("results")
-    cache = tmp_path_factory.mktemp("presets")
+    cache = presets
     argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "64",
             "--residency", ",".join(f"{r:g}" for r in RESIDENCIES), "--modes", "gather,off",
             "--set", "device=cpu", "--set", f"model.cache_dir={cache}", "--set", "logging.level=WARNING"]
@@ -155,10 +161,10 @@ def test_the_pool_holds_exactly_the_resident_experts_so_it_is_full_when_prefill_
 
 
 @pytest.fixture(scope="module")
-def bench_tp2(tmp_path_factory):
+def bench_tp2(tmp_path_factory, presets):
     """The written JSON of a TP=2 smoke run (two spawned CPU ranks over gloo)."""
     out = tmp_path_factory.mktemp("results-tp2")
-    cache = tmp_path_factory.mktemp("presets-tp2")
+    cache = presets
     argv = ["bench", "ttft", "--tp", "2", "--out", str(out), "--reps", "1", "--prompt-lens", "64",
             "--residency", "0,1", "--modes", "gather", "--set", "device=cpu", "--set", f"model.cache_dir={cache}",
             "--set", "logging.level=WARNING"]

@@ -159,10 +159,18 @@ def test_moe_align_groups_pairs_by_row_in_whole_blocks():
     assert (ids[num_padded:] == M).all() and (block_row[num_padded // block_m :] == -1).all()
 
 
+def test_moe_align_leaves_out_rows_outside_the_bank_without_writing_out_of_bounds():
+    rows_TK = torch.tensor([[0, 7], [-1, 1]], device=DEVICE)
+    al = moe_align(rows_TK, num_rows=2, block_m=16)
+    ids = al.sorted_ids_P.cpu()
+    assert sorted(ids[ids < 4].tolist()) == [0, 3]  # the pairs routed to rows 0 and 1
+    assert int(al.num_padded_1) == 32
+
+
 # ---------------------------------------------------------------------------------------------
 # fused_moe_nvfp4
 
-SMALL_TILES = FusedMoeConfig(16, KernelTiles(16, 16, group_m=2), KernelTiles(16, 16, group_m=2))  # many K steps/N tiles
+SMALL_TILES = FusedMoeConfig(16, KernelTiles(16, 32, group_m=2), KernelTiles(16, 32, group_m=2))  # many K steps/N tiles
 WIDE_K = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(32, 64))  # BLOCK_K > H or I: masked K tail
 CONFIGS = {"small-tiles": SMALL_TILES, "wide-k": WIDE_K, "table": None}
 

@@ -192,7 +192,10 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
     def emit_non_expert(mem_name: str, t: torch.Tensor) -> None:
         name = disk_name(family, mem_name)
         if quantized and mem_name in linear_weights and t.shape[-1] % 16 == 0 and not any(x in name for x in family.unquantized):
-            packed, scale, g = quantize(t.float())
+            if p.tiny:
+                packed, scale, g = quantize(t.float())
+            else:  # real size: valid codes and scales at the tensor's std, written directly
+                packed, scale, g = random_nvfp4(*t.shape, generator=gen, target_std=float(t.float().std()) or EXPERT_STD)
             for k, v in fmt_obj.to_disk(name[: -len(".weight")], packed, scale, g).items():
                 writer.add(k, v)
         else:
@@ -213,8 +216,10 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
     for layer in bar:
         src = by_layer[layer % skel_layers]
         for rel, t in src:
-            if layer < skel_layers or t.numel() < 2 or float(t.float().std()) == 0.0:
+            if layer < skel_layers:
                 v = t
+            elif t.numel() < 2 or float(t.float().std()) == 0.0:
+                v = t.clone()  # a constant tensor (norms): own storage, safetensors refuses shared memory
             else:
                 tf = t.float()
                 v = (torch.randn(t.shape, generator=gen) * tf.std() + tf.mean()).to(t.dtype)

@@ -5,8 +5,9 @@ staging pipeline. Policy (which slot to evict) lives in ``policy.py``; copy mech
 Legend: L MoE layers (``lp`` = position of a layer in ``store.layers``), E experts per layer,
 S slots, B bytes of one expert (all banks), T tokens, K top-k.
 
-Device memory: one slot pool per bank ``[S, row_bytes]`` plus two staging buffers per bank
-``[E, row_bytes]`` (prefill double buffering). A fraction or slot-count budget sizes the pool and
+Device memory: one slot pool ``[S, B]`` plus two staging buffers ``[E, B]`` (prefill double
+buffering), raw bytes laid out like the host store's rows (all banks of an expert side by side), so
+every copy moves whole expert rows: one entry per hit, one per run of misses. A fraction or slot-count budget sizes the pool and
 the staging comes on top; a byte budget (and ``auto``) includes the staging.
 
 Streams: copies run on ``copy_stream``; compute runs on the caller's current stream. Ordering is by
@@ -29,7 +30,7 @@ from moe_offload.config import Budget, CacheConfig, PrefillConfig, parse_bytes
 from moe_offload.copy_paths import (
     HitPathUnavailable, RowCopy, copy_rows_torch, index_tensor, log_hit_fallback, pointer_arrays, versions,
 )
-from moe_offload.host_store import ExpertStore
+from moe_offload.host_store import ExpertStore, bank_views
 from moe_offload.policy import make_policy
 from moe_offload.stats import CacheStats
 
@@ -97,11 +98,9 @@ class OffloadMoeCache:
         self.layer_pos = {layer: i for i, layer in enumerate(store.layers)}
         self.E = store.num_experts
         S = self.num_slots
-        self.pool = {s.name: torch.empty((S, s.nbytes), dtype=torch.uint8, device=self.device) for s in store.specs}
-        self.staging = [
-            {s.name: torch.empty((self.E, s.nbytes), dtype=torch.uint8, device=self.device) for s in store.specs}
-            for _ in range(2)
-        ]
+        B = store.bytes_per_expert
+        self.pool_rows = torch.empty((S, B), dtype=torch.uint8, device=self.device)
+        self.staging_rows = [torch.empty((self.E, B), dtype=torch.uint8, device=self.device) for _ in range(2)]
         self.slot_of = np.full((len(store.layers), self.E), -1, dtype=np.int32)
         self.owner = np.full(S, -1, dtype=np.int64)  # lp * E + e
         self.policy = make_policy(cache_cfg.policy, S)
@@ -116,8 +115,7 @@ class OffloadMoeCache:
         self._computing: int | None = None  # staging buffer the current layer reads
         self._last_filled = 1
         self._batch = None  # resolved cudaMemcpyBatchAsync binding, or None
-        self._hit_mode: str | None = None  # "batch_memcpy" | "gather" | "mixed" | None (full-layer copies)
-        self._hit_banks: dict[str, str] = {}
+        self._hit_mode: str | None = None  # "batch_memcpy" | "gather" | None (full-layer copies)
         self._resolved = False
         self._decline_reason: str | None = None
         log.info_rank0("cache_ready", device=str(self.device), slots=S, slot_bytes=self.plan.slot_bytes,
@@ -156,6 +154,9 @@ class OffloadMoeCache:
             self._batch.copy(dst, src, size, self.copy_stream)
         copy_rows_torch([c for c in copies if c.dst.shape[1] < self._h2d_batch_min], coalesce)
 
+    def _host_rows(self, layer: int, experts: np.ndarray, slots) -> RowCopy:
+        return RowCopy(self.pool_rows, self.store.rows(layer), np.asarray(slots, dtype=np.int64), experts)
+
     def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
         """Make exactly these experts resident (deterministic residency for benchmarks and tests).
 
@@ -173,8 +174,7 @@ class OffloadMoeCache:
                 ids = np.asarray(sorted(experts), dtype=np.int64)
                 slots = self.policy.choose(ids.size, set())
                 self._assign(layer, ids, slots)
-                self._h2d_rows([RowCopy(self.pool[n], self.store.bank(layer, n), np.asarray(slots), ids)
-                                for n in self.pool], coalesce=False)
+                self._h2d_rows([self._host_rows(layer, ids, slots)], coalesce=False)
         self.synchronize()
 
     # ------------------------------------------------------------------ streams
@@ -217,8 +217,7 @@ class OffloadMoeCache:
             self._join_copy_stream()
             with self._on_copy_stream():
                 self._assign(layer, miss_e, victims)
-                self._h2d_rows([RowCopy(self.pool[n], self.store.bank(layer, n), np.asarray(victims), miss_e)
-                                for n in self.pool], coalesce=False)
+                self._h2d_rows([self._host_rows(layer, miss_e, victims)], coalesce=False)
                 if self.is_cuda:
                     self.decode_done.record(self.copy_stream)
             counters.bytes["decode_h2d"] += int(miss_e.size) * self.store.bytes_per_expert
@@ -229,8 +228,17 @@ class OffloadMoeCache:
             cur.wait_event(self.admit_done)
         return experts, slots.astype(np.int64), ids_TK
 
+    @property
+    def pool(self) -> dict[str, torch.Tensor]:
+        """Per-bank column views ``[S, bank_bytes]`` of the slot pool."""
+        return {n: self.pool_rows[:, o:o + b] for n, (o, b) in self.store.offsets.items()}
+
+    @property
+    def staging(self) -> list[dict[str, torch.Tensor]]:
+        return [{n: rows[:, o:o + b] for n, (o, b) in self.store.offsets.items()} for rows in self.staging_rows]
+
     def slot_views(self) -> dict[str, torch.Tensor]:
-        return {s.name: s.view(self.pool[s.name]) for s in self.store.specs}
+        return bank_views(self.store.specs, self.store.offsets, self.pool_rows)
 
     # ------------------------------------------------------------------ prefill
     def begin_prefill(self, first_layer: int | None = None) -> None:
@@ -267,14 +275,14 @@ class OffloadMoeCache:
         with self._on_copy_stream():
             if self.is_cuda:
                 self.copy_stream.wait_event(self.release[b])
-            self._assemble(layer, self.staging[b])
+            self._assemble(layer, self.staging_rows[b])
             if self.is_cuda:
                 self.ready[b].record(self.copy_stream)
         self.staged_layer[b] = layer
         self._last_filled = b
         return b
 
-    def _assemble(self, layer: int, staging: dict[str, torch.Tensor]) -> None:
+    def _assemble(self, layer: int, staging_EB: torch.Tensor) -> None:
         counters = self.stats_.layer(layer)
         resident = self.resident(layer)  # host snapshot: no device sync
         hit_e = np.nonzero(resident >= 0)[0]
@@ -283,36 +291,32 @@ class OffloadMoeCache:
         counters.prefill_misses += int(miss_e.size)
         row_total = self.store.bytes_per_expert
         if self._hit_mode is None or hit_e.size == 0:
-            for name, dst in staging.items():
-                dst.copy_(self.store.bank(layer, name), non_blocking=True)
+            staging_EB.copy_(self.store.rows(layer), non_blocking=True)
             counters.bytes["prefill_full_h2d"] += self.E * row_total
             return
         try:
-            self._copy_hits(layer, staging, hit_e, resident[hit_e].astype(np.int64), counters)
-        except Exception as exc:  # a failed batch call mid-run: fall back for the rest of the process
+            self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters)
+        except Exception as exc:  # a failed hit copy mid-run: fall back for the rest of the process
             self._decline("call_failed", f"{type(exc).__name__}: {exc}")
-            for name, dst in staging.items():
-                dst.copy_(self.store.bank(layer, name), non_blocking=True)
+            staging_EB.copy_(self.store.rows(layer), non_blocking=True)
             counters.bytes["prefill_full_h2d"] += self.E * row_total
             return
-        self._h2d_rows([RowCopy(staging[n], self.store.bank(layer, n), miss_e, miss_e) for n in staging], coalesce=True)
+        self._h2d_rows([RowCopy(staging_EB, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
         counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * row_total
 
-    def _copy_hits(self, layer, staging, hit_e, hit_slots, counters) -> None:
-        batch_banks = [n for n in staging if self._hit_banks.get(n) == "batch_memcpy"]
-        gather_banks = [n for n in staging if self._hit_banks.get(n) == "gather"]
-        if batch_banks:
-            dst, src, size = pointer_arrays(
-                [RowCopy(staging[n], self.pool[n], hit_e, hit_slots) for n in batch_banks], coalesce=False)
+    def _copy_hits(self, staging_EB: torch.Tensor, hit_e: np.ndarray, hit_slots: np.ndarray, counters) -> None:
+        """Slot rows -> staging rows on the device: one batched call, or one gather kernel."""
+        nbytes = int(hit_e.size) * staging_EB.shape[1]
+        if self._hit_mode == "batch_memcpy":
+            dst, src, size = pointer_arrays([RowCopy(staging_EB, self.pool_rows, hit_e, hit_slots)], coalesce=False)
             self._batch.copy(dst, src, size, self.copy_stream)
-            counters.bytes["prefill_hit_d2d"] += int(size.sum())
-        if gather_banks:
-            from moe_offload.kernels.copy import gather_rows
+            counters.bytes["prefill_hit_d2d"] += nbytes
+            return
+        from moe_offload.kernels import copy as copy_kernels
 
-            dst_idx, src_idx = index_tensor(hit_e, self.device), index_tensor(hit_slots, self.device)
-            for n in gather_banks:
-                gather_rows(staging[n], dst_idx, self.pool[n], src_idx)
-                counters.bytes["prefill_hit_gather"] += int(hit_e.size) * staging[n].shape[1]
+        dst_idx, src_idx = index_tensor(hit_e, self.device), index_tensor(hit_slots, self.device)
+        copy_kernels.gather_rows(staging_EB, dst_idx, self.pool_rows, src_idx)
+        counters.bytes["prefill_hit_gather"] += nbytes
 
     def wait_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """Typed views ``[E, ...]`` of ``layer`` in staging; the compute stream waits until it is ready."""
@@ -323,7 +327,7 @@ class OffloadMoeCache:
         self._computing = b
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[b])
-        return {s.name: s.view(self.staging[b][s.name]) for s in self.store.specs}
+        return bank_views(self.store.specs, self.store.offsets, self.staging_rows[b])
 
     def release_layer(self, layer: int) -> None:
         """The GEMMs reading ``layer``'s staging are enqueued: the buffer may be refilled after them."""
@@ -347,16 +351,15 @@ class OffloadMoeCache:
         slots = self.policy.choose(int(new_e.size), set())
         self._assign(layer, new_e, slots)
         with self._on_copy_stream():
+            from moe_offload.kernels import copy as copy_kernels
+
             if self.is_cuda:
-                # index tensors are allocated on the copy stream: their memory is reused in its order
                 self.copy_stream.wait_event(self.ready[b])
-                dst_idx, src_idx = index_tensor(np.asarray(slots), self.device), index_tensor(new_e, self.device)
-                for n, pool in self.pool.items():
-                    pool.index_copy_(0, dst_idx, self.staging[b][n].index_select(0, src_idx))
+            # index tensors are allocated on the copy stream: their memory is reused in its order
+            dst_idx, src_idx = index_tensor(np.asarray(slots), self.device), index_tensor(new_e, self.device)
+            copy_kernels.gather_rows(self.pool_rows, dst_idx, self.staging_rows[b], src_idx)
+            if self.is_cuda:
                 self.admit_done.record(self.copy_stream)
-            else:
-                for n, pool in self.pool.items():
-                    pool[torch.as_tensor(slots)] = self.staging[b][n][torch.as_tensor(new_e)]
 
     # ------------------------------------------------------------------ hit path resolution
     def resolve_hit_path(self) -> None:
@@ -373,26 +376,19 @@ class OffloadMoeCache:
             return self._decline("no_hit_region", "the budget leaves no slots to hit")
         if not self.is_cuda:
             if cfg.hit_copy == "gather":
-                self._hit_mode, self._hit_banks = "gather", {n: "gather" for n in self.pool}
+                self._hit_mode = "gather"
                 return
             return self._decline("cpu_device", "device is cpu: no copy engine (hit_copy=gather runs on cpu)")
-        choice = self._choose_banks()
+        choice = cfg.hit_copy
+        if choice == "auto":
+            from moe_offload.kernels.copy import choose_hit_copy
+
+            choice = choose_hit_copy(torch.cuda.get_device_name(self.device), self.store.bytes_per_expert)
         self._resolve_batch_for_h2d()
-        if "batch_memcpy" in choice.values() and self._batch is None:
+        if choice == "batch_memcpy" and self._batch is None:
             return self._decline(self._batch_reason, self._batch_detail)
-        self._hit_banks = choice
-        self._hit_mode = "batch_memcpy" if set(choice.values()) == {"batch_memcpy"} else (
-            "gather" if set(choice.values()) == {"gather"} else "mixed")
-        log.info_rank0("prefill_hit_path", mode=self._hit_mode, banks=",".join(f"{k}:{v}" for k, v in choice.items()))
-
-    def _choose_banks(self) -> dict[str, str]:
-        mode = self.prefill_cfg.hit_copy
-        if mode != "auto":
-            return {n: mode for n in self.pool}
-        from moe_offload.kernels.copy import choose_hit_copy
-
-        name = torch.cuda.get_device_name(self.device)
-        return {n: choose_hit_copy(name, t.shape[1]) for n, t in self.pool.items()}
+        self._hit_mode = choice
+        log.info_rank0("prefill_hit_path", mode=choice, row_bytes=self.store.bytes_per_expert, setting=cfg.hit_copy)
 
     def _resolve_batch_for_h2d(self) -> None:
         self._batch = None
@@ -413,7 +409,7 @@ class OffloadMoeCache:
 
     def _decline(self, reason: str, detail: str) -> None:
         """Switch prefill to full-layer copies for the rest of the process (or fail, if configured)."""
-        self._hit_mode, self._hit_banks = None, {}
+        self._hit_mode = None
         if reason == "call_failed":
             self._batch = None
         if self.prefill_cfg.hit_d2d_on_unavailable == "error":

@@ -1,5 +1,9 @@
 """ExpertStore: every expert of every MoE layer in host memory, one exact-size pinned allocation per
-layer and bank ``[E, row_bytes]`` (raw bytes; ``BankSpec.view`` gives typed views).
+layer ``[E, row_bytes]``: an expert is ONE contiguous row holding all its banks side by side
+(``bank(layer, name)`` is the column slice ``[E, bank_bytes]`` of that row; ``BankSpec.view`` gives
+typed views). One row per expert means one copy entry per expert or per run of experts, and no
+small rows (scales, global scales) in any copy: small entries in a cudaMemcpyBatchAsync call held
+the host for the whole copy on the H200 (benchmarks/results/copy_paths_*).
 
 Pinning: plain host memory registered with ``cudaHostRegister`` (exact size; torch's
 ``pin_memory()`` goes through a caching allocator that rounds sizes up). On a CPU-only torch the
@@ -40,6 +44,21 @@ def _unpin(ptrs: list[int]) -> None:
         torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(p))
 
 
+def bank_offsets(specs: list[BankSpec]) -> dict[str, tuple[int, int]]:
+    """Byte offset and size of each bank inside an expert row (banks back to back, in spec order;
+    every format keeps bank sizes multiples of 4 so fp32 views of later banks stay aligned)."""
+    out, off = {}, 0
+    for s in specs:
+        out[s.name] = (off, s.nbytes)
+        off += s.nbytes
+    return out
+
+
+def bank_views(specs: list[BankSpec], offsets: dict[str, tuple[int, int]], rows_NB: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views ``[N, *shape]`` of every bank of ``rows_NB [N, bytes_per_expert]`` (no copy)."""
+    return {s.name: s.view(rows_NB[:, offsets[s.name][0]:offsets[s.name][0] + s.nbytes]) for s in specs}
+
+
 class ExpertStore:
     """Host banks of all MoE layers. ``bank(layer, name)`` is ``[E, row_bytes]`` uint8."""
 
@@ -56,18 +75,15 @@ class ExpertStore:
         self.specs: list[BankSpec] = fmt.banks(geometry.hidden, self.inter)
         self.layers: tuple[int, ...] = geometry.moe_layers
         self.num_experts = geometry.num_experts
-        self._banks: dict[int, dict[str, torch.Tensor]] = {}
-        self.pinned = False
+        self.offsets = bank_offsets(self.specs)
+        self._rows: dict[int, torch.Tensor] = {}
         pinned_ptrs: list[int] = []
         E = self.num_experts
         for layer in self.layers:
-            banks = {}
-            for s in self.specs:
-                t = torch.empty((E, s.nbytes), dtype=torch.uint8)
-                if pin and _pin(t):
-                    pinned_ptrs.append(t.data_ptr())
-                banks[s.name] = t
-            self._banks[layer] = banks
+            t = torch.empty((E, self.bytes_per_expert), dtype=torch.uint8)
+            if pin and _pin(t):
+                pinned_ptrs.append(t.data_ptr())
+            self._rows[layer] = t
         self.pinned = bool(pinned_ptrs)
         self._finalizer = weakref.finalize(self, _unpin, pinned_ptrs)
         if pin and not self.pinned:
@@ -88,14 +104,17 @@ class ExpertStore:
     def total_bytes(self) -> int:
         return self.bytes_per_expert * self.num_experts * len(self.layers)
 
-    def bank(self, layer: int, name: str) -> torch.Tensor:
-        return self._banks[layer][name]
+    def rows(self, layer: int) -> torch.Tensor:
+        """The layer's experts ``[E, bytes_per_expert]`` uint8 (pinned when CUDA is present)."""
+        return self._rows[layer]
 
-    def banks(self, layer: int) -> dict[str, torch.Tensor]:
-        return self._banks[layer]
+    def bank(self, layer: int, name: str) -> torch.Tensor:
+        """Column slice ``[E, bank_bytes]`` of the layer's rows (a view)."""
+        off, n = self.offsets[name]
+        return self._rows[layer][:, off:off + n]
 
     def views(self, layer: int) -> dict[str, torch.Tensor]:
-        return {s.name: s.view(self._banks[layer][s.name]) for s in self.specs}
+        return bank_views(self.specs, self.offsets, self._rows[layer])
 
     def close(self) -> None:
         """Unregister pinned memory now (also done when the store is garbage-collected)."""
@@ -114,7 +133,7 @@ class ExpertStore:
             t = tensors[s.name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 raise FormatError(f"bank {s.name}: got {tuple(t.shape)} {t.dtype}, expected {s.shape} {s.dtype}")
-            self._banks[layer][s.name][expert].copy_(t.contiguous().view(-1).view(torch.uint8))
+            self.bank(layer, s.name)[expert].copy_(t.contiguous().view(-1).view(torch.uint8))
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | CheckpointReader, fmt: str | None = None, tp_rank: int = 0,

@@ -35,8 +35,10 @@ class BankSpec:
         return prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
     def view(self, raw_NB: torch.Tensor) -> torch.Tensor:
-        """``[N, nbytes] uint8`` -> ``[N, *shape] dtype`` (no copy)."""
-        return raw_NB.view(self.dtype).view(raw_NB.shape[0], *self.shape)
+        """``[N, nbytes] uint8`` (rows contiguous, row stride free) -> ``[N, *shape] dtype`` (no copy)."""
+        typed = raw_NB.view(self.dtype)
+        return typed.as_strided((raw_NB.shape[0], *self.shape),
+                                (typed.stride(0), *torch.empty(self.shape, device="meta").stride()))
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ every copy moves whole expert rows: one entry per hit, one per run of misses. A 
 the staging comes on top; a byte budget (and ``auto``) includes the staging.
 
 Streams: copies run on ``copy_stream``; compute runs on the caller's current stream. Ordering is by
-events only: ``ready[b]`` (staging b assembled), ``release[b]`` (the GEMMs reading staging b are
-enqueued), ``decode_done`` (a decode miss copy landed), ``admit_done`` (prefill admission copies).
+events only: ``ready[b]`` (staging b assembled), ``release[b]`` (the GEMMs and the admission copy
+reading staging b are enqueued), ``decode_done`` (a decode miss copy landed). Prefill admission
+(staging -> free slots) runs on the compute stream.
 On the CPU there are no streams and every copy completes before the call returns.
 """
 
@@ -110,7 +111,6 @@ class OffloadMoeCache:
         self.ready = [ev(), ev()]
         self.release = [ev(), ev()]
         self.decode_done = ev()
-        self.admit_done = ev()
         self.staged_layer: list[int | None] = [None, None]
         self._computing: int | None = None  # staging buffer the current layer reads
         self._last_filled = 1
@@ -225,7 +225,6 @@ class OffloadMoeCache:
         if self.is_cuda:
             cur = torch.cuda.current_stream(self.device)
             cur.wait_event(self.decode_done)
-            cur.wait_event(self.admit_done)
         return experts, slots.astype(np.int64), ids_TK
 
     @property
@@ -294,15 +293,17 @@ class OffloadMoeCache:
             staging_EB.copy_(self.store.rows(layer), non_blocking=True)
             counters.bytes["prefill_full_h2d"] += self.E * row_total
             return
+        # Misses first: the DMA starts as soon as the buffer is released. An SM gather queued ahead
+        # of it waits for SMs held by the previous layer's GEMMs and held the PCIe copy back with
+        # it (H200, fca575a: TTFT at residency 0.5 above the full-layer-copy TTFT).
+        self._h2d_rows([RowCopy(staging_EB, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
+        counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * row_total
         try:
             self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters)
         except Exception as exc:  # a failed hit copy mid-run: fall back for the rest of the process
             self._decline("call_failed", f"{type(exc).__name__}: {exc}")
             staging_EB.copy_(self.store.rows(layer), non_blocking=True)
             counters.bytes["prefill_full_h2d"] += self.E * row_total
-            return
-        self._h2d_rows([RowCopy(staging_EB, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
-        counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * row_total
 
     def _copy_hits(self, staging_EB: torch.Tensor, hit_e: np.ndarray, hit_slots: np.ndarray, counters) -> None:
         """Slot rows -> staging rows on the device: one batched call, or one gather kernel."""
@@ -330,17 +331,21 @@ class OffloadMoeCache:
         return bank_views(self.store.specs, self.store.offsets, self.staging_rows[b])
 
     def release_layer(self, layer: int) -> None:
-        """The GEMMs reading ``layer``'s staging are enqueued: the buffer may be refilled after them."""
+        """The GEMMs reading ``layer``'s staging are enqueued: the buffer may be refilled after them
+        (and after the admission copy, which reads it too)."""
         b = self._buffer_for(layer)
         if b is None:
             return
+        self._admit_free(layer, b)
         if self.is_cuda:
             self.release[b].record(torch.cuda.current_stream(self.device))
-        self._admit_free(layer, b)
         self._computing = None
 
     def _admit_free(self, layer: int, b: int) -> None:
-        """Warm the decode cache from staging: copy staged experts into FREE slots only (no eviction)."""
+        """Warm the decode cache from staging: copy staged experts into FREE slots only (no eviction).
+
+        Runs on the compute stream, right after the layer's GEMMs: it is SM work, and on the copy
+        stream it would hold the next layer's PCIe copy behind the GEMMs."""
         free = np.nonzero(self.owner < 0)[0]
         if free.size == 0:
             return
@@ -350,16 +355,10 @@ class OffloadMoeCache:
             return
         slots = self.policy.choose(int(new_e.size), set())
         self._assign(layer, new_e, slots)
-        with self._on_copy_stream():
-            from moe_offload.kernels import copy as copy_kernels
+        from moe_offload.kernels import copy as copy_kernels
 
-            if self.is_cuda:
-                self.copy_stream.wait_event(self.ready[b])
-            # index tensors are allocated on the copy stream: their memory is reused in its order
-            dst_idx, src_idx = index_tensor(np.asarray(slots), self.device), index_tensor(new_e, self.device)
-            copy_kernels.gather_rows(self.pool_rows, dst_idx, self.staging_rows[b], src_idx)
-            if self.is_cuda:
-                self.admit_done.record(self.copy_stream)
+        dst_idx, src_idx = index_tensor(np.asarray(slots), self.device), index_tensor(new_e, self.device)
+        copy_kernels.gather_rows(self.pool_rows, dst_idx, self.staging_rows[b], src_idx)
 
     # ------------------------------------------------------------------ hit path resolution
     def resolve_hit_path(self) -> None:

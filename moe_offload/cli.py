@@ -33,14 +33,7 @@ def cmd_generate(a) -> int:
     else:
         ids = engine.encode(a.prompt)
     res = engine.generate(ids, a.max_new_tokens, seed=a.seed)
-    out = {
-        "prompt_tokens": len(ids),
-        "token_ids": res.token_ids,
-        "text": res.text,
-        "ttft_s": round(res.ttft_s, 6),
-        "decode_tok_s": None if res.decode_tok_s is None else round(res.decode_tok_s, 2),
-        "cache": {k: v for k, v in res.stats.items() if k != "per_layer"},
-    }
+    out = res.to_dict()
     _print(out, a.json)
     return 0
 

@@ -85,6 +85,15 @@ class GenerateResult:
     decode_tok_s: float | None
     stats: dict = field(default_factory=dict)
 
+    def to_dict(self) -> dict:
+        """What ``moe-offload generate`` prints."""
+        return {
+            "prompt_tokens": len(self.prompt_ids), "token_ids": self.token_ids, "text": self.text,
+            "ttft_s": round(self.ttft_s, 6),
+            "decode_tok_s": None if self.decode_tok_s is None else round(self.decode_tok_s, 2),
+            "cache": {k: v for k, v in self.stats.items() if k != "per_layer"},
+        }
+
 
 class Engine:
     """A transformers MoE model whose experts live in pinned host memory behind an OffloadMoeCache."""

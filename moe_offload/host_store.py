@@ -86,7 +86,7 @@ class ExpertStore:
             self._rows[layer] = t
         self.pinned = bool(pinned_ptrs)
         self._finalizer = weakref.finalize(self, _unpin, pinned_ptrs)
-        if pin and not self.pinned:
+        if pin and not self.pinned and log.rank_info()[0] == 0:  # informational: rank 0 speaks for all
             log.log_once("host_store_unpinned", "host_store_unpinned", logging.INFO, reason="no_cuda",
                          detail="CPU-only torch: expert banks live in plain host memory")
 

@@ -411,15 +411,6 @@ def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
 
 
 # ---------------------------------------------------------------------------------------- generate
-def generate_output(ids: list[int], res) -> dict:
-    """What ``moe-offload generate`` prints for a ``GenerateResult``."""
-    return {
-        "prompt_tokens": len(ids), "token_ids": res.token_ids, "text": res.text, "ttft_s": round(res.ttft_s, 6),
-        "decode_tok_s": None if res.decode_tok_s is None else round(res.decode_tok_s, 2),
-        "cache": {k: v for k, v in res.stats.items() if k != "per_layer"},
-    }
-
-
 def _generate_rank(cfg: OffloadConfig, tp: TpGroup, prompt: dict) -> dict:
     rt = build_tp_engine(cfg, tp, progress=tp.rank == 0)
     eng = rt.engine
@@ -428,7 +419,7 @@ def _generate_rank(cfg: OffloadConfig, tp: TpGroup, prompt: dict) -> dict:
     rt.hit_paths()
     per_rank = gather_per_rank_bytes(eng.cache, tp.group)
     log.info_rank0("tp_bytes", host_bytes=[r["host_bytes"] for r in per_rank], h2d_bytes=[r["h2d_bytes"] for r in per_rank])
-    return generate_output(ids, res)
+    return res.to_dict()
 
 
 def run_tp_generate(cfg: OffloadConfig, args) -> int:

@@ -118,6 +118,7 @@ class OffloadMoeCache:
         self._hit_mode: str | None = None  # "batch_memcpy" | "gather" | None (full-layer copies)
         self._resolved = False
         self._decline_reason: str | None = None
+        self._batch_reason: str | None = None  # why batched H2D copies are off (CUDA only)
         log.info_rank0("cache_ready", device=str(self.device), slots=S, slot_bytes=self.plan.slot_bytes,
                        staging_bytes=self.plan.staging_bytes, bytes_per_expert=store.bytes_per_expert,
                        resident_capacity=round(S / (len(store.layers) * self.E), 4))
@@ -249,6 +250,8 @@ class OffloadMoeCache:
             self.resolve_hit_path()
         if self._decline_reason is not None:
             self.stats_.fallback(self._decline_reason)
+        if self.is_cuda and self._batch is None and self._batch_reason is not None:
+            self.stats_.declined[f"batch_h2d:{self._batch_reason}"] += 1
         if self.prefill_cfg.overlap:
             self.prefetch_layer(self.store.layers[0] if first_layer is None else first_layer)
 
@@ -394,6 +397,7 @@ class OffloadMoeCache:
         self._batch_reason, self._batch_detail = "cpu_device", "device is cpu"
         if not self.is_cuda:
             return
+        self._batch_reason = None
         from moe_offload.kernels.batch_memcpy import BatchMemcpyUnavailable, load_batch_memcpy
 
         from moe_offload.kernels.copy import h2d_batch_min_row_bytes

@@ -33,6 +33,8 @@ class CacheStats:
     def reset(self) -> None:
         self.layers: dict[int, LayerCounters] = defaultdict(LayerCounters)
         self.hit_d2d_fallbacks: Counter = Counter()
+        #: other declined fast paths (e.g. batched H2D copies), per prefill pass, by "path:reason"
+        self.declined: Counter = Counter()
         self.prefills = 0
         self.decode_steps = 0
 
@@ -59,6 +61,7 @@ class CacheStats:
             "hit_rate": t["hits"] / lookups if lookups else None,
             "prefill_hit_rate": t["prefill_hits"] / plookups if plookups else None,
             "hit_d2d_fallbacks": dict(self.hit_d2d_fallbacks),
+            "declined": dict(self.declined),
             "prefills": self.prefills,
             "decode_steps": self.decode_steps,
             "per_layer": {layer: c.as_dict() for layer, c in sorted(self.layers.items())},

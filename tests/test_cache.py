@@ -207,3 +207,35 @@ def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ck
     assert all(c["prefill_hits"] == E for c in per_layer.values())
     want, _ = _engine(path, "cache.budget=1.0", "prefill.chunk_tokens=8192").prefill(ids)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)  # fp32 noise across chunking
+
+
+def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckpt, monkeypatch):
+    """On the copy stream an SM gather queued first waits for SMs held by the previous layer's GEMMs
+    and holds the DMA of the misses behind it (seen on the H200 at fca575a); misses go first."""
+    import moe_offload.cache as cache_mod
+    import moe_offload.kernels.copy as copy_mod
+
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0", hit_copy="gather")
+    cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
+    cache.resolve_hit_path()
+    order = []
+    real_rows, real_gather = cache_mod.copy_rows_torch, copy_mod.gather_rows
+    monkeypatch.setattr(cache_mod, "copy_rows_torch", lambda *a, **k: (order.append("h2d"), real_rows(*a, **k)))
+    monkeypatch.setattr(copy_mod, "gather_rows", lambda *a, **k: (order.append("gather"), real_gather(*a, **k)))
+    cache.prefetch_layer(store.layers[0])
+    assert order == ["h2d", "gather"]
+
+
+def test_admission_into_free_slots_happens_at_release_not_on_the_copy_stream(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0", hit_copy="gather")
+    layer = store.layers[0]
+    cache.begin_prefill()
+    assert (cache.resident(layer) >= 0).sum() == 0  # staged, not yet admitted
+    cache.wait_layer(layer)
+    cache.release_layer(layer)
+    assert (cache.resident(layer) >= 0).all()
+    for name in cache.pool:
+        e, s = 3, cache.resident(layer)[3]
+        assert torch.equal(cache.pool[name][s], store.bank(layer, name)[e])

@@ -24,7 +24,7 @@ def cmd_generate(a) -> int:
     cfg = load_config(a.config, a.set)
     log.configure(cfg.logging.level, cfg.logging.format)
     if cfg.parallel.tp > 1:
-        from moe_offload.parallel import run_tp_generate
+        from moe_offload.launch import run_tp_generate
 
         return run_tp_generate(cfg, a)
     engine = Engine.from_config(cfg)

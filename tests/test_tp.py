@@ -31,9 +31,8 @@ from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.formats import FormatError, get_format
 from moe_offload.host_store import ExpertStore
-from moe_offload.parallel import (
-    ResidencyDivergence, build_tp_engine, check_residency, close_tp, init_tp, make_reducer,
-)
+from moe_offload.launch import build_tp_engine
+from moe_offload.parallel import ResidencyDivergence, check_residency, close_tp, init_tp, make_reducer
 
 WORLD = 2
 PROMPT = list(range(10, 30))

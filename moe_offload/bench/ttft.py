@@ -22,7 +22,7 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
 5. peers (CUDA only; the engine is torn down first so they get the GPU), then issue 5's targets.
 
 Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks through
-``moe_offload.parallel.run_on_ranks`` (spawned, or one rank per process under torchrun); every rank
+``moe_offload.launch.run_on_ranks`` (spawned, or one rank per process under torchrun); every rank
 measures its own link at the same time, bytes are reported per rank, the floors are per rank (each
 rank moves its 1/N slice of every expert; the slowest link sets the bandwidth) and the peers, being
 single-device baselines, run only at TP=1.
@@ -219,7 +219,8 @@ def _tp_rank(cfg: OffloadConfig, tp, plan: Plan) -> dict:
     import torch.distributed as dist
 
     from moe_offload.engine import ensure_checkpoint
-    from moe_offload.parallel import build_tp_engine, per_rank_bytes
+    from moe_offload.launch import build_tp_engine
+    from moe_offload.parallel import per_rank_bytes
 
     def gathered(obj):
         out = [None] * tp.world_size
@@ -251,7 +252,7 @@ def run_tp(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict | None:
     None on ranks other than 0. Floors are per rank: each rank moves its 1/tp slice over its own link,
     and the slowest link sets the bandwidth."""
     try:
-        from moe_offload.parallel import run_on_ranks
+        from moe_offload.launch import run_on_ranks
     except ImportError as exc:
         raise RuntimeError(f"bench ttft with parallel.tp={cfg.parallel.tp} needs moe_offload.parallel (issue 6), "
                            f"which this installation lacks ({exc}); run with --tp 1") from None

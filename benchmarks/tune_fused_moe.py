@@ -35,7 +35,7 @@ BLOCK_MS = (16, 32, 64, 128)
 
 
 def tile_space(space: str, group_m: int):
-    from moe_offload.kernels.fused_moe import KernelTiles
+    from moe_offload.kernels.fused_moe_tuning import KernelTiles
 
     s = SPACES[space]
     for bn, bk, w, st in itertools.product(s["block_n"], s["block_k"], s["num_warps"], s["num_stages"]):
@@ -54,7 +54,8 @@ def time_ms(fn) -> float | None:
 
 
 def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, space: str) -> tuple[dict, float]:
-    from moe_offload.kernels.fused_moe import FusedMoeConfig, down_weighted, gate_up_silu, moe_align
+    from moe_offload.kernels.fused_moe import down_weighted, gate_up_silu, moe_align
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
 
     dev = views["w13_q"].device
     rows_TK, weights_TK = random_routing(T, E, K, dev)
@@ -94,7 +95,7 @@ def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, space: str) -> tu
 
 
 def main(argv=None) -> int:
-    from moe_offload.kernels.fused_moe import TUNING_PATH, TuningTable, shape_key
+    from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, TuningTable, shape_key
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))

@@ -18,15 +18,12 @@ import pytest  # noqa: E402
 
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, dequantize, random_nvfp4  # noqa: E402
 from moe_offload.kernels.fused_moe import (  # noqa: E402
-    FusedMoeConfig,
-    KernelTiles,
-    TuningTable,
     fused_moe_nvfp4,
-    load_tuning,
     max_padded_pairs,
     moe_align,
     moe_reference,
 )
+from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles, TuningTable, load_tuning  # noqa: E402
 from moe_offload.kernels.nvfp4 import dequant_banks, dequant_nvfp4  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,138 @@
+"""Tile configs of the fused NVFP4 MoE kernels: data (``fused_moe_tuning.json``, written by
+``benchmarks/tune_fused_moe.py``), keyed by device name, shape (H, I) and the number of routed pairs."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TUNING_PATH = Path(__file__).with_name("fused_moe_tuning.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile configs (data, not literals: see fused_moe_tuning.json)
+
+
+@dataclass(frozen=True)
+class KernelTiles:
+    """Tiles of one of the two GEMM kernels: N/K tile, M-block grouping, warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n={self.block_n}: must be a power of two >= 16 (tl.dot minimum)")
+        if self.block_k < 32 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (two K/2 dots, each >= 16)")
+        if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"invalid tiles {self}: group_m >= 1, num_warps a power of two <= 16, num_stages >= 1")
+
+
+@dataclass(frozen=True)
+class FusedMoeConfig:
+    """Tiles of one fused-MoE call: ``block_m`` rows per block (shared by both kernels: it sets the
+    padding of ``moe_align``), plus the tiles of the gate_up and down kernels."""
+
+    block_m: int
+    gate_up: KernelTiles
+    down: KernelTiles
+
+    def __post_init__(self):
+        if self.block_m < 16 or self.block_m & (self.block_m - 1):
+            raise ValueError(f"block_m={self.block_m}: must be a power of two >= 16 (tl.dot minimum)")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "FusedMoeConfig":
+        try:
+            return cls(block_m=int(d["block_m"]), gate_up=KernelTiles(**d["gate_up"]), down=KernelTiles(**d["down"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"{where}: bad fused-MoE config {d!r} ({exc}); expected "
+                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}}'
+            ) from exc
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def shape_key(hidden: int, inter: int) -> str:
+    """Key of a layer shape in the tuning table, e.g. ``H2048_I768``."""
+    return f"H{hidden}_I{inter}"
+
+
+class TuningTable:
+    """``devices -> shape key (or "default") -> max routed pairs M (str int) -> FusedMoeConfig``.
+
+    Lookup: the device's entry, else ``"default"``; the shape's entry, else that device's
+    ``"default"``; then the smallest M bucket >= M, else the largest bucket."""
+
+    def __init__(self, devices: dict[str, dict[str, dict[int, FusedMoeConfig]]], source: str = "<memory>"):
+        if "default" not in devices or "default" not in devices["default"]:
+            raise ValueError(f"{source}: the tuning table needs devices['default']['default'] (the fallback entry)")
+        self.devices = devices
+        self.source = source
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "<memory>") -> "TuningTable":
+        if data.get("schema") != 1 or not isinstance(data.get("devices"), dict):
+            raise ValueError(f"{source}: expected {{'schema': 1, 'devices': {{...}}}}, got keys {sorted(data)}")
+        devices: dict[str, dict[str, dict[int, FusedMoeConfig]]] = {}
+        for dev, shapes in data["devices"].items():
+            devices[dev] = {}
+            for shape, buckets in shapes.items():
+                if not buckets:
+                    raise ValueError(f"{source}: devices[{dev!r}][{shape!r}] has no M buckets")
+                parsed = {}
+                for m, cfg in buckets.items():
+                    where = f"{source}: devices[{dev!r}][{shape!r}][{m!r}]"
+                    if not str(m).isdigit():
+                        raise ValueError(f"{where}: bucket keys are max routed pairs (T*K) as integers")
+                    parsed[int(m)] = FusedMoeConfig.from_dict(cfg, where)
+                devices[dev][shape] = dict(sorted(parsed.items()))
+        return cls(devices, source)
+
+    def to_json(self) -> dict:
+        return {
+            "schema": 1,
+            "devices": {
+                dev: {shape: {str(m): cfg.to_dict() for m, cfg in b.items()} for shape, b in shapes.items()}
+                for dev, shapes in self.devices.items()
+            },
+        }
+
+    def lookup(self, device_name: str, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
+        shapes = self.devices.get(device_name, self.devices["default"])
+        buckets = shapes.get(shape_key(hidden, inter)) or shapes.get("default") or self.devices["default"]["default"]
+        for m, cfg in buckets.items():
+            if pairs <= m:
+                return cfg
+        return next(reversed(buckets.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def load_tuning(path: str | Path = TUNING_PATH) -> TuningTable:
+    """Read a tuning table (default: the one shipped next to this module)."""
+    path = Path(path)
+    with open(path) as f:
+        return TuningTable.from_json(json.load(f), str(path))
+
+
+@functools.lru_cache(maxsize=16)
+def device_name(device: torch.device) -> str:
+    """Tuning-table key of a device: the CUDA device name (e.g. ``NVIDIA H200``) or ``cpu``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def config_for(device: torch.device, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
+    """Tiles for a call on ``device`` with layer shape (H, I) and ``pairs`` = T*K routed pairs."""
+    return load_tuning().lookup(device_name(device), hidden, inter, pairs)
+
+

@@ -29,7 +29,7 @@ def test_tp_rank_slices_concatenate_to_the_whole_expert(tiny_ckpt, fmt):
     layer = full.layers[1]
     w13, w2 = full.format.dequantize(full.views(layer), torch.float32)
     p = [s.format.dequantize(s.views(layer), torch.float32) for s in parts]
-    I, half = full.inter, full.inter // 2
+    half = full.inter // 2
     gate = torch.cat([p[0][0][:, :half], p[1][0][:, :half]], 1)
     up = torch.cat([p[0][0][:, half:], p[1][0][:, half:]], 1)
     assert torch.equal(torch.cat([gate, up], 1), w13)

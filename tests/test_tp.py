@@ -282,7 +282,7 @@ def test_an_expert_evicted_on_one_rank_only_is_detected_on_every_rank(mechanics)
     for r in mechanics:
         d = r["on_demand"]
         assert d is not None and d["ranks"] == [1] and d["layer"] == layer
-        assert f"rank(s) [1]" in d["message"] and f"MoE layer {layer}" in d["message"]
+        assert "rank(s) [1]" in d["message"] and f"MoE layer {layer}" in d["message"]
 
 
 def test_the_periodic_check_stops_decoding_when_residency_diverges(mechanics):

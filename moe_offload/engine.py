@@ -135,18 +135,18 @@ class Engine:
                        experts=geo.num_experts, top_k=geo.top_k, device=str(device), dtype=str(dtype).replace("torch.", ""),
                        expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(compute, "name", "?"))
         if cfg.prefill.warmup:
-            engine.warmup()
+            engine.warmup(progress=progress and tp_rank == 0)
         else:
             cache.resolve_hit_path()
         return engine
 
     # ------------------------------------------------------------------ running
-    def warmup(self) -> None:
+    def warmup(self, progress: bool = False) -> None:
         """A dummy prefill plus one decode step: resolves the hit path under load, compiles kernels."""
         gen = torch.Generator().manual_seed(1234)
         n = max(self.cfg.prefill.warmup_tokens, self.cfg.decode.max_tokens + 1)
         ids = torch.randint(3, self.reader.geometry.vocab, (1, n), generator=gen)
-        with tqdm(total=2, desc="warmup", disable=True) as bar:
+        with tqdm(total=2, desc="warmup (prefill, decode)", disable=not progress) as bar:
             logits, past = self._forward(ids.to(self.device), None)
             bar.update(1)
             self._forward(logits[:, -1:].argmax(-1), past)

@@ -186,3 +186,10 @@ def test_sharded_checkpoint_with_index_reads(tmp_path, monkeypatch):
     assert (tmp_path / "s" / "model.safetensors.index.json").is_file()
     store = ExpertStore.from_checkpoint(tmp_path / "s", progress=False)
     assert store.num_experts == 16
+
+
+def test_qwen3_next_truncation_without_full_attention_is_refused(tmp_path):
+    from moe_offload.checkpoint.synthetic import PresetError, make_checkpoint
+
+    with pytest.raises(PresetError, match="--layers >= 4"):
+        make_checkpoint("flash-next", "nvfp4-ct", tmp_path / "x", layers=2, progress=False)

@@ -82,6 +82,11 @@ def preset_config(preset: str, layers: int | None = None) -> dict:
         if layers < 1:
             raise PresetError(f"--layers must be >= 1, got {layers}")
         cfg["num_hidden_layers"] = min(layers, cfg["num_hidden_layers"]) if not p.tiny else layers
+        if p.model_type == "qwen3_next" and cfg["num_hidden_layers"] < _PERIOD:
+            raise PresetError(
+                f"{preset}: --layers {layers} leaves no full-attention layer (qwen3_next has one every "
+                f"{_PERIOD} layers) and transformers' cache cannot serve such a model; use --layers >= {_PERIOD}"
+            )
     cfg.setdefault("bos_token_id", ByteTokenizer.bos_id)
     cfg.setdefault("eos_token_id", ByteTokenizer.eos_id)
     return cfg

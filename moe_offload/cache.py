@@ -233,12 +233,6 @@ class OffloadMoeCache:
         """Per-bank column views ``[S, bank_bytes]`` of the slot pool."""
         return {n: self.pool_rows[:, o:o + b] for n, (o, b) in self.store.offsets.items()}
 
-    @property
-    def staging(self) -> list[dict[str, torch.Tensor]]:
-        return [{n: rows[:, o:o + b] for n, (o, b) in self.store.offsets.items()} for rows in self.staging_rows]
-
-    def slot_views(self) -> dict[str, torch.Tensor]:
-        return bank_views(self.store.specs, self.store.offsets, self.pool_rows)
 
     # ------------------------------------------------------------------ prefill
     def begin_prefill(self, first_layer: int | None = None) -> None:

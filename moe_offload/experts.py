@@ -19,6 +19,7 @@ from torch import nn
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.copy_paths import index_tensor
 from moe_offload.formats import ExpertFormat
+from moe_offload.host_store import bank_views
 from moe_offload.kernels.moe_gemm import moe_grouped
 
 
@@ -91,8 +92,9 @@ class OffloadedExperts(nn.Module):
         experts, slots, ids_TK = cache.ensure(self.layer_idx, topk_ids_TK)
         dev = hidden_TH.device
         rows_TK = index_tensor(np.searchsorted(experts, ids_TK), dev)
-        slot_idx = index_tensor(slots, dev)
-        views = {k: v.index_select(0, slot_idx) for k, v in cache.slot_views().items()}
+        # the routed experts' rows, compacted: one gather of whole rows, then typed bank views
+        rows_NB = cache.pool_rows.index_select(0, index_tensor(slots, dev))
+        views = bank_views(cache.store.specs, cache.store.offsets, rows_NB)
         return self.compute(hidden_TH, rows_TK, topk_w_TK, views, int(experts.size))
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):

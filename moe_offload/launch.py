@@ -97,7 +97,7 @@ def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
     Otherwise ``parallel.tp`` ranks are spawned (``fn`` and its result must pickle) after a preset
     checkpoint is built here once, and rank 0's result is returned to this process.
     """
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: the launcher gives this process its rank
         tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)), cfg.parallel.tp))
         try:
             result = fn(cfg, tp, *args)

@@ -128,6 +128,7 @@ def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if group is None and not dist.is_initialized():
+        # torchrun's process identity (RANK/WORLD_SIZE, the launcher contract), not a behaviour switch
         rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
         world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
         if rank is None or world_size is None:

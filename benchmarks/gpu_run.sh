@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
-# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]   stages: setup probe tests copy fused ckpt ttft
+# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]   stages: probe ttft tests copy fused
+# e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES"
-stages="${*:-setup probe ckpt ttft tests copy fused}"
+stages="${*:-probe ttft tests copy fused}"
 has() { [[ " $stages " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
-if has ckpt; then
-  moe-offload make-checkpoint --preset qwen3-30b-a3b --format nvfp4-modelopt --out /tmp/q30 --json \
-    > "$RES/make_q30.json" 2> "$RES/make_q30.err"
-fi
-if has ttft; then
-  timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml --set model.checkpoint=/tmp/q30 \
-    ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
+if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
+  timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml \
+    --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
 fi
 has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"

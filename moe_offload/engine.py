@@ -60,8 +60,10 @@ def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
     path = root / f"{model_cfg.preset}-{fmt}{layers}-s{model_cfg.seed}"
     if not (path / ".complete").is_file():
         log.info_rank0("build_preset", preset=model_cfg.preset, format=fmt, path=str(path))
-        make_checkpoint(model_cfg.preset, fmt, path, layers=model_cfg.layers, seed=model_cfg.seed, progress=progress)
+        summary = make_checkpoint(model_cfg.preset, fmt, path, layers=model_cfg.layers, seed=model_cfg.seed,
+                                  progress=progress)
         (path / ".complete").write_text("ok\n")
+        log.info_rank0("preset_built", **summary)
     return path
 
 

@@ -40,3 +40,18 @@ def test_tp_rank_slices_concatenate_to_the_whole_expert(tiny_ckpt, fmt):
 def test_nvfp4_tp_that_breaks_16_element_blocks_is_a_named_error(tiny_ckpt):
     with pytest.raises(FormatError, match="multiple of 16"):
         ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), tp_rank=0, tp_size=4, progress=False)
+
+
+def test_triton_dequant_reads_the_strided_bank_views_of_expert_rows(tiny_ckpt):
+    """Bank views are column slices of [E, bytes_per_expert] rows (dim-0 stride = the whole row): the
+    Triton kernel (interpreted on CPU) must give the torch reference's values on exactly those views."""
+    pytest.importorskip("triton")
+    from moe_offload.kernels.nvfp4 import dequant_banks
+
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), progress=False)
+    views = {k: v[3:9] for k, v in store.views(store.layers[2]).items()}
+    assert views["gs"].stride(0) * 4 == store.bytes_per_expert  # really strided
+    got = dequant_banks(views, torch.float32)
+    want = store.format.dequantize(views, torch.float32)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)  # same fp32 products: exact

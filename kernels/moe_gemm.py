@@ -5,8 +5,9 @@ Legend: T tokens, K top-k, P = T*K routed pairs, N bank rows (experts in staging
 slots in decode), C rows per chunk, H hidden, I intermediate (per rank), F = 2I.
 
 Peak extra memory of one call: C dequantized experts (C * (F*H + H*I) * 2 bytes in bf16) plus the
-activations of all pairs: P * (H + F + I + H) elements. With C = 32 on Qwen3-30B-A3B that is
-~302 MB of weights; at T = 1024 the activations add ~56 MB.
+activations of all pairs: P * (H + F + I + H) elements. The engine sizes C from
+``prefill.dequant_chunk_bytes`` (default 2 GiB): a whole Qwen3-30B-A3B layer (128 x 9.4 MB = 1.2 GB)
+in one chunk, a Flash-Next layer (512 x 9.8 MB) in three; at T = 1024 the activations add ~56 MB.
 
 Chunking without a sync: ``grouped_mm`` only computes rows below ``offs[-1]``. For chunk c the
 sorted pairs are rotated on device so the chunk's first pair is row 0; rows past the chunk's

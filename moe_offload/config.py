@@ -121,7 +121,15 @@ class PrefillConfig(_Strict):
     warmup: bool = True
     warmup_tokens: int = Field(128, ge=1, le=65536)
     chunk_tokens: int = Field(8192, ge=16, description="prompts longer than this are prefilled in chunks")
-    dequant_chunk_experts: int = Field(32, ge=1, le=4096, description="experts dequantized at once (bounds memory)")
+    dequant_chunk_bytes: str = Field("2GiB", description="dequantized weights held at once by the torch compute path")
+    dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
+
+    @field_validator("dequant_chunk_bytes")
+    @classmethod
+    def _check_chunk_bytes(cls, v: str) -> str:
+        if parse_bytes(v) <= 0:
+            raise ValueError("must be a positive byte size such as '2GiB'")
+        return v
 
 
 class DecodeConfig(_Strict):

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from moe_offload import log
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.checkpoint.reader import CheckpointReader, detect_format
-from moe_offload.config import ModelConfig, OffloadConfig
+from moe_offload.config import ModelConfig, OffloadConfig, parse_bytes
 from moe_offload.experts import FusedNvfp4Compute, OffloadedExperts, TorchGroupedCompute
 from moe_offload.formats import get_format
 from moe_offload.host_store import ExpertStore
@@ -67,7 +67,7 @@ def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
     return path
 
 
-def make_compute(cfg: OffloadConfig, fmt_name: str, device: torch.device, dtype: torch.dtype):
+def make_compute(cfg: OffloadConfig, fmt_name: str, store: ExpertStore, device: torch.device, dtype: torch.dtype):
     backend = cfg.compute.backend
     nvfp4 = fmt_name != "bf16"
     if backend == "triton":
@@ -75,7 +75,18 @@ def make_compute(cfg: OffloadConfig, fmt_name: str, device: torch.device, dtype:
             raise RuntimeError("compute.backend=triton needs an NVFP4 checkpoint on a CUDA device; use auto or torch")
         return FusedNvfp4Compute(dtype)
     use_triton_dequant = device.type == "cuda" and nvfp4
-    return TorchGroupedCompute(get_format(fmt_name), dtype, cfg.prefill.dequant_chunk_experts, use_triton_dequant)
+    return TorchGroupedCompute(get_format(fmt_name), dtype, dequant_chunk_rows(cfg, store, dtype), use_triton_dequant)
+
+
+def dequant_chunk_rows(cfg: OffloadConfig, store: ExpertStore, dtype: torch.dtype) -> int:
+    """Experts dequantized per chunk: ``prefill.dequant_chunk_experts``, else as many as fit in
+    ``prefill.dequant_chunk_bytes`` (2 GiB: a whole Qwen3-30B-A3B layer, 128 x 9.4 MB, in one chunk;
+    fewer chunks mean fewer kernel launches per layer on the host)."""
+    if cfg.prefill.dequant_chunk_experts is not None:
+        return cfg.prefill.dequant_chunk_experts
+    H, I = store.geometry.hidden, store.inter
+    dense_bytes = 3 * H * I * torch.empty((), dtype=dtype).element_size()
+    return max(1, parse_bytes(cfg.prefill.dequant_chunk_bytes) // dense_bytes)
 
 
 @dataclass
@@ -118,7 +129,7 @@ class Engine:
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device)
-        compute = make_compute(cfg, fmt_name, device, dtype)
+        compute = make_compute(cfg, fmt_name, store, device, dtype)
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)

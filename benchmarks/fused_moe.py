@@ -40,14 +40,12 @@ def random_banks(H: int, I: int, E: int, device, seed: int = 0) -> dict:
     """Valid random NVFP4 banks of E experts on ``device`` (weight std ~ 1/sqrt(fan_in)), laid out
     as column slices of one ``[E, row_bytes]`` byte bank like the store's."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+    from moe_offload.host_store import bank_offsets, bank_views
 
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = Nvfp4ModelOptFormat().banks(H, I)
     raw_EB = torch.randint(0, 256, (E, sum(s.nbytes for s in specs)), dtype=torch.uint8, device=device, generator=gen)
-    views, off = {}, 0
-    for spec in specs:
-        views[spec.name] = spec.view(raw_EB[:, off : off + spec.nbytes])
-        off += spec.nbytes
+    views = bank_views(specs, bank_offsets(specs), raw_EB)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
         s.copy_((64.0 * (0.5 + 1.5 * torch.rand(s.shape, device=device, generator=gen))).to(torch.float8_e4m3fn))

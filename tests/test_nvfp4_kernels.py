@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, dequantize, random_nvfp4  # noqa: E402
+from moe_offload.host_store import bank_offsets, bank_views  # noqa: E402
 from moe_offload.kernels.fused_moe import (  # noqa: E402
     fused_moe_nvfp4,
     max_padded_pairs,
@@ -36,10 +37,7 @@ def make_banks(N: int, H: int, I: int, seed: int = 0) -> dict:
     gen = torch.Generator().manual_seed(seed)
     specs = FMT.banks(H, I)
     raw_NB = torch.zeros(N, sum(s.nbytes for s in specs) + 8, dtype=torch.uint8)
-    views, off = {}, 0
-    for spec in specs:
-        views[spec.name] = spec.view(raw_NB[:, off : off + spec.nbytes])
-        off += spec.nbytes
+    views = bank_views(specs, bank_offsets(specs), raw_NB)
     for e in range(N):
         q, s, _ = random_nvfp4(2 * I, H, gen)
         views["w13_q"][e], views["w13_s"][e] = q, s
@@ -52,10 +50,7 @@ def make_banks(N: int, H: int, I: int, seed: int = 0) -> dict:
     fan_in = torch.tensor([H, H, I], dtype=torch.float32)
     views["gs"].copy_(g0 / 0.02 / fan_in.sqrt() * (0.5 + torch.rand(N, 3, generator=gen)))
     raw_NB = raw_NB.to(DEVICE)
-    off, out = 0, {}
-    for spec in specs:
-        out[spec.name] = spec.view(raw_NB[:, off : off + spec.nbytes])
-        off += spec.nbytes
+    out = bank_views(specs, bank_offsets(specs), raw_NB)
     return out
 
 

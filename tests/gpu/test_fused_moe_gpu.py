@@ -8,6 +8,7 @@ import torch
 
 from moe_offload.formats.base import BankSpec
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+from moe_offload.host_store import bank_offsets, bank_views
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,10 +25,7 @@ def random_banks_on_gpu(seed: int = 0) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     specs: list[BankSpec] = FMT.banks(H, I)
     raw_NB = torch.randint(0, 256, (N, sum(s.nbytes for s in specs) + 16), dtype=torch.uint8, device="cuda", generator=gen)
-    views, off = {}, 0
-    for spec in specs:
-        views[spec.name] = spec.view(raw_NB[:, off : off + spec.nbytes])
-        off += spec.nbytes
+    views = bank_views(specs, bank_offsets(specs), raw_NB)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
         s.copy_((64.0 * (0.5 + 1.5 * torch.rand(s.shape, device="cuda", generator=gen))).to(torch.float8_e4m3fn))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
-# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]   stages: probe ttft tests copy fused
+# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]   stages: probe ttft profile tests copy fused
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -18,6 +18,8 @@ if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event p
     --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
 fi
+has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
+  --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
 has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
 has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1

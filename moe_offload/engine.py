@@ -160,7 +160,7 @@ class Engine:
         n = max(self.cfg.prefill.warmup_tokens, self.cfg.decode.max_tokens + 1)
         ids = torch.randint(3, self.reader.geometry.vocab, (1, n), generator=gen)
         with tqdm(total=2, desc="warmup (prefill, decode)", disable=not progress) as bar:
-            logits, past = self._forward(ids.to(self.device), None)
+            logits, past = self._forward(ids.to(self.device), None, 1)
             bar.update(1)
             self._forward(logits[:, -1:].argmax(-1), past)
             bar.update(1)
@@ -168,14 +168,18 @@ class Engine:
         self.cache.reset()
 
     @torch.inference_mode()
-    def _forward(self, ids_BT: torch.Tensor, past):
+    def _forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
         # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
-        out = self.model(input_ids=ids_BT, use_cache=True, **{self._kv_name: past})
+        # logits_to_keep=1: the LM head runs on the last position only (what sampling needs)
+        out = self.model(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
         return out.logits, getattr(out, self._kv_name)
 
     @torch.inference_mode()
-    def prefill(self, input_ids, past=None) -> tuple[torch.Tensor, object]:
-        """Logits ``[B, T, V]`` of the prompt (chunked by ``prefill.chunk_tokens``) and the KV cache."""
+    def prefill(self, input_ids, past=None, last_only: bool = False) -> tuple[torch.Tensor, object]:
+        """Logits ``[B, T, V]`` of the prompt (chunked by ``prefill.chunk_tokens``) and the KV cache.
+
+        ``last_only``: logits ``[B, 1, V]`` of the last position only, as serving does (the LM head
+        over every prompt position costs a [T, H] x [H, V] GEMM and T x V logits that nobody reads)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids[None]
@@ -183,8 +187,10 @@ class Engine:
         chunk = self.cfg.prefill.chunk_tokens
         parts = []
         for s in range(0, ids.shape[1], chunk):
-            logits, past = self._forward(ids[:, s:s + chunk], past)
+            logits, past = self._forward(ids[:, s:s + chunk], past, 1 if last_only else 0)
             parts.append(logits)
+        if last_only:
+            return parts[-1], past
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), past
 
     def _sample(self, logits_BV: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
@@ -215,7 +221,7 @@ class Engine:
         gen = torch.Generator().manual_seed(seed)
         self._sync()
         t0 = time.perf_counter()
-        logits, past = self.prefill(prompt_ids)
+        logits, past = self.prefill(prompt_ids, last_only=True)
         tok = self._sample(logits[:, -1], gen)
         out = [int(tok.item())]  # synchronizes: TTFT includes the first sampled token
         ttft = time.perf_counter() - t0
@@ -234,7 +240,7 @@ class Engine:
         """Seconds from a synchronized start to the first sampled token on the host."""
         self._sync()
         t0 = time.perf_counter()
-        logits, _ = self.prefill(prompt_ids)
+        logits, _ = self.prefill(prompt_ids, last_only=True)
         int(logits[0, -1].argmax().item())
         return time.perf_counter() - t0
 

@@ -209,6 +209,16 @@ def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ck
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)  # fp32 noise across chunking
 
 
+def test_prefill_last_only_returns_the_last_positions_logits_of_a_chunked_prompt(tiny_ckpt):
+    """TTFT and generate run the LM head on the last position only; it must equal the full logits' last row."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    ids = torch.randint(3, 300, (1, 100), generator=torch.Generator().manual_seed(5))
+    full, _ = _engine(path, "prefill.chunk_tokens=64").prefill(ids)
+    last, _ = _engine(path, "prefill.chunk_tokens=64").prefill(ids, last_only=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    torch.testing.assert_close(last[:, -1], full[:, -1], atol=1e-5, rtol=0)
+
+
 def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckpt, monkeypatch):
     """On the copy stream an SM gather queued first waits for SMs held by the previous layer's GEMMs
     and holds the DMA of the misses behind it (seen on the H200 at fca575a); misses go first."""

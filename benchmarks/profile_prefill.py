@@ -1,0 +1,114 @@
+"""Where a prefill's time goes: host (Python enqueue) vs device, per op, at chosen residencies.
+
+Runs the real engine on a preset checkpoint (built into ``model.cache_dir`` on first use), makes a
+residency deterministic as ``bench ttft`` does, then for each residency:
+  * TTFT (synchronized, median of ``--reps``) and the host time of the forward (no sync);
+  * cProfile of one prefill's host side: top Python functions by own time;
+  * torch.profiler of one prefill: top ops by self CPU time and by device time.
+Writes ``profile-<preset>-l<layers>.txt`` and a JSON summary under ``--out``.
+
+    python benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml --layers 12 \
+        --residency 1,0.5 --tokens 1024 --out /tmp/res
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+from pathlib import Path
+
+import torch
+
+from moe_offload.bench.sweep import cell_config, experts_modules, resident_sets, use_cache
+from moe_offload.bench.timing import HostTimer
+from moe_offload.config import load_config
+from moe_offload.engine import Engine
+
+
+def engine_slots(cfg) -> int:
+    return 64  # any pool; use_cache rebuilds the cache per residency
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--residency", default="1,0.5")
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--mode", default="gather", choices=["gather", "batch_memcpy", "off"])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--out", default="benchmarks/results")
+    a = p.parse_args()
+    overrides = [f"model.layers={a.layers}"] if a.layers else []
+    cfg = load_config(a.config, [*overrides, "prefill.warmup=true", *a.set])
+    residencies = [float(r) for r in a.residency.split(",")]
+    E = None
+    engine = None
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report, summary = io.StringIO(), {"tokens": a.tokens, "mode": a.mode, "cells": []}
+    for r in residencies:
+        if engine is None:
+            engine = Engine.from_config(cell_config(cfg, a.mode, engine_slots(cfg)))
+            E = engine.store.num_experts
+        n_res = int(round(r * E))
+        slots = max(n_res * len(engine.store.layers), engine.store.geometry.top_k)
+        use_cache(engine, cell_config(cfg, a.mode, slots))
+        sets = resident_sets(engine.store.layers, E, {r: n_res}, 0)[r]
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, engine.reader.geometry.vocab, (a.tokens,), generator=gen).tolist()
+        timer = HostTimer(engine.model, experts_modules(engine))
+        ttft, host_fwd, host_exp = [], [], []
+        for rep in range(a.reps + 1):
+            engine.cache.set_residency(sets)
+            engine.cache.reset()
+            timer.reset()
+            t = engine.measure_ttft(ids)
+            if rep:
+                ttft.append(t)
+                host_fwd.append(timer.forward_s)
+                host_exp.append(timer.experts_s)
+        timer.remove()
+        # host-only view: cProfile of one prefill
+        engine.cache.set_residency(sets)
+        prof = cProfile.Profile()
+        engine.cache.synchronize()
+        prof.enable()
+        engine.measure_ttft(ids)
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(35)
+        # op view: torch.profiler of one prefill
+        engine.cache.set_residency(sets)
+        engine.cache.synchronize()
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as tp:
+            engine.measure_ttft(ids)
+        ka = tp.key_averages()
+        cpu_tab = ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
+        dev_tab = ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
+        dev_total = sum(e.self_device_time_total for e in ka) / 1e3
+        n_layers = len(engine.store.layers)
+        cell = {"residency": r, "ttft_ms": statistics.median(ttft) * 1e3, "ttft_reps_ms": [x * 1e3 for x in ttft],
+                "host_forward_ms": statistics.median(host_fwd) * 1e3, "host_experts_ms": statistics.median(host_exp) * 1e3,
+                "device_self_total_ms": dev_total, "layers": n_layers, "stats": engine.cache.stats()["total"]}
+        summary["cells"].append(cell)
+        print(json.dumps({k: v for k, v in cell.items() if k != "stats"}), flush=True)
+        report.write(f"\n\n######## residency {r}: {json.dumps({k: v for k, v in cell.items() if k != 'stats'})}\n")
+        report.write("\n## cProfile (host, one prefill, tottime)\n" + s.getvalue())
+        report.write("\n## torch.profiler by self CPU\n" + cpu_tab)
+        report.write("\n## torch.profiler by self device time\n" + dev_tab)
+    name = f"profile-{cfg.model.preset}-l{len(engine.store.layers)}-{a.tokens}"
+    (out_dir / f"{name}.txt").write_text(report.getvalue())
+    (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"wrote {out_dir / name}.txt", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -149,6 +149,10 @@ class ParallelConfig(_Strict):
 
 class ComputeConfig(_Strict):
     backend: Literal["auto", "torch", "triton"] = "auto"
+    cuda_graphs: bool = Field(True, description="replay the prefill expert compute of a seen prompt-chunk length "
+                              "as a CUDA graph (CUDA only; cuts ~40 launches per layer to one)")
+    graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
+    max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 
 
 class LoggingConfig(_Strict):

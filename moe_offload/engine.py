@@ -130,10 +130,19 @@ class Engine:
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device)
         compute = make_compute(cfg, fmt_name, store, device, dtype)
+        prefill_compute = None
+        if cfg.compute.cuda_graphs and device.type == "cuda":
+            from moe_offload.graphs import GraphedCompute
+
+            prefill_compute = GraphedCompute(compute, cfg.compute.graph_after, cfg.compute.max_graphs)
+            if dtype != torch.bfloat16 and getattr(compute, "name", "") != "triton":
+                # CUDA grouped_mm is bf16-only: other dtypes take a per-group loop that reads offsets on the host
+                prefill_compute.disable("compute_syncs", f"dtype {dtype} runs the per-group GEMM loop (a host sync)")
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
-        attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce))
+        attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce,
+                                                                 prefill_compute))
         model.to(device).eval()
         check_no_meta(model)
         tokenizer = None
@@ -146,7 +155,7 @@ class Engine:
         engine = cls(cfg, model, cache, store, reader, tokenizer, device, dtype)
         log.info_rank0("engine_ready", model_type=geo.model_type, format=fmt_name, layers=len(store.layers),
                        experts=geo.num_experts, top_k=geo.top_k, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                       expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(compute, "name", "?"))
+                       expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(prefill_compute or compute, "name", "?"))
         if cfg.prefill.warmup:
             engine.warmup(progress=progress and tp_rank == 0)
         else:

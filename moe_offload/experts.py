@@ -58,11 +58,13 @@ class FusedNvfp4Compute:
 
 
 class OffloadedExperts(nn.Module):
-    """Experts of one MoE layer, computed from the cache. ``reduce``: TP all-reduce (or None)."""
+    """Experts of one MoE layer, computed from the cache. ``reduce``: TP all-reduce (or None);
+    ``prefill_compute``: the prefill path's compute when it differs (a ``GraphedCompute``)."""
 
     def __init__(self, layer_idx: int, cache: OffloadMoeCache, compute: Callable, decode_max_tokens: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, prefill_compute: Callable | None = None):
         super().__init__()
+        self.prefill_compute = prefill_compute
         self.layer_idx = layer_idx
         self.cache = cache
         self.compute = compute
@@ -106,6 +108,9 @@ class OffloadedExperts(nn.Module):
             nxt = cache.next_layer(self.layer_idx)
             if nxt is not None:
                 cache.prefetch_layer(nxt)
-        out = self.compute(hidden_TH, topk_ids_TK, topk_w_TK, views, cache.E)
+        if self.prefill_compute is not None:
+            out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, cache.E, stats=cache.stats_)
+        else:
+            out = self.compute(hidden_TH, topk_ids_TK, topk_w_TK, views, cache.E)
         cache.release_layer(self.layer_idx)
         return out

@@ -35,6 +35,8 @@ class CacheStats:
         self.hit_d2d_fallbacks: Counter = Counter()
         #: other declined fast paths (e.g. batched H2D copies), per prefill pass, by "path:reason"
         self.declined: Counter = Counter()
+        #: prefill expert compute: "graph_replays", "graph_captures", "eager" (moe_offload/graphs.py)
+        self.compute: Counter = Counter()
         self.prefills = 0
         self.decode_steps = 0
 
@@ -62,6 +64,7 @@ class CacheStats:
             "prefill_hit_rate": t["prefill_hits"] / plookups if plookups else None,
             "hit_d2d_fallbacks": dict(self.hit_d2d_fallbacks),
             "declined": dict(self.declined),
+            "compute": dict(self.compute),
             "prefills": self.prefills,
             "decode_steps": self.decode_steps,
             "per_layer": {layer: c.as_dict() for layer, c in sorted(self.layers.items())},

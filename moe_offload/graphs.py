@@ -1,0 +1,127 @@
+"""CUDA graphs for the prefill expert compute.
+
+Eager, one MoE layer of prefill enqueues ~40 kernels (routing sort, dequant, two grouped GEMMs,
+SwiGLU, the weighted scatter) at ~10 us of host time each, plus Triton launches at ~100 us; on the
+H200 that host time, not the device, bounded the all-resident TTFT (benchmarks/results/profile-*).
+The compute reads its weights from a staging buffer whose address is fixed and is free of host
+syncs, so for a given (token count, staging buffer) it is a static graph: capture it once, then
+each layer costs three input copies, one ``cudaGraphLaunch`` and one output copy.
+
+Rules:
+- a key (shapes, dtypes, the weight views' addresses and strides) is captured on its
+  ``graph_after``-th call; earlier calls run eagerly (one-off prompt lengths never pay a capture);
+- at most ``max_graphs`` graphs are kept (least recently used dropped);
+- all graphs share one memory pool, which is safe only if their replays never overlap: every
+  replay goes to the stream of the first capture; a call on another stream runs eagerly;
+- a capture that fails (an op that cannot be captured) turns graphs off for this wrapper and the
+  call runs eagerly. Each declined case logs one structured event per reason and is counted in
+  the cache's ``stats()["declined"]`` as ``cuda_graph:<reason>``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable
+
+import torch
+
+from moe_offload import log
+
+
+class GraphedCompute:
+    """Wraps a prefill compute ``(hidden_TH, rows_TK, weights_TK, views, num_rows) -> out_TH``."""
+
+    def __init__(self, inner: Callable, graph_after: int = 2, max_graphs: int = 16):
+        self.inner = inner
+        self.name = f"{getattr(inner, 'name', '?')}+cuda_graph"
+        self.graph_after, self.max_graphs = graph_after, max_graphs
+        self._graphs: OrderedDict = OrderedDict()  # key -> (graph, static inputs, static output)
+        self._seen: dict = {}
+        self._pool = None
+        self._stream = None  # the stream every replay goes to (first capture's current stream)
+        self._disabled: str | None = None
+
+    def disable(self, reason: str, detail: str) -> None:
+        """Run eagerly from now on (each call is counted as declined with ``reason``)."""
+        self._disabled = reason
+        self._graphs.clear()
+        log.log_once(f"cuda_graph_declined:{reason}", "cuda_graph_declined", logging.WARNING, reason=reason,
+                     fallback="eager", detail=detail)
+
+    @staticmethod
+    def _key(hidden_TH, rows_TK, weights_TK, views, num_rows) -> tuple:
+        return (tuple(hidden_TH.shape), hidden_TH.dtype, tuple(rows_TK.shape), rows_TK.dtype, weights_TK.dtype,
+                num_rows, hidden_TH.device,
+                tuple((k, v.data_ptr(), tuple(v.shape), v.stride(), v.dtype) for k, v in views.items()))
+
+    def _decline(self, reason: str, stats, **detail) -> None:
+        log.log_once(f"cuda_graph_declined:{reason}", "cuda_graph_declined", logging.WARNING, reason=reason,
+                     fallback="eager", **detail)
+        if stats is not None:
+            stats.declined[f"cuda_graph:{reason}"] += 1
+
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, stats=None):
+        if self._disabled is not None or hidden_TH.device.type != "cuda":
+            if self._disabled is not None:
+                self._decline(self._disabled, stats)
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+        stream = torch.cuda.current_stream(hidden_TH.device)
+        if self._stream is not None and stream != self._stream:
+            self._decline("other_stream", stats, detail="graphs share a memory pool and replay on one stream")
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+        key = self._key(hidden_TH, rows_TK, weights_TK, views, num_rows)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._seen) > 4096:  # many one-off shapes: forget the counts, never the graphs
+                self._seen.clear()
+            n = self._seen.get(key, 0) + 1
+            self._seen[key] = n
+            if n < self.graph_after:
+                if stats is not None:
+                    stats.compute["eager"] += 1
+                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+            entry = self._capture(key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream, stats)
+            if entry is None:
+                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+        else:
+            self._graphs.move_to_end(key)
+        graph, (s_h, s_r, s_w), s_out = entry
+        s_h.copy_(hidden_TH)
+        s_r.copy_(rows_TK)
+        s_w.copy_(weights_TK)
+        graph.replay()
+        if stats is not None:
+            stats.compute["graph_replays"] += 1
+        # the static output is overwritten by the next replay: hand out a copy
+        return s_out.clone()
+
+    def _capture(self, key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream, stats):
+        static = (hidden_TH.clone(), rows_TK.clone(), weights_TK.clone())
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(hidden_TH.device)
+        side.wait_stream(stream)
+        try:
+            with torch.cuda.stream(side):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = self.inner(*static, views, num_rows)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:  # an op that cannot be captured: eager from now on
+            stream.wait_stream(side)
+            self.disable("capture_failed", f"{type(exc).__name__}: {exc}")
+            if stats is not None:
+                stats.declined["cuda_graph:capture_failed"] += 1
+            return None
+        stream.wait_stream(side)
+        self._stream = stream
+        self._graphs[key] = (graph, static, out)
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        if stats is not None:
+            stats.compute["graph_captures"] += 1
+        log.event("cuda_graph_captured", logging.DEBUG, tokens=int(hidden_TH.shape[0]), graphs=len(self._graphs))
+        return self._graphs[key]

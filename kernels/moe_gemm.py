@@ -5,7 +5,8 @@ Legend: T tokens, K top-k, P = T*K routed pairs, N bank rows (experts in staging
 slots in decode), C rows per chunk, H hidden, I intermediate (per rank), F = 2I.
 
 Peak extra memory of one call: C dequantized experts (C * (F*H + H*I) * 2 bytes in bf16) plus the
-activations of all pairs: P * (H + F + I + H) elements. The engine sizes C from
+activations of all pairs: P * (H + F + I + H) elements, plus two fp32 [P, H] buffers for the
+deterministic combine (no float atomics: the same input gives the same bits on every run). The engine sizes C from
 ``prefill.dequant_chunk_bytes`` (default 2 GiB): a whole Qwen3-30B-A3B layer (128 x 9.4 MB = 1.2 GB)
 in one chunk, a Flash-Next layer (512 x 9.8 MB) in three; at T = 1024 the activations add ~56 MB.
 
@@ -64,9 +65,8 @@ def moe_grouped(
     """
     T, K = rows_TK.shape
     P = T * K
-    out_TH = torch.zeros(T, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device)
     if P == 0:
-        return out_TH.to(hidden_TH.dtype)
+        return torch.zeros_like(hidden_TH)
     flat_P = rows_TK.reshape(-1).long()
     sorted_rows_P, order_P = torch.sort(flat_P, stable=True)
     tok_P = order_P // K
@@ -81,9 +81,9 @@ def moe_grouped(
         offs_N = ends_N.to(torch.int32)
         h_PF = _grouped(x_PH, w13, offs_N)
         y_PH = _grouped(swiglu(h_PF), w2, offs_N).float() * w_P[:, None]
-        out_TH.index_add_(0, tok_P, y_PH)
-        return out_TH.to(hidden_TH.dtype)
+        return _combine(y_PH, order_P, T, K, hidden_TH.dtype)
     arange_P = torch.arange(P, device=hidden_TH.device)
+    ysorted_PH = torch.zeros(P, hidden_TH.shape[1], dtype=torch.float32, device=hidden_TH.device)
     for r0 in range(0, num_rows, chunk_rows):
         r1 = min(r0 + chunk_rows, num_rows)
         start = ends_N[r0 - 1] if r0 > 0 else ends_N.new_zeros(())
@@ -96,7 +96,16 @@ def moe_grouped(
         h_PF = _grouped(x_PH[idx_P] if r0 else x_PH, w13, offs_C)
         y_PH = _grouped(swiglu(h_PF), w2, offs_C).float()
         valid_P = arange_P < offs_C[-1]
-        scale_P = torch.where(valid_P, w_P[idx_P], 0.0)
-        y_PH = torch.where(valid_P[:, None], y_PH, 0.0) * scale_P[:, None]
-        out_TH.index_add_(0, tok_P[idx_P], y_PH)
-    return out_TH.to(hidden_TH.dtype)
+        # chunk rows hold sorted pairs idx_P; rows past the chunk's pairs keep what is there
+        prev_PH = ysorted_PH[idx_P]
+        ysorted_PH[idx_P] = torch.where(valid_P[:, None], y_PH * w_P[idx_P][:, None], prev_PH)
+    return _combine(ysorted_PH, order_P, T, K, hidden_TH.dtype)
+
+
+def _combine(ysorted_PH: torch.Tensor, order_P: torch.Tensor, T: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted pair outputs in sorted order -> ``out[t] = sum_k y[t, k]``, deterministically: each
+    pair goes back to its (token, k) row (a permutation: no atomics), then a fixed-order sum over K.
+    (``index_add_`` with float atomics made logits differ run to run in the last bf16 bit.)"""
+    y_PH = torch.empty_like(ysorted_PH)
+    y_PH[order_P] = ysorted_PH
+    return y_PH.view(T, K, -1).sum(1).to(dtype)

@@ -119,6 +119,7 @@ class OffloadMoeCache:
         self.decode_done = ev()
         self.staged_layer: list[int | None] = [None, None]
         self._computing: int | None = None  # staging buffer the current layer reads
+        self.begun_early = False  # begin_prefill(early=True) ran for the pass about to start
         self._last_filled = 1
         self._batch = None  # resolved cudaMemcpyBatchAsync binding, or None
         self._hit_mode: str | None = None  # "batch_memcpy" | "gather" | None (full-layer copies)
@@ -244,9 +245,13 @@ class OffloadMoeCache:
 
 
     # ------------------------------------------------------------------ prefill
-    def begin_prefill(self, first_layer: int | None = None) -> None:
+    def begin_prefill(self, first_layer: int | None = None, early: bool = False) -> None:
         """Start a prefill pass: fence the copy stream behind queued compute, resolve the hit path
-        (first call; under load when it is the warmup), prefetch the first layer if overlapping."""
+        (first call; under load when it is the warmup), prefetch the first layer if overlapping.
+
+        ``early``: called by the engine before the model's forward (the first layer's PCIe copy then
+        overlaps the embedding and the first attention); the first experts call does not begin again."""
+        self.begun_early = early
         self.stats_.prefills += 1
         self._join_copy_stream()
         if not self._resolved:

@@ -116,6 +116,8 @@ class Engine:
         self.reader, self.tokenizer, self.device, self.dtype = reader, tokenizer, device, dtype
         params = inspect.signature(type(model).forward).parameters
         self._kv_name = "cache" if "cache" in params else "past_key_values"
+        experts = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+        self._first_experts = next((m for m in experts if m.layer_idx == store.layers[0]), None)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -180,7 +182,13 @@ class Engine:
     def _forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
         # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
         # logits_to_keep=1: the LM head runs on the last position only (what sampling needs)
-        out = self.model(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
+        first = self._first_experts
+        if first is not None and first.cache is self.cache and not first.uses_decode_path(ids_BT.numel()):
+            self.cache.begin_prefill(early=True)  # layer 0's copy overlaps the embedding and attention
+        try:
+            out = self.model(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
+        finally:
+            self.cache.begun_early = False
         return out.logits, getattr(out, self._kv_name)
 
     @torch.inference_mode()

@@ -102,7 +102,10 @@ class OffloadedExperts(nn.Module):
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
         cache = self.cache
         if self.layer_idx == cache.store.layers[0]:
-            cache.begin_prefill(self.layer_idx)
+            if cache.begun_early:
+                cache.begun_early = False
+            else:
+                cache.begin_prefill(self.layer_idx)
         views = cache.wait_layer(self.layer_idx)
         if cache.prefill_cfg.overlap:
             nxt = cache.next_layer(self.layer_idx)

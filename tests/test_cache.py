@@ -219,6 +219,21 @@ def test_prefill_last_only_returns_the_last_positions_logits_of_a_chunked_prompt
     torch.testing.assert_close(last[:, -1], full[:, -1], atol=1e-5, rtol=0)
 
 
+def test_engine_begins_each_prefill_pass_once_before_the_forward(tiny_ckpt, monkeypatch):
+    """The engine starts the pass (and layer 0's copy) before the model's forward; the first experts
+    call must not start it again, and a direct model call still begins its own pass."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    eng = _engine(path, "cache.budget=0.37", "prefill.chunk_tokens=64", "prefill.warmup=false")
+    calls = []
+    begin = eng.cache.begin_prefill
+    monkeypatch.setattr(eng.cache, "begin_prefill", lambda *a, **k: (calls.append(k.get("early", False)), begin(*a, **k)))
+    eng.prefill(torch.arange(3, 131)[None])  # two chunks of 64
+    assert calls == [True, True] and eng.cache.stats()["prefills"] == 2
+    with torch.inference_mode():
+        eng.model(input_ids=torch.arange(3, 40)[None])
+    assert calls == [True, True, False]
+
+
 def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckpt, monkeypatch):
     """On the copy stream an SM gather queued first waits for SMs held by the previous layer's GEMMs
     and holds the DMA of the misses behind it (seen on the H200 at fca575a); misses go first."""

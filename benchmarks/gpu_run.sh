@@ -14,7 +14,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
-  timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml \
+  timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
 fi

@@ -29,10 +29,6 @@ from moe_offload.config import load_config
 from moe_offload.engine import Engine
 
 
-def engine_slots(cfg) -> int:
-    return 64  # any pool; use_cache rebuilds the cache per residency
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None)
@@ -47,17 +43,14 @@ def main() -> int:
     overrides = [f"model.layers={a.layers}"] if a.layers else []
     cfg = load_config(a.config, [*overrides, "prefill.warmup=true", *a.set])
     residencies = [float(r) for r in a.residency.split(",")]
-    E = None
-    engine = None
+    engine = Engine.from_config(cell_config(cfg, a.mode, 64))  # any pool: use_cache rebuilds it per residency
+    E, n_layers = engine.store.num_experts, len(engine.store.layers)
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report, summary = io.StringIO(), {"tokens": a.tokens, "mode": a.mode, "cells": []}
     for r in residencies:
-        if engine is None:
-            engine = Engine.from_config(cell_config(cfg, a.mode, engine_slots(cfg)))
-            E = engine.store.num_experts
         n_res = int(round(r * E))
-        slots = max(n_res * len(engine.store.layers), engine.store.geometry.top_k)
+        slots = max(n_res * n_layers, engine.store.geometry.top_k)
         use_cache(engine, cell_config(cfg, a.mode, slots))
         sets = resident_sets(engine.store.layers, E, {r: n_res}, 0)[r]
         gen = torch.Generator().manual_seed(0)
@@ -93,17 +86,17 @@ def main() -> int:
         cpu_tab = ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
         dev_tab = ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
         dev_total = sum(e.self_device_time_total for e in ka) / 1e3
-        n_layers = len(engine.store.layers)
         cell = {"residency": r, "ttft_ms": statistics.median(ttft) * 1e3, "ttft_reps_ms": [x * 1e3 for x in ttft],
                 "host_forward_ms": statistics.median(host_fwd) * 1e3, "host_experts_ms": statistics.median(host_exp) * 1e3,
                 "device_self_total_ms": dev_total, "layers": n_layers, "stats": engine.cache.stats()["total"]}
         summary["cells"].append(cell)
-        print(json.dumps({k: v for k, v in cell.items() if k != "stats"}), flush=True)
-        report.write(f"\n\n######## residency {r}: {json.dumps({k: v for k, v in cell.items() if k != 'stats'})}\n")
+        headline = json.dumps({k: v for k, v in cell.items() if k != "stats"})
+        print(headline, flush=True)
+        report.write(f"\n\n######## residency {r}: {headline}\n")
         report.write("\n## cProfile (host, one prefill, tottime)\n" + s.getvalue())
         report.write("\n## torch.profiler by self CPU\n" + cpu_tab)
         report.write("\n## torch.profiler by self device time\n" + dev_tab)
-    name = f"profile-{cfg.model.preset}-l{len(engine.store.layers)}-{a.tokens}"
+    name = f"profile-{cfg.model.preset}-l{n_layers}-{a.tokens}"
     (out_dir / f"{name}.txt").write_text(report.getvalue())
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {out_dir / name}.txt", flush=True)

@@ -169,6 +169,35 @@ def _nvfp4_tile_t(q_ptrs, s_ptrs, mask, DOT_DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _k_tile_masks(valid_m, valid_n, offs_kb, k_left, EVEN_K: tl.constexpr):
+    """Masks of one K step: activations ``[BM, BK/2]`` and weight tiles ``[BK/2, BN]`` (``k_left``
+    K columns remain; with EVEN_K every step is full)."""
+    if EVEN_K:
+        a_mask = valid_m[:, None]
+        w_mask = valid_n[None, :]
+    else:
+        a_mask = valid_m[:, None] & (offs_kb[None, :] < k_left // 2)
+        w_mask = valid_n[None, :] & (offs_kb[:, None] < k_left // 2)
+    return a_mask, w_mask
+
+
+@triton.jit
+def _load_even_odd(a_ptrs, a_mask, DOT_DTYPE: tl.constexpr):
+    """The even and odd K columns of an activation tile (``a_ptrs`` address the even ones)."""
+    even = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+    odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(DOT_DTYPE)
+    return even, odd
+
+
+@triton.jit
+def _dot_nvfp4(acc, a_even, a_odd, q_ptrs, s_ptrs, w_mask, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc += a @ W`` for one NVFP4 weight tile, as two dots over the even and odd K columns."""
+    lo, hi = _nvfp4_tile_t(q_ptrs, s_ptrs, w_mask, DOT_DTYPE)
+    acc = tl.dot(a_even, lo, acc, input_precision=INPUT_PRECISION)
+    return tl.dot(a_odd, hi, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _gate_up_silu_kernel(
     x_ptr, stride_xt,  # hidden [T, H]
     q_ptr, stride_qn, stride_qr,  # w13_q [N, 2I, H/2] u8
@@ -202,20 +231,10 @@ def _gate_up_silu_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        if EVEN_K:
-            x_mask = valid_m[:, None]
-            w_mask = valid_n[None, :]
-        else:
-            x_mask = valid_m[:, None] & (offs_kb[None, :] < (H - k0) // 2)
-            w_mask = valid_n[None, :] & (offs_kb[:, None] < (H - k0) // 2)
-        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE)
-        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(DOT_DTYPE)
-        lo, hi = _nvfp4_tile_t(qg_ptrs, sg_ptrs, w_mask, DOT_DTYPE)
-        acc_gate = tl.dot(x_even, lo, acc_gate, input_precision=INPUT_PRECISION)
-        acc_gate = tl.dot(x_odd, hi, acc_gate, input_precision=INPUT_PRECISION)
-        lo, hi = _nvfp4_tile_t(qg_ptrs + up_q, sg_ptrs + up_s, w_mask, DOT_DTYPE)
-        acc_up = tl.dot(x_even, lo, acc_up, input_precision=INPUT_PRECISION)
-        acc_up = tl.dot(x_odd, hi, acc_up, input_precision=INPUT_PRECISION)
+        x_mask, w_mask = _k_tile_masks(valid_m, valid_n, offs_kb, H - k0, EVEN_K)
+        x_even, x_odd = _load_even_odd(x_ptrs, x_mask, DOT_DTYPE)
+        acc_gate = _dot_nvfp4(acc_gate, x_even, x_odd, qg_ptrs, sg_ptrs, w_mask, DOT_DTYPE, INPUT_PRECISION)
+        acc_up = _dot_nvfp4(acc_up, x_even, x_odd, qg_ptrs + up_q, sg_ptrs + up_s, w_mask, DOT_DTYPE, INPUT_PRECISION)
         x_ptrs += BLOCK_K
         qg_ptrs += BLOCK_K // 2
         sg_ptrs += BLOCK_K // SCALE_BLOCK
@@ -258,17 +277,9 @@ def _down_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K:
-            a_mask = valid_m[:, None]
-            w_mask = valid_n[None, :]
-        else:
-            a_mask = valid_m[:, None] & (offs_kb[None, :] < (I - k0) // 2)
-            w_mask = valid_n[None, :] & (offs_kb[:, None] < (I - k0) // 2)
-        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
-        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0).to(DOT_DTYPE)
-        lo, hi = _nvfp4_tile_t(q_ptrs, s_ptrs, w_mask, DOT_DTYPE)
-        acc = tl.dot(a_even, lo, acc, input_precision=INPUT_PRECISION)
-        acc = tl.dot(a_odd, hi, acc, input_precision=INPUT_PRECISION)
+        a_mask, w_mask = _k_tile_masks(valid_m, valid_n, offs_kb, I - k0, EVEN_K)
+        a_even, a_odd = _load_even_odd(a_ptrs, a_mask, DOT_DTYPE)
+        acc = _dot_nvfp4(acc, a_even, a_odd, q_ptrs, s_ptrs, w_mask, DOT_DTYPE, INPUT_PRECISION)
         a_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // SCALE_BLOCK

@@ -187,7 +187,10 @@ class OffloadMoeCache:
 
     # ------------------------------------------------------------------ streams
     def _on_copy_stream(self):
-        return torch.cuda.stream(self.copy_stream) if self.is_cuda else _Null()
+        return self._on(self.copy_stream)
+
+    def _on(self, stream):
+        return torch.cuda.stream(stream) if self.is_cuda else _Null()
 
     def _join_copy_stream(self) -> None:
         """Copy and hit streams wait for everything already queued on the current (compute) stream."""
@@ -311,14 +314,13 @@ class OffloadMoeCache:
         self._h2d_rows([RowCopy(staging_EB, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
         counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * row_total
         try:
-            if self.is_cuda:
-                with torch.cuda.stream(self.hit_stream):
+            with self._on(self.hit_stream):
+                if self.is_cuda:
                     self.hit_stream.wait_event(self.release[b])
-                    self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters, self.hit_stream)
+                self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters, self.hit_stream)
+                if self.is_cuda:
                     self.hits_ready[b].record(self.hit_stream)
-                self._hits_pending[b] = True
-            else:
-                self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters, None)
+            self._hits_pending[b] = True
         except Exception as exc:  # a failed hit copy mid-run: fall back for the rest of the process
             self._decline("call_failed", f"{type(exc).__name__}: {exc}")
             staging_EB.copy_(self.store.rows(layer), non_blocking=True)

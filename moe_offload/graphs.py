@@ -42,12 +42,11 @@ class GraphedCompute:
         self._stream = None  # the stream every replay goes to (first capture's current stream)
         self._disabled: str | None = None
 
-    def disable(self, reason: str, detail: str) -> None:
+    def disable(self, reason: str, detail: str, stats=None) -> None:
         """Run eagerly from now on (each call is counted as declined with ``reason``)."""
         self._disabled = reason
         self._graphs.clear()
-        log.log_once(f"cuda_graph_declined:{reason}", "cuda_graph_declined", logging.WARNING, reason=reason,
-                     fallback="eager", detail=detail)
+        self._decline(reason, stats, detail=detail)
 
     @staticmethod
     def _key(hidden_TH, rows_TK, weights_TK, views, num_rows) -> tuple:
@@ -62,9 +61,10 @@ class GraphedCompute:
             stats.declined[f"cuda_graph:{reason}"] += 1
 
     def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, stats=None):
-        if self._disabled is not None or hidden_TH.device.type != "cuda":
-            if self._disabled is not None:
-                self._decline(self._disabled, stats)
+        if self._disabled is not None:
+            self._decline(self._disabled, stats)
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+        if hidden_TH.device.type != "cuda":
             return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
         stream = torch.cuda.current_stream(hidden_TH.device)
         if self._stream is not None and stream != self._stream:
@@ -112,9 +112,7 @@ class GraphedCompute:
                     graph.capture_end()
         except Exception as exc:  # an op that cannot be captured: eager from now on
             stream.wait_stream(side)
-            self.disable("capture_failed", f"{type(exc).__name__}: {exc}")
-            if stats is not None:
-                stats.declined["cuda_graph:capture_failed"] += 1
+            self.disable("capture_failed", f"{type(exc).__name__}: {exc}", stats)
             return None
         stream.wait_stream(side)
         self._stream = stream

@@ -19,7 +19,7 @@ from moe_offload import log
 from moe_offload.config import ConfigError, OffloadConfig
 from moe_offload.parallel import (
     ResidencyMonitor, TpGroup, check_residency, close_tp, gather_hit_paths, gather_per_rank_bytes, init_tp,
-    make_reducer, rank_device,
+    make_reducer, rank_device, torchrun_identity,
 )
 
 
@@ -93,12 +93,13 @@ def _spawned_rank(rank: int, cfg: OffloadConfig, fn: Callable, args: tuple, port
 def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
     """Run ``fn(cfg, tp: TpGroup, *args)`` on every one of the ``parallel.tp`` ranks; rank 0's result.
 
-    Under torchrun (``WORLD_SIZE`` set) this process is one rank and the other ranks get None.
+    Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process is one rank and the other ranks get None.
     Otherwise ``parallel.tp`` ranks are spawned (``fn`` and its result must pickle) after a preset
     checkpoint is built here once, and rank 0's result is returned to this process.
     """
-    if "WORLD_SIZE" in os.environ:  # started by torchrun: the launcher gives this process its rank
-        tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", 0)), cfg.parallel.tp))
+    launched = torchrun_identity()
+    if launched is not None:  # started by torchrun: the launcher gives this process its rank
+        tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, launched[2], cfg.parallel.tp))
         try:
             result = fn(cfg, tp, *args)
         finally:

@@ -113,6 +113,15 @@ def rank_device(cfg_device: str, local_rank: int, tp: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def torchrun_identity() -> tuple[int, int, int] | None:
+    """``(rank, world_size, local_rank)`` that torchrun gave this process (its ``RANK`` / ``WORLD_SIZE``
+    / ``LOCAL_RANK``: the launcher's contract, not a behaviour switch), or None when not under torchrun."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+
+
 def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None, rank: int | None = None,
             world_size: int | None = None, init_method: str | None = None) -> TpGroup:
     """Join (or create) the TP process group of ``tp`` ranks; sets the log rank.
@@ -128,9 +137,10 @@ def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if group is None and not dist.is_initialized():
-        # torchrun's process identity (RANK/WORLD_SIZE, the launcher contract), not a behaviour switch
-        rank = int(os.environ["RANK"]) if rank is None and "RANK" in os.environ else rank
-        world_size = int(os.environ["WORLD_SIZE"]) if world_size is None and "WORLD_SIZE" in os.environ else world_size
+        launched = torchrun_identity()
+        if launched is not None:
+            rank = launched[0] if rank is None else rank
+            world_size = launched[1] if world_size is None else world_size
         if rank is None or world_size is None:
             raise ConfigError(
                 f"parallel.tp={tp} but no process group: launch with torchrun (it sets RANK and WORLD_SIZE), "

@@ -89,31 +89,31 @@ def _copy(tiny_ckpt, tmp_path, fmt="nvfp4-modelopt"):
     return dst
 
 
-def test_missing_expert_tensor_is_named(tiny_ckpt, tmp_path):
+def _edited(tiny_ckpt, tmp_path, edit):
+    """A copy of the tiny checkpoint whose tensors dict went through ``edit(tensors)``."""
     dst = _copy(tiny_ckpt, tmp_path)
     t = load_file(str(dst / "model.safetensors"))
-    del t["model.layers.1.mlp.experts.3.up_proj.weight_scale"]
+    edit(t)
     save_file(t, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_expert_tensor_is_named(tiny_ckpt, tmp_path):
+    dst = _edited(tiny_ckpt, tmp_path, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight_scale"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight_scale is missing"):
         ExpertStore.from_checkpoint(dst, progress=False)
 
 
 def test_wrong_dtype_is_named(tiny_ckpt, tmp_path):
-    dst = _copy(tiny_ckpt, tmp_path)
-    t = load_file(str(dst / "model.safetensors"))
     name = "model.layers.0.mlp.experts.0.gate_proj.weight_scale"
-    t[name] = t[name].float()
-    save_file(t, str(dst / "model.safetensors"))
+    dst = _edited(tiny_ckpt, tmp_path, lambda t: t.update({name: t[name].float()}))
     with pytest.raises(CheckpointError, match=rf"{name}.*dtype torch.float32"):
         ExpertStore.from_checkpoint(dst, progress=False)
 
 
 def test_wrong_shape_is_named(tiny_ckpt, tmp_path):
-    dst = _copy(tiny_ckpt, tmp_path)
-    t = load_file(str(dst / "model.safetensors"))
     name = "model.layers.2.mlp.experts.5.down_proj.weight"
-    t[name] = t[name][:, :4].contiguous()
-    save_file(t, str(dst / "model.safetensors"))
+    dst = _edited(tiny_ckpt, tmp_path, lambda t: t.update({name: t[name][:, :4].contiguous()}))
     with pytest.raises(CheckpointError, match=name):
         inspect_checkpoint(dst)
 

@@ -171,15 +171,16 @@ class Engine:
         n = max(self.cfg.prefill.warmup_tokens, self.cfg.decode.max_tokens + 1)
         ids = torch.randint(3, self.reader.geometry.vocab, (1, n), generator=gen)
         with tqdm(total=2, desc="warmup (prefill, decode)", disable=not progress) as bar:
-            logits, past = self._forward(ids.to(self.device), None, 1)
+            logits, past = self.forward(ids.to(self.device), None, 1)
             bar.update(1)
-            self._forward(logits[:, -1:].argmax(-1), past)
+            self.forward(logits[:, -1:].argmax(-1), past)
             bar.update(1)
         self.cache.synchronize()
         self.cache.reset()
 
     @torch.inference_mode()
-    def _forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
+    def forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
+        """One model forward of ``ids_BT [B, T]`` on the KV cache ``past`` -> (logits, past)."""
         # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
         # logits_to_keep=1: the LM head runs on the last position only (what sampling needs)
         first = self._first_experts
@@ -204,7 +205,7 @@ class Engine:
         chunk = self.cfg.prefill.chunk_tokens
         parts = []
         for s in range(0, ids.shape[1], chunk):
-            logits, past = self._forward(ids[:, s:s + chunk], past, 1 if last_only else 0)
+            logits, past = self.forward(ids[:, s:s + chunk], past, 1 if last_only else 0)
             parts.append(logits)
         if last_only:
             return parts[-1], past
@@ -244,7 +245,7 @@ class Engine:
         ttft = time.perf_counter() - t0
         t1 = time.perf_counter()
         while len(out) < max_new and out[-1] not in stop:
-            logits, past = self._forward(tok.view(1, 1), past)
+            logits, past = self.forward(tok.view(1, 1), past)
             tok = self._sample(logits[:, -1], gen)
             out.append(int(tok.item()))
         dt = time.perf_counter() - t1

@@ -6,8 +6,11 @@ small rows (scales, global scales) in any copy: small entries in a cudaMemcpyBat
 the host for the whole copy on the H200 (benchmarks/results/copy_paths_*).
 
 Pinning: plain host memory registered with ``cudaHostRegister`` (exact size; torch's
-``pin_memory()`` goes through a caching allocator that rounds sizes up). On a CPU-only torch the
-banks stay in plain memory and one ``host_store_unpinned`` event says so.
+``pin_memory()`` goes through a caching allocator that rounds sizes up), mapped and portable
+(``cudaHostRegisterMapped | cudaHostRegisterPortable``), so kernels can read rows straight from host
+memory over UVA: ``device_rows(layer, device)`` is the device view of ``rows(layer)``
+(``moe_offload/uva.py``). Register (build the store) with the target device current. On a CPU-only
+torch the banks stay in plain memory and one ``host_store_unpinned`` event says so.
 Under TP each rank holds only its slice of every expert (gate/up rows, down columns of I).
 """
 
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from moe_offload import log
+from moe_offload import log, uva
 from moe_offload.checkpoint.families import ModelGeometry
 from moe_offload.checkpoint.reader import CheckpointReader, detect_format
 from moe_offload.formats import BankSpec, ExpertFormat, FormatError, get_format
@@ -32,16 +35,13 @@ class StoreError(ValueError):
 
 
 def _pin(t: torch.Tensor) -> bool:
-    """Register ``t``'s memory as pinned (page-locked) with the CUDA runtime; False without CUDA."""
-    if not torch.cuda.is_available() or t.numel() == 0:
-        return False
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0))
-    return True
+    """Register ``t``'s memory as pinned (page-locked), mapped and portable; False without CUDA."""
+    return uva.pin_mapped(t)
 
 
 def _unpin(ptrs: list[int]) -> None:
-    for p in ptrs:
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(p))
+    if ptrs:
+        uva.unpin(ptrs)
 
 
 def bank_offsets(specs: list[BankSpec]) -> dict[str, tuple[int, int]]:
@@ -77,6 +77,7 @@ class ExpertStore:
         self.num_experts = geometry.num_experts
         self.offsets = bank_offsets(self.specs)
         self._rows: dict[int, torch.Tensor] = {}
+        self._device_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         pinned_ptrs: list[int] = []
         E = self.num_experts
         for layer in self.layers:
@@ -108,6 +109,24 @@ class ExpertStore:
         """The layer's experts ``[E, bytes_per_expert]`` uint8 (pinned when CUDA is present)."""
         return self._rows[layer]
 
+    def device_rows(self, layer: int, device) -> torch.Tensor:
+        """``rows(layer)`` as a tensor on ``device`` aliasing the pinned host memory (UVA; cached): kernels
+        read host rows over PCIe with no copy. On CPU, ``rows(layer)`` itself. Valid until ``close()``
+        (keep the store alive while the views are used). Raises ``uva.UvaError`` when the GPU cannot
+        map host memory or the store is not pinned."""
+        dev = torch.device(device)
+        if dev.type == "cpu":
+            return self._rows[layer]
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        key = (layer, dev)
+        if key not in self._device_rows:
+            if not self.pinned:
+                raise uva.UvaError(f"the expert store is not pinned, so {dev} cannot map its rows; build it with "
+                                   "pin=True on a CUDA build of torch")
+            self._device_rows[key] = uva.mapped_device_view(self._rows[layer], dev)
+        return self._device_rows[key]
+
     def bank(self, layer: int, name: str) -> torch.Tensor:
         """Column slice ``[E, bank_bytes]`` of the layer's rows (a view)."""
         off, n = self.offsets[name]
@@ -117,7 +136,9 @@ class ExpertStore:
         return bank_views(self.specs, self.offsets, self._rows[layer])
 
     def close(self) -> None:
-        """Unregister pinned memory now (also done when the store is garbage-collected)."""
+        """Unregister pinned memory now (also done when the store is garbage-collected); drops the
+        device views of ``device_rows``."""
+        self._device_rows.clear()
         self._finalizer()
 
     def describe(self) -> dict:

@@ -1,0 +1,332 @@
+"""The request scheduler: one loop thread owns the Engine (model + expert cache); callers on any thread
+submit requests and receive their tokens through a sink.
+
+Continuous batching: requests join and leave the decode batch at step boundaries. Each loop iteration
+runs at most one prefill chunk (``prefill.chunk_tokens`` tokens of the oldest admitted prompt, batch
+1, so running streams keep flowing while a long prompt is prefilled) and then ONE model forward that
+decodes every running sequence. A finished or cancelled request's rows leave the batch KV cache at
+the next step boundary.
+
+Decision (transformers' continuous batching vs our own): transformers 5.24 ships
+``generation.continuous_batching`` (``ContinuousBatchingManager``, paged KV cache). It was not adopted:
+it needs a paged attention implementation chosen when the model is built, runs its own thread and
+its own sampling / stop logic (no per-request seeded generator, no hook for our cache's stats or
+cancellation semantics), flattens prefill and decode tokens of all requests into one ``[1, T]``
+forward (so every step carrying a prefill chunk would send the decode tokens down the experts'
+prefill path), and its API differs between 5.17 (the GPU image) and 5.24. Ours keeps one
+``DynamicCache`` per prefilling sequence and one left-padded cache for the decode batch
+(``serve/kv.py``), decoding with ``attention_mask`` + ``position_ids``; prefill is the exact call
+sequence of ``Engine.generate``. On the CPU this gives the same greedy token ids as
+``Engine.generate`` for every request of a mixed batch (tests/test_serve_scheduler.py).
+
+Legend: B sequences in the decode batch, S padded cache length, T prompt tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from moe_offload import log
+from moe_offload.serve import kv
+from moe_offload.serve.config import ServeConfig
+from moe_offload.serve.sampling import RequestError, SamplingParams, sample
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full (``serve.max_queue``); retry later (HTTP 429)."""
+
+
+class SchedulerClosed(RuntimeError):
+    """The scheduler is stopped or its loop died; no request is accepted (HTTP 503)."""
+
+
+@dataclass
+class Output:
+    """What a request's sink receives: new token ids, then one final Output with ``finish_reason``
+    (``stop``, ``length``, ``cancelled``) or ``error``."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request. Times are ``time.perf_counter()`` seconds."""
+
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Output], None]
+    stop_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    t_submit: float = 0.0
+    t_first: float | None = None
+    t_done: float | None = None
+    finish_reason: str | None = None
+    cancelled: bool = False
+    # loop-thread state
+    past: object = None
+    prefilled: int = 0
+    gen: torch.Generator | None = None
+
+    def cancel(self) -> None:
+        """Ask the loop to drop this request at the next step boundary (its KV and state are freed)."""
+        self.cancelled = True
+
+    @property
+    def cache_len(self) -> int:
+        """Tokens in this sequence's KV cache (prompt + generated tokens already fed back)."""
+        return len(self.prompt_ids) + max(0, len(self.output_ids) - 1)
+
+
+class Scheduler:
+    """Owns ``engine`` on one loop thread. ``submit`` is safe from any thread; the sink is called on the
+    loop thread and must not block (hand the Output to your own queue / event loop)."""
+
+    def __init__(self, engine, cfg: ServeConfig | None = None):
+        self.engine, self.cfg = engine, cfg or ServeConfig()
+        model = engine.model
+        params = inspect.signature(type(model).forward).parameters
+        # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
+        self._kv_name = "cache" if "cache" in params else "past_key_values"
+        self.vocab = int(engine.reader.geometry.vocab)
+        self.max_model_len = self.cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        tok = engine.tokenizer
+        eos = getattr(tok, "eos_id", None) if tok is not None else None
+        if eos is None and tok is not None:
+            eos = getattr(tok, "eos_token_id", None)
+        self.eos_id: int | None = eos if isinstance(eos, int) else None
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._prefilling: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._batch_past = None
+        self._ids = itertools.count()
+        self._stop = False
+        self._error: str | None = None
+        self.steps = 0
+        self.cache_stats: dict = {}
+        self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ callers (any thread)
+    def start(self) -> "Scheduler":
+        self.cache_stats = self.engine.cache.stats()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight finish with an error."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError when the request cannot be served as given."""
+        if not prompt_ids:
+            raise RequestError("the prompt is empty; send at least one token", "prompt")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < self.vocab)]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab})", "prompt")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is "
+                               f"{total} tokens, more than this model's maximum of {self.max_model_len}; "
+                               "shorten the prompt or lower max_tokens", "max_tokens")
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Output], None],
+               request_id: str | None = None) -> Request:
+        """Queue a request -> its handle (``cancel()``). Raises RequestError, Overloaded, SchedulerClosed."""
+        prompt_ids = list(prompt_ids)
+        self.validate(prompt_ids, params)
+        stop = set(params.stop_token_ids) | set(self.engine.cfg.decode.stop_token_ids)
+        if self.eos_id is not None and not params.ignore_eos:
+            stop.add(self.eos_id)
+        req = Request(request_id or f"req-{next(self._ids)}", prompt_ids, params, sink, frozenset(stop),
+                      t_submit=time.perf_counter())
+        with self._lock:
+            if self._stop or self._error is not None:
+                raise SchedulerClosed(self._error or "the scheduler is stopped")
+            if len(self._waiting) >= self.cfg.max_queue and self._full():
+                raise Overloaded(f"{len(self._waiting)} requests are waiting (serve.max_queue={self.cfg.max_queue}); "
+                                 "retry later")
+            self._waiting.append(req)
+            self._lock.notify_all()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        with self._lock:
+            req.cancel()
+            self._lock.notify_all()
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, timeout: float | None = None) -> Request:
+        """Blocking convenience: submit, wait for the end -> the finished request (``output_ids``)."""
+        done = threading.Event()
+        req = self.submit(prompt_ids, params, lambda o: done.set() if o.finished else None)
+        if not done.wait(timeout):
+            self.cancel(req)
+            raise TimeoutError(f"request {req.id} did not finish in {timeout} s")
+        return req
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running) + len(self._prefilling)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None and not self._stop
+
+    def _full(self) -> bool:
+        return len(self._running) + len(self._prefilling) >= self.cfg.max_batch
+
+    # ------------------------------------------------------------------ the loop (owns the engine)
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stop and not (self._waiting or self._prefilling or self._running):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                    self._drop_cancelled()
+                    while self._waiting and not self._full():
+                        self._prefilling.append(self._waiting.popleft())
+                self._step()
+        except Exception as exc:  # the loop cannot continue: fail everything, refuse new requests
+            self._error = f"scheduler loop died: {type(exc).__name__}: {exc}"
+            log.event("serve_loop_died", 40, error=type(exc).__name__, message=str(exc))
+        with self._lock:
+            reason = self._error or "the server is shutting down"
+            for req in [*self._waiting, *self._prefilling, *self._running]:
+                self._finish(req, None, error=reason)
+            self._waiting.clear()
+            self._prefilling.clear()
+            self._running = []
+            self._batch_past = None
+
+    def _step(self) -> None:
+        if self._prefilling:
+            req = self._prefilling[0]
+            try:
+                self._prefill_chunk(req)
+            except Exception as exc:  # this request fails; the batch keeps going
+                log.event("serve_request_failed", 40, request=req.id, stage="prefill", error=type(exc).__name__,
+                          message=str(exc))
+                self._prefilling.popleft()
+                self._finish(req, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+        if self._running:
+            self._decode_step()
+        self.steps += 1
+        self.cache_stats = self.engine.cache.stats()
+
+    def _prefill_chunk(self, req: Request) -> None:
+        eng = self.engine
+        chunk = eng.cfg.prefill.chunk_tokens
+        s = req.prefilled
+        ids_1T = torch.tensor([req.prompt_ids[s:s + chunk]], dtype=torch.long, device=eng.device)
+        logits, req.past = eng.forward(ids_1T, req.past, 1)
+        req.prefilled += ids_1T.shape[1]
+        if req.prefilled < len(req.prompt_ids):
+            return
+        self._prefilling.popleft()
+        req.gen = torch.Generator().manual_seed(req.params.seed)
+        tok = sample(logits[:, -1], [req.params], [req.gen])[0]
+        req.t_first = time.perf_counter()
+        if self._emit(req, tok):
+            req.past = None
+            return
+        B_len = self._batch_len()
+        self._batch_past = kv.append(self._batch_past, req.past, B_len, len(req.prompt_ids))
+        req.past = None
+        self._running.append(req)
+
+    def _batch_len(self) -> int:
+        return max((r.cache_len for r in self._running), default=0)
+
+    @torch.inference_mode()
+    def _decode_step(self) -> None:
+        rows = self._running
+        eng = self.engine
+        S = self._batch_len()
+        lens = [r.cache_len + 1 for r in rows]
+        mask_BS = kv.attention_mask(lens, S + 1, eng.device)
+        pos_B1 = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long).to(eng.device, non_blocking=True)
+        ids_B1 = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long).to(eng.device, non_blocking=True)
+        try:
+            out = eng.model(input_ids=ids_B1, attention_mask=mask_BS, position_ids=pos_B1, use_cache=True,
+                            logits_to_keep=1, **{self._kv_name: self._batch_past})
+        except Exception as exc:  # the batch's KV state is unknown now: fail its requests, keep serving
+            log.event("serve_request_failed", 40, requests=len(rows), stage="decode", error=type(exc).__name__,
+                      message=str(exc))
+            for r in rows:
+                self._finish(r, None, error=f"decode failed: {type(exc).__name__}: {exc}")
+            self._running, self._batch_past = [], None
+            return
+        self._batch_past = getattr(out, self._kv_name)
+        toks = sample(out.logits[:, -1], [r.params for r in rows], [r.gen for r in rows])
+        keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t)]
+        if len(keep) < len(rows):
+            self._shrink(keep)
+
+    def _shrink(self, keep: list[int]) -> None:
+        """Keep the running rows ``keep``; cut the cache columns that only padded the rows that left."""
+        self._running = [self._running[b] for b in keep]
+        S_cached = kv.seq_len(self._batch_past) if self._batch_past is not None else 0
+        trim = max(0, S_cached - self._batch_len()) if self._running else 0
+        self._batch_past = kv.keep(self._batch_past, keep, trim)
+
+    def _drop_cancelled(self) -> None:
+        for q in (self._waiting, self._prefilling):
+            for r in [r for r in q if r.cancelled]:
+                q.remove(r)
+                r.past = None
+                self._finish(r, "cancelled")
+        if any(r.cancelled for r in self._running):
+            gone = [r for r in self._running if r.cancelled]
+            self._shrink([b for b, r in enumerate(self._running) if not r.cancelled])
+            for r in gone:
+                self._finish(r, "cancelled")
+
+    def _emit(self, req: Request, tok: int) -> bool:
+        """Append ``tok`` and stream it; True when the request is finished."""
+        req.output_ids.append(tok)
+        reason = None
+        if tok in req.stop_ids:
+            reason = "stop"
+        elif len(req.output_ids) >= req.params.max_tokens:
+            reason = "length"
+        if reason is None:
+            self._send(req, Output([tok]))
+            return False
+        req.finish_reason, req.t_done = reason, time.perf_counter()
+        self._send(req, Output([tok], finish_reason=reason))
+        return True
+
+    def _finish(self, req: Request, reason: str | None, error: str | None = None) -> None:
+        req.finish_reason, req.t_done = reason or "error", time.perf_counter()
+        self._send(req, Output([], finish_reason=reason, error=error))
+
+    def _send(self, req: Request, out: Output) -> None:
+        try:
+            req.sink(out)
+        except Exception as exc:  # a broken sink must not stop the loop: its request is cancelled
+            log.event("serve_sink_failed", 30, request=req.id, error=type(exc).__name__, message=str(exc))
+            req.cancelled = True

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from moe_offload.presets import PRESET_NAMES
+
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -22,7 +24,7 @@ _BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)\s*$", re.IGNORECA
 _SLOTS_RE = re.compile(r"^\s*([0-9]+)\s*slots?\s*$", re.IGNORECASE)
 _PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
-PRESETS = ("tiny-qwen3-moe", "tiny-qwen3-next", "tiny-mixtral", "qwen3-30b-a3b", "flash-next")
+PRESETS = PRESET_NAMES
 FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")
 
 
@@ -139,6 +141,8 @@ class DecodeConfig(_Strict):
     top_k: int = Field(0, ge=0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop_at_eos: bool = Field(True, description="`moe-offload generate` also stops at the checkpoint's EOS ids "
+                              "(generation_config.json, else config.json eos_token_id)")
 
 
 class ParallelConfig(_Strict):

@@ -52,19 +52,13 @@ def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
         if not path.is_dir():
             raise FileNotFoundError(f"model.checkpoint {path} is not a directory; point it at an HF checkpoint dir")
         return path
-    from moe_offload.checkpoint.synthetic import make_checkpoint
+    from moe_offload.checkpoint.synthetic import ensure_preset
 
     fmt = "nvfp4-modelopt" if model_cfg.format == "auto" else model_cfg.format
     root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
     layers = f"-l{model_cfg.layers}" if model_cfg.layers else ""
     path = root / f"{model_cfg.preset}-{fmt}{layers}-s{model_cfg.seed}"
-    if not (path / ".complete").is_file():
-        log.info_rank0("build_preset", preset=model_cfg.preset, format=fmt, path=str(path))
-        summary = make_checkpoint(model_cfg.preset, fmt, path, layers=model_cfg.layers, seed=model_cfg.seed,
-                                  progress=progress)
-        (path / ".complete").write_text("ok\n")
-        log.info_rank0("preset_built", **summary)
-    return path
+    return ensure_preset(model_cfg.preset, fmt, path, model_cfg.layers, model_cfg.seed, progress)
 
 
 def make_compute(cfg: OffloadConfig, fmt_name: str, store: ExpertStore, device: torch.device, dtype: torch.dtype):

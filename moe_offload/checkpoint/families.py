@@ -3,8 +3,9 @@ experts class to replace, and the model geometry read from config.json."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class Family:
     inter_key: str = "moe_intermediate_size"
     #: non-expert linears never quantized (router gates, ...) - name fragments
     unquantized: tuple = ("mlp.gate", "lm_head")
+    #: other on-disk projection names real exporters write (chosen per checkpoint by ``resolve_naming``)
+    proj_alternatives: tuple = ()
 
     def expert_name(self, layer: int, expert: int, which: str) -> str:
         return self.expert_prefix.format(l=layer, e=expert, proj=self.proj[which])
@@ -62,6 +65,8 @@ FAMILIES: dict[str, Family] = {
         renames=((".block_sparse_moe.", ".mlp."),),
         inter_key="intermediate_size",
         unquantized=("block_sparse_moe.gate", "mlp.gate", "lm_head"),
+        # llm-compressor's Mixtral exports name the experts' projections as the Llama MLP does
+        proj_alternatives=({"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},),
     ),
 }
 
@@ -121,3 +126,45 @@ def geometry_from_config(cfg: dict[str, Any], source: str = "config.json") -> Mo
         inter=int(need(fam.inter_key)),
         vocab=int(need("vocab_size")),
     )
+
+
+_WEIGHT_SUFFIXES = ("weight", "weight_packed")
+
+
+def resolve_naming(geo: ModelGeometry, has: Callable[[str], bool]) -> ModelGeometry:
+    """``geo`` with the family's projection names that this checkpoint uses (Mixtral: ``w1/w3/w2`` as
+    transformers writes them, or ``gate_proj/up_proj/down_proj`` as llm-compressor does)."""
+    fam = geo.family
+    if not geo.moe_layers or not fam.proj_alternatives:
+        return geo
+    layer = geo.moe_layers[0]
+    for proj in (fam.proj, *fam.proj_alternatives):
+        cand = replace(fam, proj=proj)
+        if any(has(f"{cand.expert_name(layer, 0, 'gate')}.{s}") for s in _WEIGHT_SUFFIXES):
+            return replace(geo, family=cand)
+    return geo
+
+
+def expert_count_error(geo: ModelGeometry, names: list[str], count_key: str) -> str | None:
+    """Where the per-expert tensors disagree with config.json's expert count, a message naming the layer,
+    the expert indices found and the fix; None when they agree (or the experts are stored fused)."""
+    pattern = re.escape(geo.family.expert_prefix).replace(r"\{l\}", r"(\d+)").replace(r"\{e\}", r"(\d+)")
+    pattern = pattern.replace(r"\{proj\}", r"[^.]+")
+    rx = re.compile(pattern + r"\.")
+    seen: dict[int, set[int]] = {}
+    for n in names:
+        m = rx.match(n)
+        if m:
+            seen.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    E = geo.num_experts
+    for layer in sorted(seen):
+        idx = seen[layer]
+        if max(idx) >= E:
+            return (f"config.json {count_key}={E} but layer {layer} has tensors for expert {max(idx)} "
+                    f"({len(idx)} experts on disk); set {count_key} to the number of experts the weights hold")
+        if layer in geo.moe_layers and len(idx) < E:
+            missing = sorted(set(range(E)) - idx)
+            return (f"config.json {count_key}={E} but layer {layer} has tensors for {len(idx)} experts only "
+                    f"(missing {missing[:8]}{'...' if len(missing) > 8 else ''}); set {count_key} to the number of "
+                    "experts the weights hold, or complete the checkpoint")
+    return None

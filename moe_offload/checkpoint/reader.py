@@ -8,6 +8,8 @@ TP rank reads only its bytes. ``bytes_read`` and ``reads`` count what was read.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moe_offload.checkpoint.families import ModelGeometry, geometry_from_config
+from moe_offload import log
+from moe_offload.checkpoint.families import ModelGeometry, expert_count_error, geometry_from_config, resolve_naming
 
 _DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -24,6 +27,8 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _HEADER_LIMIT = 100 * 2**20
+#: weight files in pickle formats (refused: unpickling runs code)
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 class CheckpointError(ValueError):
@@ -72,6 +77,11 @@ class CheckpointReader:
         self.reads: Counter = Counter()
         self.bytes_read = 0
         self._index_files()
+        self.geometry = resolve_naming(self.geometry, self.has)
+        key = "num_experts" if "num_experts" in self.config else "num_local_experts"
+        problem = expert_count_error(self.geometry, self.names(), key)
+        if problem:
+            raise CheckpointError(f"{cfg_path}: {problem}")
 
     def _index_files(self) -> None:
         index = self.path / "model.safetensors.index.json"
@@ -85,6 +95,12 @@ class CheckpointReader:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             weight_map = None
         if not files:
+            pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+            if pickles:
+                raise CheckpointError(
+                    f"{self.path}: holds only pickle weight files ({', '.join(pickles[:4])}); pickle can run code "
+                    "when loaded, so only safetensors is read. Convert them to *.safetensors (e.g. load once in a "
+                    "trusted environment and save_pretrained(safe_serialization=True)) or use a safetensors export")
             raise CheckpointError(f"{self.path}: no *.safetensors files")
         for fname in files:
             fpath = self.path / fname
@@ -190,27 +206,58 @@ class CheckpointReader:
         return self.get(name)
 
 
-def detect_format(reader: CheckpointReader) -> str:
-    """``bf16``, ``nvfp4-modelopt`` or ``nvfp4-ct`` from config.json / hf_quant_config.json."""
-    qc = reader.config.get("quantization_config") or {}
+W4A4_EVENT = "nvfp4_w4a4_served_weight_only"
+
+
+def _modelopt_algo(reader: CheckpointReader, qc: dict) -> tuple[str | None, Path]:
     hf_quant = reader.path / "hf_quant_config.json"
+    algo, source = qc.get("quant_algo"), reader.path / "config.json"
+    if hf_quant.is_file():
+        try:
+            doc = json.loads(hf_quant.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{hf_quant}: not valid JSON ({exc})") from None
+        algo, source = (doc.get("quantization") or {}).get("quant_algo", algo), hf_quant
+    return algo, source
+
+
+def detect_format(reader: CheckpointReader) -> str:
+    """``bf16``, ``nvfp4-modelopt`` or ``nvfp4-ct`` from config.json / hf_quant_config.json.
+
+    ModelOpt ``quant_algo`` "W4A16_NVFP4" (weight-only) and "NVFP4" (W4A4) store the same weight tensors;
+    compressed-tensors ``nvfp4-pack-quantized`` with or without ``input_activations``. W4A4 exports are
+    served weight-only (this runtime computes W4A16: dequantize in the GEMM, activations stay 16-bit), said
+    once per process in a ``nvfp4_w4a4_served_weight_only`` event, as vLLM does on GPUs without FP4 cores.
+    """
+    qc = reader.config.get("quantization_config") or {}
+    cfg_path = reader.path / "config.json"
     if qc.get("quant_method") == "compressed-tensors":
         fmt = qc.get("format")
-        groups = qc.get("config_groups") or {}
-        fmts = {fmt} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
-        if "nvfp4-pack-quantized" in fmts:
-            return "nvfp4-ct"
-        raise CheckpointError(f"{reader.path / 'config.json'}: compressed-tensors format {fmt!r} is not supported (only nvfp4-pack-quantized)")
-    if qc.get("quant_method") == "modelopt" or hf_quant.is_file():
-        algo = qc.get("quant_algo")
-        if hf_quant.is_file():
-            try:
-                algo = json.loads(hf_quant.read_text()).get("quantization", {}).get("quant_algo", algo)
-            except json.JSONDecodeError as exc:
-                raise CheckpointError(f"{hf_quant}: not valid JSON ({exc})") from None
-        if algo == "NVFP4":
+        groups = {k: g for k, g in (qc.get("config_groups") or {}).items() if isinstance(g, dict)}
+        fmts = {fmt} | {g.get("format") for g in groups.values()}
+        if "nvfp4-pack-quantized" not in fmts:
+            raise CheckpointError(f"{cfg_path}: compressed-tensors format {fmt!r} is not supported (only "
+                                  "nvfp4-pack-quantized); re-export with llm-compressor's NVFP4 or NVFP4A16 scheme")
+        acts = [k for k, g in groups.items() if g.get("input_activations")]
+        if acts:
+            _weight_only_event(reader, "compressed-tensors", f"config_groups {', '.join(acts)} quantize input_activations")
+        return "nvfp4-ct"
+    if qc.get("quant_method") == "modelopt" or (reader.path / "hf_quant_config.json").is_file():
+        algo, source = _modelopt_algo(reader, qc)
+        if algo == "W4A16_NVFP4":
             return "nvfp4-modelopt"
-        raise CheckpointError(f"{hf_quant}: ModelOpt quant_algo {algo!r} is not supported (only NVFP4)")
+        if algo == "NVFP4":
+            _weight_only_event(reader, "modelopt", f"{source.name} quant_algo NVFP4 (W4A4)")
+            return "nvfp4-modelopt"
+        raise CheckpointError(f"{source}: ModelOpt quant_algo {algo!r} is not supported; accepted: W4A16_NVFP4 "
+                              "(weight-only) and NVFP4 (W4A4, served weight-only)")
     if qc:
-        raise CheckpointError(f"{reader.path / 'config.json'}: quant_method {qc.get('quant_method')!r} is not supported")
+        raise CheckpointError(f"{cfg_path}: quant_method {qc.get('quant_method')!r} is not supported; accepted: "
+                              "modelopt (NVFP4, W4A16_NVFP4), compressed-tensors (nvfp4-pack-quantized), or none (bf16)")
     return "bf16"
+
+
+def _weight_only_event(reader: CheckpointReader, tool: str, why: str) -> None:
+    log.log_once(f"{W4A4_EVENT}:{reader.path}", W4A4_EVENT, logging.INFO, path=str(reader.path), tool=tool,
+                 reason=why, served="W4A16 (weights NVFP4, activations 16-bit; activation scales ignored)",
+                 detail="this runtime has no FP4-activation GEMM (Hopper has no FP4 tensor cores)")

@@ -9,106 +9,101 @@ codes and scales directly (memory speed, no 30B-float quantization).
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import shutil
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from moe_offload import log
 from moe_offload.checkpoint.families import FAMILIES, geometry_from_config
+from moe_offload.checkpoint.skeleton import build_skeleton, disk_name, hf_config
 from moe_offload.formats import get_format
-from moe_offload.formats.nvfp4 import _Nvfp4Base, quantize, random_nvfp4
+from moe_offload.formats.nvfp4 import quantize, random_nvfp4
+from moe_offload.presets import NEXT_PERIOD as _PERIOD
+from moe_offload.presets import PRESETS, Preset, PresetError, preset_config
 from moe_offload.tokenizer import ByteTokenizer
 
-_PERIOD = 4  # qwen3_next alternates 3 linear-attention layers and 1 full-attention layer
+__all__ = ["ACTIVATIONS", "PRESETS", "Preset", "PresetError", "make_checkpoint", "ensure_preset", "preset_config"]
+
 _SHARD_BYTES = 2 * 2**30
 EXPERT_STD = 0.02
+ACTIVATIONS = ("w4a16", "w4a4")
+#: written into a checkpoint dir as its last file: a dir without it was never finished
+COMPLETE_MARKER = ".complete"
 
 
-@dataclass(frozen=True)
-class Preset:
-    model_type: str
-    config: dict
-    tiny: bool
-
-
-_TINY_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6)
-_VOCAB_TINY = 320
-
-PRESETS: dict[str, Preset] = {
-    "tiny-qwen3-moe": Preset("qwen3_moe", dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4, num_experts=16,
-        num_experts_per_tok=4, norm_topk_prob=True, vocab_size=_VOCAB_TINY, tie_word_embeddings=False, **_TINY_ATTN,
-    ), True),
-    "tiny-qwen3-next": Preset("qwen3_next", dict(
-        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=32,
-        num_hidden_layers=4, num_experts=16, num_experts_per_tok=4, norm_topk_prob=True, vocab_size=_VOCAB_TINY,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, tie_word_embeddings=False, **_TINY_ATTN,
-    ), True),
-    "tiny-mixtral": Preset("mixtral", dict(
-        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2,
-        vocab_size=_VOCAB_TINY, tie_word_embeddings=False, **_TINY_ATTN,
-    ), True),
-    "qwen3-30b-a3b": Preset("qwen3_moe", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_experts=128,
-        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, num_attention_heads=32, num_key_value_heads=4,
-        head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2,
-    ), False),
-    "flash-next": Preset("qwen3_next", dict(
-        hidden_size=2560, intermediate_size=5120, moe_intermediate_size=640, shared_expert_intermediate_size=640,
-        num_hidden_layers=48, num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, vocab_size=151936,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-    ), False),
-}
-
-
-class PresetError(ValueError):
-    pass
-
-
-def preset_config(preset: str, layers: int | None = None) -> dict:
-    if preset not in PRESETS:
-        raise PresetError(f"unknown preset {preset!r}; accepted: {', '.join(PRESETS)}")
-    p = PRESETS[preset]
-    cfg = dict(p.config)
-    if layers is not None:
-        if layers < 1:
-            raise PresetError(f"--layers must be >= 1, got {layers}")
-        cfg["num_hidden_layers"] = min(layers, cfg["num_hidden_layers"]) if not p.tiny else layers
-        if p.model_type == "qwen3_next" and cfg["num_hidden_layers"] < _PERIOD:
-            raise PresetError(
-                f"{preset}: --layers {layers} leaves no full-attention layer (qwen3_next has one every "
-                f"{_PERIOD} layers) and transformers' cache cannot serve such a model; use --layers >= {_PERIOD}"
-            )
-    cfg.setdefault("bos_token_id", ByteTokenizer.bos_id)
-    cfg.setdefault("eos_token_id", ByteTokenizer.eos_id)
-    return cfg
-
-
-def _quant_config(fmt: str, family_unquantized: tuple) -> tuple[dict | None, dict | None]:
-    """(config.json quantization_config, hf_quant_config.json) for the format."""
+def _quant_config(fmt: str, family_unquantized: tuple, activations: str) -> tuple[dict | None, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json) for the format, as ModelOpt and llm-compressor
+    write them: ModelOpt ``quant_algo`` "W4A16_NVFP4" (weight-only) or "NVFP4" (W4A4, with ``input_scale``);
+    compressed-tensors ``nvfp4-pack-quantized`` with ``input_activations`` only for W4A4."""
     if fmt == "nvfp4-modelopt":
-        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+        algo = "NVFP4" if activations == "w4a4" else "W4A16_NVFP4"
+        qc = {"quant_method": "modelopt", "quant_algo": algo, "group_size": 16,
               "exclude_modules": ["lm_head", *[f"*{x}*" for x in family_unquantized]]}
         hf = {"producer": {"name": "modelopt", "version": "synthetic"},
-              "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": qc["exclude_modules"]}}
+              "quantization": {"quant_algo": algo, "group_size": 16, "exclude_modules": qc["exclude_modules"]}}
         return qc, hf
     if fmt == "nvfp4-ct":
         scheme = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "symmetric": True,
                   "dynamic": False, "scale_dtype": "float8_e4m3fn"}
+        group = {"targets": ["Linear"], "weights": scheme, "format": "nvfp4-pack-quantized"}
+        if activations == "w4a4":
+            group["input_activations"] = {**scheme, "dynamic": "local"}
         qc = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "format": "nvfp4-pack-quantized",
-                                            "input_activations": {**scheme, "dynamic": "local"}}},
-              "ignore": ["lm_head", *[f"re:.*{x}$" for x in family_unquantized]]}
+              "config_groups": {"group_0": group}, "ignore": ["lm_head", *[f"re:.*{x}$" for x in family_unquantized]]}
         return qc, None
     return None, None
+
+
+def _disk_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is an existing file; pass a directory path (new or empty)")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"--out {out} is a non-empty directory; pass a new or empty directory, or --force "
+                              "to replace it")
+
+
+@contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock on ``path`` (created) held for the block; waits for another holder."""
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info_rank0("preset_build_wait", lock=str(path), detail="another process is building this preset")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_preset(preset: str, fmt: str, path: str | Path, layers: int | None = None, seed: int = 0,
+                  progress: bool = True) -> Path:
+    """``path`` holding the preset's checkpoint, built once: under a file lock next to it, so a second
+    process asking for the same preset waits for the first and then reuses its build."""
+    path = Path(path)
+    if (path / COMPLETE_MARKER).is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(path.parent / f".{path.name}.lock"):
+        if (path / COMPLETE_MARKER).is_file():  # built by the process we waited for
+            return path
+        log.info_rank0("build_preset", preset=preset, format=fmt, path=str(path))
+        summary = make_checkpoint(preset, fmt, path, layers=layers, seed=seed, progress=progress, force=True)
+        log.info_rank0("preset_built", **summary)
+    return path
 
 
 class _ShardWriter:
@@ -157,17 +152,44 @@ class _ShardWriter:
 
 
 def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None = None, seed: int = 0,
-                    progress: bool = True) -> dict:
-    """Write a synthetic checkpoint for ``preset`` in format ``fmt`` to ``out``; returns a summary."""
-    from moe_offload.integrations.hf import build_skeleton, disk_name, hf_config
+                    progress: bool = True, force: bool = False, activations: str = "w4a16") -> dict:
+    """Write a synthetic checkpoint for ``preset`` in format ``fmt`` to ``out``; returns a summary.
 
+    Built in a temporary dir beside ``out`` and renamed into place, so ``out`` is either absent, the
+    old content, or complete. A non-empty ``out`` is refused unless ``force`` (then replaced).
+    ``activations``: "w4a4" writes the activation-scale entries of a W4A4 export (served weight-only)."""
     t0 = time.perf_counter()
     fmt_obj = get_format(fmt)
     cfg = preset_config(preset, layers)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"--activations {activations!r}: accepted: {', '.join(ACTIVATIONS)}")
+    out = Path(out)
+    _check_out(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        n_layers = _write(preset, fmt_obj, cfg, tmp, seed, progress, activations)
+        (tmp / COMPLETE_MARKER).write_text("ok\n")
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"path": str(out), "preset": preset, "format": fmt, "activations": activations if fmt_obj.is_quantized else None,
+            "layers": n_layers, "bytes": _disk_bytes(out), "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _write(preset: str, fmt_obj, cfg: dict, out: Path, seed: int, progress: bool, activations: str) -> int:
+    """Write every file of the checkpoint into ``out``; returns the number of layers."""
+    fmt = fmt_obj.name
     p = PRESETS[preset]
     family = FAMILIES[p.model_type]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
 
@@ -177,7 +199,8 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
     skeleton = build_skeleton(family, config, torch.bfloat16, empty=False)
     skel_state = {k: v.detach() for k, v in skeleton.state_dict().items()}
     linear_weights = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)}
-    qc, hf_quant = _quant_config(fmt, family.unquantized)
+    qc, hf_quant = _quant_config(fmt, family.unquantized, activations)
+    w4a4 = activations == "w4a4"
 
     # config.json: the full config (all layers), as transformers writes it
     full = hf_config({"model_type": p.model_type, **cfg})
@@ -192,7 +215,11 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
     geo = geometry_from_config(full_dict)
 
     writer = _ShardWriter(out, single=p.tiny)
-    quantized = isinstance(fmt_obj, _Nvfp4Base)
+    quantized = fmt_obj.is_quantized
+
+    def add_quantized(prefix: str, packed, scale, g) -> None:
+        for k, v in fmt_obj.to_disk(prefix, packed, scale, g, w4a4).items():
+            writer.add(k, v)
 
     def emit_non_expert(mem_name: str, t: torch.Tensor) -> None:
         name = disk_name(family, mem_name)
@@ -201,8 +228,7 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
                 packed, scale, g = quantize(t.float())
             else:  # real size: valid codes and scales at the tensor's std, written directly
                 packed, scale, g = random_nvfp4(*t.shape, generator=gen, target_std=float(t.float().std()) or EXPERT_STD)
-            for k, v in fmt_obj.to_disk(name[: -len(".weight")], packed, scale, g).items():
-                writer.add(k, v)
+            add_quantized(name[: -len(".weight")], packed, scale, g)
         else:
             writer.add(name, t)
 
@@ -237,12 +263,8 @@ def make_checkpoint(preset: str, fmt: str, out: str | Path, layers: int | None =
                 if not quantized:
                     writer.add(prefix + ".weight", (torch.randn(shape, generator=gen) * EXPERT_STD).to(torch.bfloat16))
                 elif p.tiny:
-                    w = torch.randn(shape, generator=gen) * EXPERT_STD
-                    for k, v in fmt_obj.to_disk(prefix, *quantize(w)).items():
-                        writer.add(k, v)
+                    add_quantized(prefix, *quantize(torch.randn(shape, generator=gen) * EXPERT_STD))
                 else:
-                    for k, v in fmt_obj.to_disk(prefix, *random_nvfp4(*shape, generator=gen, target_std=EXPERT_STD)).items():
-                        writer.add(k, v)
+                    add_quantized(prefix, *random_nvfp4(*shape, generator=gen, target_std=EXPERT_STD))
     writer.close()
-    return {"path": str(out), "preset": preset, "format": fmt, "layers": n_layers, "bytes": writer.total,
-            "seconds": round(time.perf_counter() - t0, 2)}
+    return n_layers

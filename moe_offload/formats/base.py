@@ -22,6 +22,22 @@ class FormatError(ValueError):
     """A tensor does not match its format (names the tensor and the fix)."""
 
 
+def require_finite(t: torch.Tensor, where: str) -> None:
+    """Raise a FormatError naming ``where`` (file: tensor) when ``t`` holds NaN or Inf (a corrupt export)."""
+    bad = t.numel() - int(torch.isfinite(t.float()).sum())
+    if bad:
+        raise FormatError(f"{where} holds {bad} non-finite value(s) (NaN/Inf) of {t.numel()}; the checkpoint is "
+                          "corrupt: re-export or re-download it")
+
+
+def require_global_scale(g: torch.Tensor, where: str) -> None:
+    """A per-tensor global scale must be finite and non-zero (zero makes every weight 0 or Inf)."""
+    require_finite(g, where)
+    if bool((g == 0).any()):
+        raise FormatError(f"{where} is 0 (an NVFP4 global scale must be non-zero); the checkpoint is corrupt: "
+                          "re-export or re-download it")
+
+
 @dataclass(frozen=True)
 class BankSpec:
     """One bank of an expert: a row of ``nbytes`` bytes viewed as ``dtype`` with ``shape``."""
@@ -64,8 +80,17 @@ class ExpertFormat(ABC):
     """How a format stores one expert (gate_up [2I, H], down [H, I]) and how to get bf16 back."""
 
     name: str
+    #: True when expert weights are stored as codes + scales (dequantized in the GEMM), False for plain floats
+    is_quantized: bool = False
     #: I/tp must be a multiple of this (NVFP4: 16-element blocks along K of down_proj).
     tp_multiple: int = 1
+
+    #: on-disk suffix of the per-tensor global scale (finite and non-zero), None for unscaled formats
+    global_scale_suffix: str | None = None
+
+    @abstractmethod
+    def disk_tensors(self, rows: int, cols: int) -> dict[str, tuple[tuple[int, ...] | None, torch.dtype]]:
+        """What one ``[rows, cols]`` linear is on disk: suffix -> (shape or None for a scalar, dtype)."""
 
     @abstractmethod
     def banks(self, hidden: int, inter: int) -> list[BankSpec]:
@@ -90,13 +115,3 @@ class ExpertFormat(ABC):
     @abstractmethod
     def read_linear(self, reader: "CheckpointReader", prefix: str, dtype: torch.dtype) -> torch.Tensor | None:
         """A non-expert linear's weight ``[out, in]`` in ``dtype`` if stored quantized under ``prefix``."""
-
-
-def get_format(name: str) -> ExpertFormat:
-    from moe_offload.formats.bf16 import Bf16Format
-    from moe_offload.formats.nvfp4 import Nvfp4CompressedTensorsFormat, Nvfp4ModelOptFormat
-
-    table = {"bf16": Bf16Format, "nvfp4-modelopt": Nvfp4ModelOptFormat, "nvfp4-ct": Nvfp4CompressedTensorsFormat}
-    if name not in table:
-        raise FormatError(f"unknown format {name!r}; accepted: {', '.join(table)}")
-    return table[name]()

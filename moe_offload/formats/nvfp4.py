@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_offload.formats.base import BankSpec, ExpertFormat, FormatError, TpSlice
+from moe_offload.formats.base import BankSpec, ExpertFormat, FormatError, TpSlice, require_finite, require_global_scale
 
 BLOCK = 16
 E2M1_MAX = 6.0
@@ -99,9 +99,19 @@ def random_nvfp4(R: int, C: int, generator: torch.Generator, target_std: float =
 
 
 class _Nvfp4Base(ExpertFormat):
+    is_quantized = True
     tp_multiple = BLOCK
     #: suffixes (packed, block scale, global scale) on disk
     suffixes: tuple[str, str, str]
+
+    @property
+    def global_scale_suffix(self) -> str:
+        return self.suffixes[2]
+
+    def disk_tensors(self, rows, cols):
+        sq, ss, sg = self.suffixes
+        return {sq: ((rows, cols // 2), torch.uint8), ss: ((rows, cols // BLOCK), torch.float8_e4m3fn),
+                sg: (None, torch.float32)}
 
     def banks(self, hidden: int, inter: int) -> list[BankSpec]:
         for dim, what in ((hidden, "hidden size"), (inter, "expert intermediate size (per TP rank)")):
@@ -131,6 +141,8 @@ class _Nvfp4Base(ExpertFormat):
         g = reader.get(f"{prefix}.{sg}", expect_dtype=torch.float32)
         if g.numel() != 1:
             raise FormatError(f"{reader.file_of(prefix + '.' + sg)}: tensor {prefix}.{sg} must hold one value, has shape {tuple(g.shape)}")
+        require_global_scale(g, f"{reader.file_of(prefix + '.' + sg)}: tensor {prefix}.{sg}")
+        require_finite(scale, f"{reader.file_of(prefix + '.' + ss)}: tensor {prefix}.{ss}")
         return packed, scale, self.global_multiplier(g.reshape(()))
 
     def read_expert(self, reader, proj_name, hidden, inter, tp: TpSlice):
@@ -170,13 +182,16 @@ class Nvfp4ModelOptFormat(_Nvfp4Base):
     def global_multiplier(self, stored):
         return stored.float()
 
-    def to_disk(self, prefix: str, packed, scale, g_mult) -> dict[str, torch.Tensor]:
-        return {
+    def to_disk(self, prefix: str, packed, scale, g_mult, w4a4: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors ModelOpt writes for one linear (``input_scale`` only in a W4A4 export)."""
+        out = {
             f"{prefix}.weight": packed,
             f"{prefix}.weight_scale": scale,
             f"{prefix}.weight_scale_2": g_mult.reshape(()).float(),
-            f"{prefix}.input_scale": torch.tensor(1.0, dtype=torch.float32),
         }
+        if w4a4:
+            out[f"{prefix}.input_scale"] = torch.tensor(1.0, dtype=torch.float32)
+        return out
 
 
 class Nvfp4CompressedTensorsFormat(_Nvfp4Base):
@@ -189,10 +204,13 @@ class Nvfp4CompressedTensorsFormat(_Nvfp4Base):
     def global_multiplier(self, stored):
         return 1.0 / stored.float()
 
-    def to_disk(self, prefix: str, packed, scale, g_mult) -> dict[str, torch.Tensor]:
-        return {
+    def to_disk(self, prefix: str, packed, scale, g_mult, w4a4: bool = False) -> dict[str, torch.Tensor]:
+        """The tensors llm-compressor writes for one linear (``input_global_scale`` only in a W4A4 export)."""
+        out = {
             f"{prefix}.weight_packed": packed,
             f"{prefix}.weight_scale": scale,
             f"{prefix}.weight_global_scale": (1.0 / g_mult.float()).reshape(1),
-            f"{prefix}.input_global_scale": torch.ones(1, dtype=torch.float32),
         }
+        if w4a4:
+            out[f"{prefix}.input_global_scale"] = torch.ones(1, dtype=torch.float32)
+        return out

@@ -10,70 +10,21 @@ family's own experts class filled with dequantized weights).
 
 from __future__ import annotations
 
-import importlib
 import re
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
 from torch import nn
 
-from moe_offload.checkpoint.families import Family
 from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader
+from moe_offload.checkpoint.skeleton import ExpertsPlaceholder, build_skeleton, disk_name, experts_class, hf_config
 from moe_offload.formats.base import ExpertFormat
 
+# the skeleton helpers live in moe_offload.checkpoint.skeleton (the synthetic writer needs them too)
+__all__ = ["ExpertsPlaceholder", "attach_experts", "build_skeleton", "check_no_meta", "disk_name", "experts_class",
+           "hf_config", "layer_of", "load_non_expert_weights"]
+
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-class ExpertsPlaceholder(nn.Module):
-    """Stands in for the family's experts module during construction; holds no tensors."""
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__()
-        # transformers' _init_weights would look for gate_up_proj on an experts instance
-        self._is_hf_initialized = True
-
-    def forward(self, *args, **kwargs):
-        raise RuntimeError("experts placeholder called: attach_experts() was not run on this model")
-
-
-@contextmanager
-def experts_class(family: Family, cls: type[nn.Module]):
-    """Temporarily replace ``family.experts_class`` in its modeling module by ``cls``."""
-    module = importlib.import_module(family.modeling_module)
-    original = getattr(module, family.experts_class)
-    setattr(module, family.experts_class, cls)
-    try:
-        yield
-    finally:
-        setattr(module, family.experts_class, original)
-
-
-def hf_config(config_dict: dict, num_layers: int | None = None):
-    """A transformers config from a config.json dict (quantization metadata stripped: we read it ourselves)."""
-    from transformers import AutoConfig
-
-    d = {k: v for k, v in config_dict.items() if k not in ("quantization_config", "architectures", "transformers_version")}
-    model_type = d.pop("model_type")
-    if num_layers is not None:
-        d["num_hidden_layers"] = num_layers
-        if "layer_types" in d and d["layer_types"] is not None:
-            d["layer_types"] = list(d["layer_types"])[:num_layers]
-    return AutoConfig.for_model(model_type, **d)
-
-
-def build_skeleton(family: Family, config, dtype: torch.dtype, empty: bool = True) -> nn.Module:
-    """Build the causal-LM with placeholder experts. ``empty``: parameters on meta (buffers real)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    with experts_class(family, ExpertsPlaceholder):
-        if empty:
-            with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
 
 
 def layer_of(module_name: str) -> int:
@@ -81,14 +32,6 @@ def layer_of(module_name: str) -> int:
     if not m:
         raise ValueError(f"cannot find a layer index in module name {module_name!r}")
     return int(m.group(1))
-
-
-def disk_name(family: Family, mem_name: str) -> str:
-    """In-memory parameter name -> on-disk name (undo the family's renames, e.g. Mixtral's .mlp.)."""
-    name = mem_name
-    for disk, mem in family.renames:
-        name = name.replace(mem, disk)
-    return name
 
 
 def load_non_expert_weights(model: nn.Module, reader: CheckpointReader, fmt: ExpertFormat, dtype: torch.dtype) -> int:

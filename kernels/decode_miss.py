@@ -1,0 +1,267 @@
+"""Decode miss server (Triton): routed pair -> pool row, copying missing experts from mapped host memory.
+
+Legend: T tokens, K top-k, M = T*K routed pairs, E experts of the layer, B bytes of one expert row,
+R rows of the slot pool (S slots + scratch rows), X = min(M, E) scratch rows a step may need,
+W row words (B / word bytes), C chunks of a row.
+
+For every routed pair (t, k) with expert ``e = topk_ids_TK[t, k]``:
+- resident (``slot_of_E[e] >= 0``): ``rows_TK[t, k] = slot_of_E[e]``; nothing is copied;
+- missing: each distinct missing expert gets one scratch row ``scratch_base + j``, j its rank among the
+  step's distinct missing experts in ascending expert id (deterministic), and SMs copy its host row
+  ``host_rows_EB[e]`` there; ``rows_TK[t, k] = scratch_base + j``. So ``rows_TK >= scratch_base``
+  marks exactly the missed pairs (free miss info for stats, no extra output);
+- an id outside [0, E) gets row -1 (the fused MoE kernels leave such pairs out) and copies nothing.
+
+Two launches, no host sync, grids sized from host-known shapes only (CUDA-graph capturable; the table
+and the ids are read at replay time):
+1. ``_plan_kernel``, one program: mark the missing experts in an [E] workspace, scan it into scratch
+   indices and a list of missing experts (+ their count), then write ``rows_TK``. Phases are separated by
+   ``tl.debug_barrier()`` (one CTA: global writes before the barrier are visible after it).
+2. ``_copy_kernel``, persistent: (missing expert, chunk of its row) work items, ``count * C`` of them,
+   spread over a fixed grid (``ctas_per_sm`` x SMs), so one miss still uses many SMs. Rows are copied
+   as int32 words where the rows allow it, with the alignment of the row starts passed as a constexpr so
+   Triton emits 16-byte vector loads when rows start on 16-byte boundaries (B % 16 == 0). The NVFP4
+   rows of Qwen3-30B-A3B (B = 2,654,220) and Flash-Next are only 4-byte aligned: padding the row
+   stride of the host store and the pool to a multiple of 16 would give 16-byte vectors
+   (``benchmarks/decode_kernels.py`` measures both).
+
+On CUDA, ``host_rows_EB`` must be a device tensor aliasing pinned, mapped host memory
+(``ExpertStore.device_rows(layer, device)``); the copy then reads it over PCIe (UVA). Under
+``TRITON_INTERPRET=1`` every tensor is a CPU tensor and the same kernels run in the interpreter (CI).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.nvfp4 import device_guard
+
+_PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class MissCopyConfig:
+    """Shape of the copy launch: ``chunk_bytes`` per work item (a power of two >= 16), ``ctas_per_sm``
+    programs per SM (CPU: programs in all), ``num_warps`` per program.
+
+    The defaults are a starting point, not a tuned result: 16 KiB per item keeps 8 vectors of 16 B in
+    flight per thread at 4 warps, and 4 CTAs per SM give ~2 MB of reads in flight over the GPU, far
+    above what PCIe latency x bandwidth needs (~100 KB). ``benchmarks/decode_kernels.py`` sweeps them."""
+
+    chunk_bytes: int = 16384
+    ctas_per_sm: int = 4
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if self.chunk_bytes < 16 or self.chunk_bytes & (self.chunk_bytes - 1):
+            raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be a power of two >= 16")
+        if self.ctas_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"invalid {self}: ctas_per_sm >= 1, num_warps a power of two <= 16")
+
+
+@dataclass
+class MissPlan:
+    """What the plan kernel wrote (device tensors, no host sync).
+
+    ``rows_TK`` int32 pool row of every pair (``>= scratch_base`` where the pair missed, -1 for an id
+    outside [0, E)); ``miss_experts_X`` int32 the distinct missing experts in ascending id (entries
+    past the count are undefined); ``num_missing_1`` int32 their count (copy it to pinned host memory
+    non-blockingly for stats)."""
+
+    rows_TK: torch.Tensor
+    miss_experts_X: torch.Tensor
+    num_missing_1: torch.Tensor
+
+
+@triton.jit
+def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
+                 M, E, scratch_base, BLOCK: tl.constexpr):
+    """One program. need[E] and scratch_of[E] are workspaces (any initial contents)."""
+    for e0 in range(0, E, BLOCK):
+        offs_e = e0 + tl.arange(0, BLOCK)
+        tl.store(need_ptr + offs_e, tl.zeros((BLOCK,), tl.int32), mask=offs_e < E)
+    tl.debug_barrier()
+    for m0 in range(0, M, BLOCK):  # mark missing experts (several pairs may store the same 1)
+        offs_m = m0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+        valid = (offs_m < M) & (ids >= 0) & (ids < E)
+        slot = tl.load(slot_ptr + ids, mask=valid, other=0)
+        tl.store(need_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=valid & (slot < 0))
+    tl.debug_barrier()
+    total = tl.full((), 0, tl.int32)
+    for e0 in range(0, E, BLOCK):  # exclusive scan: scratch index of each missing expert, by ascending id
+        offs_e = e0 + tl.arange(0, BLOCK)
+        need = tl.load(need_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
+        idx = total + tl.cumsum(need, 0) - need
+        missing = (offs_e < E) & (need > 0)
+        tl.store(scratch_of_ptr + offs_e, idx, mask=missing)
+        tl.store(miss_ptr + idx, offs_e.to(tl.int32), mask=missing)
+        total += tl.sum(need, 0)
+    tl.store(count_ptr, total)
+    tl.debug_barrier()
+    for m0 in range(0, M, BLOCK):
+        offs_m = m0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+        valid = (offs_m < M) & (ids >= 0) & (ids < E)
+        slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
+        scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0), other=0, volatile=True)
+        row = tl.where(slot >= 0, slot, scratch_base + scratch)
+        tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, miss_ptr, count_ptr, row_words, src_stride_v, dst_stride_v, scratch_base,
+                 chunks, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """Work item w = (x, c): words [c*BLOCK, (c+1)*BLOCK) of host row miss[x] -> pool row scratch_base + x.
+    Strides are in units of VEC words, so every row start is known to be VEC-word aligned."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    total = tl.load(count_ptr) * chunks
+    for w in range(pid, total, nprog):
+        x = w // chunks
+        c = w - x * chunks
+        e = tl.load(miss_ptr + x).to(tl.int64)
+        src = src_ptr + e * src_stride_v * VEC
+        dst = dst_ptr + (scratch_base + x).to(tl.int64) * dst_stride_v * VEC
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        if c * BLOCK + BLOCK <= row_words:
+            tl.store(dst + offs, tl.load(src + offs))
+        else:
+            inside = offs < row_words
+            tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
+
+
+def _check(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base) -> None:
+    dev = pool_rows_RB.device if isinstance(pool_rows_RB, torch.Tensor) else None
+    for name, t in (("host_rows_EB", host_rows_EB), ("pool_rows_RB", pool_rows_RB)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D uint8 tensor [rows, B], got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.shape[1] > 1 and t.stride(1) != 1:
+            raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got strides {tuple(t.stride())}")
+    if host_rows_EB.shape[1] != pool_rows_RB.shape[1]:
+        raise ValueError(f"row bytes differ: host_rows_EB {tuple(host_rows_EB.shape)} vs pool_rows_RB "
+                         f"{tuple(pool_rows_RB.shape)}")
+    if host_rows_EB.device != dev:
+        raise ValueError(f"host_rows_EB is on {host_rows_EB.device} but pool_rows_RB on {dev}; on CUDA pass the "
+                         "mapped device view of the host rows (ExpertStore.device_rows(layer, device))")
+    E = host_rows_EB.shape[0]
+    if not isinstance(slot_of_E, torch.Tensor) or slot_of_E.dtype not in _INDEX_DTYPES or tuple(slot_of_E.shape) != (E,):
+        raise ValueError(f"slot_of_E must be int32/int64 [E={E}], got {getattr(slot_of_E, 'dtype', None)} "
+                         f"{tuple(getattr(slot_of_E, 'shape', ()))}")
+    if not isinstance(topk_ids_TK, torch.Tensor) or topk_ids_TK.dtype not in _INDEX_DTYPES or topk_ids_TK.dim() != 2:
+        raise ValueError(f"topk_ids_TK must be an int32/int64 [T, K] tensor, got {getattr(topk_ids_TK, 'dtype', None)} "
+                         f"{tuple(getattr(topk_ids_TK, 'shape', ()))}")
+    for name, t in (("slot_of_E", slot_of_E), ("topk_ids_TK", topk_ids_TK)):
+        if t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but pool_rows_RB on {dev}")
+    X = min(topk_ids_TK.numel(), E)
+    if not isinstance(scratch_base, int) or scratch_base < 0 or scratch_base + X > pool_rows_RB.shape[0]:
+        raise ValueError(f"scratch_base={scratch_base!r}: rows scratch_base .. scratch_base + min(T*K, E) - 1 = "
+                         f"{scratch_base} .. {scratch_base + X - 1} must lie in pool_rows_RB's {pool_rows_RB.shape[0]} "
+                         "rows (size the pool as S slots + min(T*K, E) scratch rows for the largest T)")
+
+
+def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
+                pool_rows_RB: torch.Tensor, scratch_base: int) -> MissPlan:
+    """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
+    Arguments as for :func:`serve_misses`."""
+    _check(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base)
+    dev = pool_rows_RB.device
+    T, K = topk_ids_TK.shape
+    E = host_rows_EB.shape[0]
+    M = T * K
+    rows_TK = torch.empty((T, K), dtype=torch.int32, device=dev)
+    miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
+    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    work_2E = torch.empty((2, max(E, 1)), dtype=torch.int32, device=dev)  # need, scratch_of
+    ids_M = topk_ids_TK.reshape(-1)
+    if not ids_M.is_contiguous():
+        ids_M = ids_M.contiguous()
+    with device_guard(dev):
+        _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
+                           M, E, scratch_base, BLOCK=_PLAN_BLOCK, num_warps=4)
+    return MissPlan(rows_TK, miss_experts_X, num_missing_1)
+
+
+def _word_layout(host_rows_EB: torch.Tensor, pool_rows_RB: torch.Tensor) -> tuple[torch.dtype, int, int]:
+    """(word dtype, word bytes, VEC words of alignment shared by every row start of both tensors)."""
+    B = host_rows_EB.shape[1]
+    ptrs = [t.data_ptr() for t in (host_rows_EB, pool_rows_RB)]
+    strides = [t.stride(0) for t in (host_rows_EB, pool_rows_RB)]
+
+    def aligned(n: int) -> bool:
+        return B % n == 0 and all(p % n == 0 for p in ptrs) and all(s % n == 0 for s in strides)
+
+    word, dtype = (4, torch.int32) if aligned(4) else (1, torch.uint8)
+    vec = next(v for v in (16 // word, 8 // word, 4 // word, 2 // word, 1) if v >= 1 and aligned(v * word))
+    return dtype, word, vec
+
+
+def copy_misses(plan: MissPlan, host_rows_EB: torch.Tensor, pool_rows_RB: torch.Tensor, scratch_base: int,
+                config: MissCopyConfig | None = None) -> None:
+    """Kernel 2 only (enqueue): copy the planned missing experts' host rows into their scratch rows."""
+    config = config or MissCopyConfig()
+    B = host_rows_EB.shape[1]
+    X = min(plan.rows_TK.numel(), host_rows_EB.shape[0])
+    if X == 0 or B == 0:
+        return
+    dtype, word, vec = _word_layout(host_rows_EB, pool_rows_RB)
+    src, dst = host_rows_EB.view(dtype), pool_rows_RB.view(dtype)
+    row_words = B // word
+    block = min(config.chunk_bytes // word, triton.next_power_of_2(row_words))
+    chunks = triton.cdiv(row_words, block)
+    dev = pool_rows_RB.device
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count  # host-side property, no sync
+    else:
+        sms = 1
+    grid = (min(X * chunks, config.ctas_per_sm * sms),)
+    with device_guard(dev):
+        _copy_kernel[grid](src, dst, plan.miss_experts_X, plan.num_missing_1, row_words,
+                           src.stride(0) // vec, dst.stride(0) // vec, scratch_base, chunks,
+                           BLOCK=block, VEC=vec, num_warps=config.num_warps)
+
+
+def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
+                 pool_rows_RB: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None) -> torch.Tensor:
+    """Pool row of every routed pair, with missing experts copied into scratch rows (no host sync).
+
+    Args:
+        slot_of_E: ``[E]`` int32/int64 slot of each expert of the layer, -1 = not resident.
+        topk_ids_TK: ``[T, K]`` int32/int64 routed expert ids.
+        host_rows_EB: ``[E, B]`` uint8 host rows of the layer; on CUDA their mapped device view
+            (``ExpertStore.device_rows``), on CPU the rows themselves.
+        pool_rows_RB: ``[R, B]`` uint8 device pool; rows ``scratch_base .. scratch_base + min(T*K, E) - 1``
+            are scratch (overwritten); resident slots are only read through ``rows_TK``.
+        scratch_base: first scratch row.
+        config: copy launch shape (default :class:`MissCopyConfig`).
+
+    Returns:
+        ``rows_TK`` ``[T, K]`` int32: ``slot_of_E[e]`` for resident experts, ``scratch_base + j`` for the
+        j-th distinct missing expert (ascending id), -1 for ids outside [0, E). ``rows_TK >= scratch_base``
+        is the step's miss mask. Ids are not range-checked on the host (that would sync).
+    """
+    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base)
+    copy_misses(plan, host_rows_EB, pool_rows_RB, scratch_base, config)
+    return plan.rows_TK
+
+
+def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
+                           pool_rows_RB: torch.Tensor, scratch_base: int) -> torch.Tensor:
+    """Plain-torch oracle of :func:`serve_misses` (syncs; tests only): same rows, same scratch contents."""
+    E = host_rows_EB.shape[0]
+    ids = topk_ids_TK.long()
+    valid = (ids >= 0) & (ids < E)
+    slot = torch.where(valid, slot_of_E.long()[ids.clamp(0, max(E - 1, 0))], torch.zeros_like(ids))
+    missing = torch.unique(ids[valid & (slot < 0)])  # sorted ascending
+    pos = torch.searchsorted(missing, ids.clamp(0, max(E - 1, 0)))
+    rows = torch.where(slot >= 0, slot, scratch_base + pos)
+    for j, e in enumerate(missing.tolist()):
+        pool_rows_RB[scratch_base + j].copy_(host_rows_EB[e])
+    return torch.where(valid, rows, -1).to(torch.int32)

@@ -1,0 +1,157 @@
+"""Fused NVFP4 W4A16 MoE for decode sizes (T = 1..64 tokens): the kernels of ``fused_moe.py`` behind a
+one-launch alignment and decode-shaped tiles. Drop-in: same call signature as ``fused_moe_nvfp4``.
+
+Legend: T tokens, K top-k, M = T*K routed pairs, N bank rows (slots + scratch rows of the pool),
+H hidden, I expert intermediate, P padded pair slots (multiple of BLOCK_M), NB = P / BLOCK_M blocks.
+
+Why a decode variant: at decode the layer's weight bytes are small (8 experts x 2.65 MB at T = 1 for
+Qwen3-30B-A3B: ~5 us of HBM time on an H200), so the number of dependent launches, not the GEMMs,
+sets the layer time. ``fused_moe_nvfp4`` enqueues 9 kernels (3 fills and 3 alignment kernels, two
+GEMMs, the sum over K); this path enqueues 4:
+1. ``_align_kernel``, ONE program: fills, per-row counts, padded prefix sum and placement of the pairs,
+   phases separated by ``tl.debug_barrier()`` (one CTA sees its own global writes after a barrier).
+   The result is the same ``MoeAlignment`` contract as ``fused_moe.moe_align``: pairs grouped by row,
+   each group padded to whole BLOCK_M blocks (order within a row follows atomics; results do not depend
+   on it, since each pair's output row is computed independently of its position).
+2. ``fused_moe.gate_up_silu`` and 3. ``fused_moe.down_weighted``, with tiles from
+   ``decode_moe_tuning.json`` (keyed by GPU name, shape (H, I) and M; written by
+   ``benchmarks/tune_decode_moe.py``): BLOCK_M = 16 (one expert rarely gets more than a few pairs at
+   decode) and narrow N tiles, so a step with 8 routed experts still spreads over >= 132 SMs.
+4. the sum over K of the weighted per-pair terms (deterministic: no atomics).
+
+Grids depend only on host-known shapes (T, K, N, H, I), nothing is read back to the host: the call can
+be captured in a CUDA graph, and rows (e.g. from ``decode_miss.serve_misses``) are read at replay time.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.fused_moe import (
+    _HIDDEN_DTYPES,
+    MoeAlignment,
+    _check_inputs,
+    down_weighted,
+    gate_up_silu,
+    max_padded_pairs,
+)
+from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
+from moe_offload.kernels.nvfp4 import device_guard
+
+DECODE_TUNING_PATH = TUNING_PATH.with_name("decode_moe_tuning.json")
+_ALIGN_BLOCK = 1024  # elements per step of the align program's loops (elementwise; not tuned)
+
+
+def decode_config_for(device: torch.device, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
+    """Tiles for a decode call on ``device`` with layer shape (H, I) and ``pairs`` = T*K routed pairs
+    (``decode_moe_tuning.json``; same schema and lookup as ``fused_moe_tuning.json``)."""
+    return load_tuning(DECODE_TUNING_PATH).lookup(device_name(device), hidden, inter, pairs)
+
+
+@triton.jit
+def _align_kernel(rows_ptr, counts_ptr, cursor_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+                  M, N, P, NB, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the three kernels and three fills of ``fused_moe.moe_align`` in one launch."""
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        tl.store(counts_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=offs < N)
+    for p0 in range(0, P, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        tl.store(sorted_ids_ptr + offs, tl.full((BLOCK,), 0, tl.int32) + M, mask=offs < P)
+    for b0 in range(0, NB, BLOCK):
+        offs = b0 + tl.arange(0, BLOCK)
+        tl.store(block_row_ptr + offs, tl.full((BLOCK,), -1, tl.int32), mask=offs < NB)
+    tl.debug_barrier()
+    for m0 in range(0, M, BLOCK):
+        offs = m0 + tl.arange(0, BLOCK)
+        rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
+        ok = (offs < M) & (rows >= 0) & (rows < N)
+        tl.atomic_add(counts_ptr + rows, 1, mask=ok)
+    tl.debug_barrier()
+    total = tl.full((), 0, tl.int32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        count = tl.load(counts_ptr + offs, mask=offs < N, other=0, volatile=True)
+        padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        tl.store(cursor_ptr + offs, total + tl.cumsum(padded, 0) - padded, mask=offs < N)
+        total += tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
+    tl.debug_barrier()
+    for m0 in range(0, M, BLOCK):
+        offs = m0 + tl.arange(0, BLOCK)
+        rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
+        ok = (offs < M) & (rows >= 0) & (rows < N)
+        dest = tl.atomic_add(cursor_ptr + rows, 1, mask=ok)
+        tl.store(sorted_ids_ptr + dest, offs, mask=ok)
+        # every block of a row holds at least one real pair, so this writes every used block's row
+        tl.store(block_row_ptr + dest // BLOCK_M, rows.to(tl.int32), mask=ok)
+
+
+def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignment:
+    """``fused_moe.moe_align`` in one launch (one program: meant for decode-sized T*K, up to a few
+    thousand pairs). Rows outside [0, num_rows) are left out, as there."""
+    rows_M = rows_TK.reshape(-1)
+    if not rows_M.is_contiguous():
+        rows_M = rows_M.contiguous()
+    M = rows_M.numel()
+    dev = rows_M.device
+    P = max_padded_pairs(M, num_rows, block_m)
+    work_2N = torch.empty((2, max(num_rows, 1)), dtype=torch.int32, device=dev)  # counts, cursor
+    num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    sorted_ids_P = torch.empty((max(P, 1),), dtype=torch.int32, device=dev)[:P]
+    block_row_B = torch.empty((max(P // block_m, 1),), dtype=torch.int32, device=dev)[:P // block_m]
+    with device_guard(dev):
+        _align_kernel[(1,)](rows_M, work_2N[0], work_2N[1], sorted_ids_P, block_row_B, num_padded_1,
+                            M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4)
+    return MoeAlignment(sorted_ids_P, block_row_B, num_padded_1, block_m)
+
+
+def decode_moe_nvfp4(
+    hidden_TH: torch.Tensor,
+    rows_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    views: dict,
+    out_dtype: torch.dtype | None = None,
+    config: FusedMoeConfig | None = None,
+) -> torch.Tensor:
+    """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
+
+    Args (as ``fused_moe.fused_moe_nvfp4``):
+        hidden_TH: ``[T, H]`` bf16/fp16/fp32 activations.
+        rows_TK: ``[T, K]`` int32/int64 bank row of each routed pair, in [0, N); pairs outside are left
+            out (their tokens' outputs are then undefined). Not range-checked (that would sync).
+        weights_TK: ``[T, K]`` float routing weights (used in fp32).
+        views: NVFP4 bank views ``w13_q [N, 2I, H/2] u8``, ``w13_s [N, 2I, H/16] e4m3``,
+            ``w2_q [N, H, I/2] u8``, ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32``; rows contiguous.
+        out_dtype: output dtype (default ``hidden_TH.dtype``).
+        config: tiles; default ``decode_config_for(device, H, I, T*K)``.
+
+    Returns:
+        ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
+    """
+    N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
+    out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _HIDDEN_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
+    T, K = rows_TK.shape
+    M = T * K
+    dev = hidden_TH.device
+    if M == 0:
+        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+    if N == 0:
+        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
+    if config is None:
+        config = decode_config_for(dev, H, I, M)
+    if hidden_TH.stride(1) != 1:
+        hidden_TH = hidden_TH.contiguous()
+    align = decode_align(rows_TK, N, config.block_m)
+    weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
+    act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
+    terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
+    gate_up_silu(hidden_TH, views, align, act_MI, K, config)
+    down_weighted(act_MI, views, weights_M, align, terms_MH, config)
+    if K == 1:
+        return terms_MH
+    return terms_MH.view(T, K, H).sum(dim=1)

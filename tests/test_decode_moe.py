@@ -1,0 +1,158 @@
+"""decode_moe_nvfp4 (kernels/decode_moe.py) against the plain-torch reference (dequant + matmul in fp32),
+and its one-launch alignment against the three-kernel one, on awkward decode shapes.
+
+Legend: T tokens, K top-k, N bank rows, H hidden, I intermediate.
+Without CUDA the kernels run in the Triton interpreter on CPU tensors (small shapes only).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, random_nvfp4  # noqa: E402
+from moe_offload.host_store import bank_offsets, bank_views  # noqa: E402
+from moe_offload.kernels.decode_moe import (  # noqa: E402
+    DECODE_TUNING_PATH,
+    decode_align,
+    decode_config_for,
+    decode_moe_nvfp4,
+)
+from moe_offload.kernels.fused_moe import moe_align, moe_reference  # noqa: E402
+from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles, load_tuning  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FMT = Nvfp4ModelOptFormat()
+
+
+def make_pool(N: int, H: int, I: int, seed: int = 0):
+    """``(pool_NB, views)``: N random NVFP4 experts as rows of one byte pool (4 spare bytes per row, so
+    dim 0 of every bank view is strided), weight std ~ 1/sqrt(fan_in) so SiLU sees both signs."""
+    gen = torch.Generator().manual_seed(seed)
+    specs = FMT.banks(H, I)
+    pool_NB = torch.zeros(N, sum(s.nbytes for s in specs) + 4, dtype=torch.uint8)
+    views = bank_views(specs, bank_offsets(specs), pool_NB)
+    for e in range(N):
+        views["w13_q"][e], views["w13_s"][e], _ = random_nvfp4(2 * I, H, gen)
+        views["w2_q"][e], views["w2_s"][e], _ = random_nvfp4(H, I, gen)
+    g0 = 0.02 / (2.93 * 80.0)  # random_nvfp4 weights have std 0.02 at this global
+    fan_in = torch.tensor([H, H, I], dtype=torch.float32)
+    views["gs"].copy_(g0 / 0.02 / fan_in.sqrt() * (0.5 + torch.rand(N, 3, generator=gen)))
+    pool_NB = pool_NB.to(DEVICE)
+    return pool_NB, bank_views(specs, bank_offsets(specs), pool_NB)
+
+
+SMALL = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1), KernelTiles(16, 32, group_m=1))  # many N tiles, K steps
+WIDE_K = FusedMoeConfig(16, KernelTiles(32, 128), KernelTiles(32, 128))  # BLOCK_K > H, I: masked K tail
+BM32 = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(16, 32))
+CONFIGS = {"small": SMALL, "wide-k": WIDE_K, "block-m-32": BM32, "table": None}
+
+CASES = {  # T, K, N, H, I, routing
+    "one-token-top1": (1, 1, 3, 32, 16, "random"),
+    "one-token-top8": (1, 8, 12, 32, 32, "random"),
+    "all-pairs-one-row": (9, 2, 4, 32, 16, "all-row-2"),
+    "duplicate-row-in-a-token": (3, 3, 5, 64, 16, "dup"),
+    "seventeen-tokens-odd-K": (17, 3, 6, 32, 32, "random"),
+}
+
+
+def routing(T, K, N, kind, gen):
+    if kind == "random":
+        rows = torch.stack([torch.randperm(N, generator=gen)[:K] for _ in range(T)])
+    elif kind == "dup":
+        rows = torch.randint(0, 2, (T, K), generator=gen)  # rows 0/1 repeated inside tokens
+    else:
+        rows = torch.full((T, K), 2)
+    w = torch.rand(T, K, generator=gen)
+    return rows.to(DEVICE), (w / w.sum(1, keepdim=True)).to(DEVICE)
+
+
+def run(case, dtype, config, seed=0):
+    T, K, N, H, I, kind = CASES[case]
+    _, views = make_pool(N, H, I, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    rows, weights = routing(T, K, N, kind, gen)
+    out = decode_moe_nvfp4(hidden, rows, weights, views, config=config)
+    ref = moe_reference(hidden.float(), rows, weights, *FMT.dequantize(views, torch.float32))
+    return out, ref
+
+
+def assert_close_to_scale(out, ref, rel):
+    """|out - ref| <= rel * (|ref| + max|ref|)."""
+    torch.testing.assert_close(out.float(), ref, rtol=rel, atol=rel * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("case", CASES.keys())
+def test_decode_moe_matches_the_fp32_reference(case, config):
+    out, ref = run(case, torch.float32, config)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # Same exact NVFP4 weights and fp32 activations; only summation order (<= 64 terms per dot) and
+    # exp() differ: a few fp32 ulps (~1e-7). 1e-5 leaves two orders of margin, while a wrong nibble,
+    # scale, global, row or routing weight moves results by >= 1e-2.
+    assert_close_to_scale(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["one-token-top8", "seventeen-tokens-odd-K"])
+def test_decode_moe_matches_the_reference_in_bf16(case):
+    out, ref = run(case, torch.bfloat16, SMALL)
+    assert out.dtype == torch.bfloat16
+    # Three roundings to bf16 (SiLU activation, each weighted term, the output), each <= 2^-7 relative
+    # (the interpreter truncates; CUDA rounds to nearest, half that): <= 3 * 2^-7 ~ 2.4e-2; 3e-2 above it.
+    assert_close_to_scale(out, ref, 3e-2)
+
+
+def test_decode_moe_reads_slot_rows_of_a_larger_pool_in_place():
+    # a pool of 10 rows of which a token uses rows 7 and 9 (like scratch rows past the slots)
+    _, views = make_pool(10, 32, 16, seed=4)
+    hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    rows = torch.tensor([[9, 7]], device=DEVICE)
+    weights = torch.tensor([[0.25, 0.75]], device=DEVICE)
+    out = decode_moe_nvfp4(hidden, rows, weights, views, config=SMALL)
+    ref = moe_reference(hidden, rows, weights, *FMT.dequantize(views, torch.float32))
+    assert_close_to_scale(out, ref, 1e-5)  # fp32: as in the test above
+
+
+def test_one_launch_alignment_groups_pairs_like_the_three_kernel_alignment():
+    gen = torch.Generator().manual_seed(3)
+    rows_TK = torch.randint(0, 9, (13, 3), generator=gen).to(DEVICE)
+    rows_TK[0, 0] = -1  # left out by both
+    rows_TK[1, 1] = 9  # outside [0, N): left out by both
+    N, block_m = 9, 16
+    got, want = decode_align(rows_TK, N, block_m), moe_align(rows_TK, N, block_m)
+    assert int(got.num_padded_1) == int(want.num_padded_1)
+    assert torch.equal(got.block_row_B, want.block_row_B)  # rows in ascending order, same padding
+    M = rows_TK.numel()
+    for b in range(int(got.num_padded_1) // block_m):  # same pairs per block (order inside may differ)
+        g = got.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu()
+        w = want.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu()
+        assert sorted(g.tolist()) == sorted(w.tolist())
+    assert (got.sorted_ids_P[int(got.num_padded_1):] == M).all()
+
+
+def test_decode_moe_with_no_tokens_returns_an_empty_output():
+    _, views = make_pool(2, 32, 16)
+    out = decode_moe_nvfp4(torch.zeros(0, 32, device=DEVICE), torch.zeros(0, 8, dtype=torch.int64, device=DEVICE),
+                           torch.zeros(0, 8, device=DEVICE), views)
+    assert out.shape == (0, 32)
+
+
+def test_decode_moe_names_the_mismatched_input():
+    _, views = make_pool(2, 32, 16)
+    rows = torch.zeros(3, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden_TH"):
+        decode_moe_nvfp4(torch.zeros(3, 64, device=DEVICE), rows, torch.ones(3, 1, device=DEVICE), views)
+    with pytest.raises(ValueError, match="out_dtype"):
+        decode_moe_nvfp4(torch.zeros(3, 32, device=DEVICE), rows, torch.ones(3, 1, device=DEVICE), views,
+                         out_dtype=torch.int32)
+
+
+def test_the_shipped_decode_tuning_table_loads_and_covers_decode_sizes():
+    table = load_tuning(DECODE_TUNING_PATH)
+    cfg = decode_config_for(torch.device("cpu"), 2048, 768, 64 * 8)
+    assert cfg.block_m == 16 and table.lookup("NVIDIA H200", 2560, 640, 10).block_m >= 16

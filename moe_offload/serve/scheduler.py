@@ -161,9 +161,11 @@ class Scheduler:
         with self._lock:
             if self._stop or self._error is not None:
                 raise SchedulerClosed(self._error or "the scheduler is stopped")
-            if len(self._waiting) >= self.cfg.max_queue and self._full():
-                raise Overloaded(f"{len(self._waiting)} requests are waiting (serve.max_queue={self.cfg.max_queue}); "
-                                 "retry later")
+            # waiting requests beyond the free batch slots are the queue that serve.max_queue bounds
+            free = max(0, self.cfg.max_batch - len(self._running) - len(self._prefilling))
+            if len(self._waiting) >= self.cfg.max_queue + free:
+                raise Overloaded(f"{len(self._waiting)} requests are waiting (serve.max_queue={self.cfg.max_queue}, "
+                                 f"serve.max_batch={self.cfg.max_batch}); retry later")
             self._waiting.append(req)
             self._lock.notify_all()
         return req

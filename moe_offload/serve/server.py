@@ -1,0 +1,260 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) in front of the Scheduler.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` -> server-sent
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+Errors: 400 bad request (OpenAI error body naming the param), 429 queue full, 503 scheduler stopped.
+A client that disconnects cancels its request (its batch row and KV are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moe_offload import log
+from moe_offload.serve.config import ServeConfig
+from moe_offload.serve.metrics import Metrics
+from moe_offload.serve.protocol import (ChatCompletionRequest, CompletionRequest, TextTracker, chat_prompt_ids,
+                                        completion_prompt_ids, error_body, sse)
+from moe_offload.serve.sampling import RequestError
+from moe_offload.serve.scheduler import Overloaded, Scheduler, SchedulerClosed
+
+#: how often a non-streaming request checks whether its client is still connected (seconds)
+_DISCONNECT_POLL_S = 0.25
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+
+
+def model_name(engine, serve_cfg: ServeConfig) -> str:
+    if serve_cfg.model_name:
+        return serve_cfg.model_name
+    path = getattr(engine.reader, "path", None)
+    return Path(path).name if path else "moe-offload"
+
+
+def build_app(scheduler: Scheduler, serve_cfg: ServeConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``scheduler`` (already started; the caller stops it)."""
+    serve_cfg = serve_cfg or scheduler.cfg
+    engine = scheduler.engine
+    name = model_name(engine, serve_cfg)
+    metrics = Metrics(scheduler)
+    created = int(time.time())
+    app = FastAPI(title="moe-offload", version="0.1.0")
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs)
+        return _error(400, msg or "invalid request body", "invalid_request_error", param)
+
+    @app.get("/health")
+    async def health():
+        body = {"status": "ok" if scheduler.alive else "unavailable", "running": scheduler.num_running,
+                "waiting": scheduler.num_waiting}
+        return JSONResponse(body, status_code=200 if scheduler.alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "moe-offload",
+                                            "max_model_len": scheduler.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await _serve(body, request, chat=True)
+
+    async def _serve(body, request: Request, chat: bool):
+        endpoint = "chat" if chat else "completions"
+        try:
+            bad = body.unsupported()
+            if bad:
+                raise RequestError(bad[0][1], bad[0][0])
+            prompt_ids = chat_prompt_ids(body, engine.tokenizer) if chat else completion_prompt_ids(body, engine)
+            max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+            params = body.sampling(max_tokens or serve_cfg.default_max_tokens, engine.cfg.decode.temperature)
+            stops = body.stop_strings()
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            req = scheduler.submit(prompt_ids, params, lambda out: loop.call_soon_threadsafe(queue.put_nowait, out),
+                                   request_id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
+        except RequestError as exc:
+            metrics.requests.labels(endpoint, "bad_request").inc()
+            return _error(400, str(exc), "invalid_request_error", exc.param)
+        except Overloaded as exc:
+            metrics.requests.labels(endpoint, "overloaded").inc()
+            return _error(429, str(exc), "overloaded_error", None, "queue_full")
+        except SchedulerClosed as exc:
+            metrics.requests.labels(endpoint, "unavailable").inc()
+            return _error(503, str(exc), "service_unavailable", None, "scheduler_closed")
+        metrics.prompt_tokens.inc(len(prompt_ids))
+        run = _Run(req, queue, TextTracker(engine.tokenizer, stops), scheduler, metrics, endpoint, name, chat)
+        if body.stream:
+            return StreamingResponse(run.stream(body.include_usage), media_type="text/event-stream")
+        return await run.whole(request)
+
+    return app
+
+
+class _Run:
+    """One request's life on the HTTP side: collect or stream its Outputs, cancel it if abandoned."""
+
+    def __init__(self, req, queue, tracker: TextTracker, scheduler, metrics: Metrics, endpoint: str, model: str, chat: bool):
+        self.req, self.queue, self.tracker, self.scheduler = req, queue, tracker, scheduler
+        self.metrics, self.endpoint, self.model, self.chat = metrics, endpoint, model, chat
+        self.created = int(time.time())
+        self.done = False
+
+    def _finish(self, outcome: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        if outcome != "ok":
+            self.scheduler.cancel(self.req)
+        self.metrics.requests.labels(self.endpoint, outcome).inc()
+        self.metrics.observe_finished(self.req)
+
+    def _next(self, out) -> tuple[str, str | None]:
+        """(new text, finish_reason or None) for one Output; a stop string ends the request."""
+        text = self.tracker.add(out.token_ids, final=out.finished)
+        reason = out.finish_reason
+        if self.tracker.stopped:
+            reason = "stop"
+        return text, reason
+
+    def _usage(self) -> dict:
+        p, c = len(self.req.prompt_ids), len(self.req.output_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def _choice(self, text: str, ids: list[int], reason: str | None, stream: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "token_ids": ids}
+        if stream:
+            return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason,
+                    "token_ids": ids}
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason, "token_ids": ids}
+
+    def _envelope(self, choices: list, stream: bool) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if stream and self.chat else "")
+        return {"id": self.req.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+
+    async def whole(self, request: Request):
+        ids: list[int] = []
+        text = []
+        reason = None
+        try:
+            while reason is None:
+                try:
+                    out = await asyncio.wait_for(self.queue.get(), _DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self._finish("disconnected")
+                        return Response(status_code=499)
+                    continue
+                if out.error:
+                    self._finish("error")
+                    return _error(500, out.error, "server_error")
+                ids.extend(out.token_ids)
+                piece, reason = self._next(out)
+                text.append(piece)
+        finally:
+            if not self.done and reason is None:
+                self._finish("disconnected")
+        self._finish("ok" if self.req.finish_reason == reason else "stopped")
+        body = self._envelope([self._choice("".join(text), ids, reason, False)], False)
+        body["usage"] = self._usage()
+        return JSONResponse(body)
+
+    async def stream(self, include_usage: bool):
+        try:
+            if self.chat:
+                first = self._choice("", [], None, True)
+                first["delta"] = {"role": "assistant", "content": ""}
+                yield sse(self._envelope([first], True))
+            reason = None
+            while reason is None:
+                out = await self.queue.get()
+                if out.error:
+                    self._finish("error")
+                    yield sse(error_body(out.error, "server_error"))
+                    return
+                text, reason = self._next(out)
+                yield sse(self._envelope([self._choice(text, out.token_ids, reason, True)], True))
+            self._finish("ok" if self.req.finish_reason == reason else "stopped")
+            if include_usage:
+                usage = self._envelope([], True)
+                usage["usage"] = self._usage()
+                yield sse(usage)
+            yield sse("[DONE]")
+        finally:
+            # the client went away (the stream task is cancelled) or the response ended early
+            self._finish("disconnected")
+
+
+class ServerThread:
+    """A uvicorn server on a background thread (tests, benchmarks): ``port`` 0 takes an ephemeral port."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name="moe-offload-http", daemon=True)
+        self.host = host
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError(f"uvicorn did not start on {self.host} within {timeout} s")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def serve(cfg, serve_cfg: ServeConfig, host: str, port: int) -> int:
+    """``moe-offload serve``: build the engine, start the scheduler, run uvicorn until interrupted."""
+    import uvicorn
+
+    from moe_offload.engine import Engine
+
+    engine = Engine.from_config(cfg)
+    scheduler = Scheduler(engine, serve_cfg).start()
+    app = build_app(scheduler, serve_cfg)
+    log.info_rank0("serve_listening", host=host, port=port, model=model_name(engine, serve_cfg),
+                   max_batch=serve_cfg.max_batch, max_queue=serve_cfg.max_queue, max_model_len=scheduler.max_model_len)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")
+    finally:
+        scheduler.stop()
+    return 0

@@ -1,0 +1,182 @@
+"""The request scheduler: continuous batching gives every request what Engine.generate gives it alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from moe_offload.config import load_config
+from moe_offload.engine import Engine
+from moe_offload.serve.config import ServeConfig, load_serve_config
+from moe_offload.serve.sampling import RequestError, SamplingParams
+from moe_offload.serve.scheduler import Overloaded, Scheduler, SchedulerClosed
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 60)), [100], list(range(3, 300, 7)), [42] * 17]
+MAX_NEW = [12, 3, 15, 9, 7, 11]
+
+
+def make_engine(ckpt: str, *overrides: str) -> Engine:
+    # decode.max_tokens=4: decode batches of more than 4 sequences take the experts' prefill path,
+    # so the batched tests cover both expert paths
+    cfg = load_config(None, [f"model.checkpoint={ckpt}", "model.format=auto", "logging.level=WARNING", "decode.max_tokens=4",
+                             "prefill.warmup_tokens=8", "prefill.chunk_tokens=16", *overrides])
+    return Engine.from_config(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return make_engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"))
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Engine.generate's greedy ids per prompt (it does not stop at EOS; serving does unless ignore_eos)."""
+    return [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+
+
+@pytest.fixture
+def scheduler(engine):
+    s = Scheduler(engine, ServeConfig(max_batch=4, max_queue=64)).start()
+    yield s
+    s.stop()
+
+
+def run_concurrently(s: Scheduler, prompts, max_new, stagger_s: float = 0.003, **params):
+    out = [None] * len(prompts)
+
+    def go(i):
+        time.sleep(stagger_s * i)
+        req = s.generate(prompts[i], SamplingParams(max_tokens=max_new[i], ignore_eos=True, **params), timeout=120)
+        out[i] = req.output_ids
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_requests_joining_and_leaving_a_batch_get_the_greedy_tokens_of_engine_generate(scheduler, reference):
+    # 12 requests of different lengths through a batch of 4: rows join after their prefill and leave at
+    # different steps, so the padded batch cache is grown, shrunk and trimmed many times
+    got = run_concurrently(scheduler, PROMPTS * 2, MAX_NEW * 2)
+    assert got == reference * 2
+
+
+def test_a_prompt_longer_than_a_prefill_chunk_matches_engine_generate(scheduler, reference):
+    # prefill.chunk_tokens=16: PROMPTS[2] (40 tokens) and PROMPTS[4] (43) are prefilled in 3 chunks, one
+    # per loop step, interleaved with the decode steps of the other requests
+    got = run_concurrently(scheduler, [PROMPTS[2], PROMPTS[0], PROMPTS[4]], [MAX_NEW[2], MAX_NEW[0], MAX_NEW[4]])
+    assert got == [reference[2], reference[0], reference[4]]
+
+
+def test_a_seeded_sampled_request_matches_engine_generate_with_that_seed(engine, scheduler):
+    d = engine.cfg.decode
+    saved = (d.temperature, d.top_k, d.top_p)
+    d.temperature, d.top_k, d.top_p = 0.9, 40, 0.95
+    try:
+        ref = engine.generate(PROMPTS[2], 14, seed=7).token_ids
+    finally:
+        d.temperature, d.top_k, d.top_p = saved
+    others = run_concurrently(scheduler, [PROMPTS[2], PROMPTS[0]], [14, 10], temperature=0.9, top_k=40, top_p=0.95, seed=7)
+    assert others[0] == ref
+
+
+def test_a_stop_token_ends_the_request_with_the_stop_token_last(scheduler, reference):
+    ref = reference[0]
+    stop_at = ref[4]
+    req = scheduler.generate(PROMPTS[0], SamplingParams(max_tokens=12, stop_token_ids=[stop_at], ignore_eos=True), 60)
+    assert req.output_ids == ref[:ref.index(stop_at) + 1]
+    assert req.finish_reason == "stop"
+
+
+def test_the_tokenizer_eos_stops_a_request_unless_ignore_eos(engine, scheduler):
+    s = scheduler
+    s.eos_id = engine.generate(PROMPTS[3], 3).token_ids[1]  # pretend the 2nd greedy token is EOS
+    req = s.generate(PROMPTS[3], SamplingParams(max_tokens=9), 60)
+    assert (len(req.output_ids), req.finish_reason) == (2, "stop")
+    req = s.generate(PROMPTS[3], SamplingParams(max_tokens=9, ignore_eos=True), 60)
+    assert (len(req.output_ids), req.finish_reason) == (9, "length")
+
+
+def test_cancelling_a_running_request_frees_its_row_and_the_rest_still_match(scheduler, reference):
+    got_tokens = threading.Event()
+    finished = threading.Event()
+    outs = []
+
+    def sink(o):
+        outs.append(o)
+        if len(outs) >= 3:
+            got_tokens.set()
+        if o.finished:
+            finished.set()
+
+    req = scheduler.submit(PROMPTS[0], SamplingParams(max_tokens=3000, ignore_eos=True), sink)
+    assert got_tokens.wait(60)
+    scheduler.cancel(req)
+    assert finished.wait(60)
+    assert outs[-1].finish_reason == "cancelled"
+    deadline = time.monotonic() + 10
+    while scheduler.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.num_running == 0
+    assert scheduler._batch_past is None  # the batch KV cache was dropped with its last row
+    assert run_concurrently(scheduler, PROMPTS[:2], MAX_NEW[:2]) == reference[:2]
+
+
+def test_a_full_queue_raises_overloaded(engine):
+    # not started: nothing leaves the queue, so the bound is exact (1 free batch slot + 1 queued)
+    s = Scheduler(engine, ServeConfig(max_batch=1, max_queue=1))
+    s.submit([5], SamplingParams(), lambda o: None)
+    s.submit([5], SamplingParams(), lambda o: None)
+    with pytest.raises(Overloaded, match="max_queue=1"):
+        s.submit([5], SamplingParams(), lambda o: None)
+
+
+@pytest.mark.parametrize("prompt, params, param", [
+    ([], SamplingParams(), "prompt"),
+    ([5, 10**6], SamplingParams(), "prompt"),
+    ([5] * 4000, SamplingParams(max_tokens=200), "max_tokens"),
+])
+def test_an_unservable_request_is_a_request_error_naming_the_param(engine, prompt, params, param):
+    s = Scheduler(engine, ServeConfig())
+    with pytest.raises(RequestError) as err:
+        s.submit(prompt, params, lambda o: None)
+    assert err.value.param == param
+
+
+def test_out_of_range_sampling_params_are_a_request_error():
+    with pytest.raises(RequestError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+def test_a_stopped_scheduler_fails_in_flight_requests_and_refuses_new_ones(engine):
+    s = Scheduler(engine, ServeConfig(max_batch=2))
+    outs = []
+    s.submit([5, 6], SamplingParams(), outs.append)  # queued before the loop starts
+    s.start()
+    s.stop()
+    if outs and outs[-1].error is None:  # the loop may have served it before the stop arrived
+        assert outs[-1].finish_reason in ("length", "stop")
+    with pytest.raises(SchedulerClosed):
+        s.submit([5], SamplingParams(), lambda o: None)
+
+
+def test_serve_overrides_are_validated_and_name_the_key():
+    assert load_serve_config(["max_batch=8"]).max_batch == 8
+    with pytest.raises(ValueError, match="serve.max_bach"):
+        load_serve_config(["max_bach=8"])
+
+
+@pytest.mark.parametrize("preset", ["tiny-mixtral", "tiny-qwen3-next"])
+def test_other_families_batch_to_the_greedy_tokens_of_engine_generate(tiny_ckpt, preset):
+    eng = make_engine(tiny_ckpt(preset, "bf16"))
+    ref = [eng.generate(p, n).token_ids for p, n in zip(PROMPTS[:4], MAX_NEW[:4])]
+    s = Scheduler(eng, ServeConfig(max_batch=4)).start()
+    try:
+        assert run_concurrently(s, PROMPTS[:4], MAX_NEW[:4]) == ref
+    finally:
+        s.stop()

@@ -89,8 +89,11 @@ def build_app(scheduler: Scheduler, serve_cfg: ServeConfig | None = None) -> Fas
             if bad:
                 raise RequestError(bad[0][1], bad[0][0])
             prompt_ids = chat_prompt_ids(body, engine.tokenizer) if chat else completion_prompt_ids(body, engine)
-            max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
-            params = body.sampling(max_tokens or serve_cfg.default_max_tokens, engine.cfg.decode.temperature)
+            max_tokens = body.max_tokens
+            if chat and body.max_completion_tokens is not None:
+                max_tokens = body.max_completion_tokens
+            max_tokens = serve_cfg.default_max_tokens if max_tokens is None else max_tokens
+            params = body.sampling(max_tokens, engine.cfg.decode.temperature)
             stops = body.stop_strings()
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()

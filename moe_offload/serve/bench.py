@@ -1,0 +1,247 @@
+"""``moe-offload bench serve``: N concurrent streaming clients against a live OpenAI-compatible server.
+
+Without ``--url`` the benchmark starts the server itself (engine from ``--config``/``--set``, uvicorn on
+127.0.0.1, an ephemeral port) and talks to it over HTTP like any client. Each client is a closed loop:
+it sends its next request when the previous stream ends. The request mix is stated in the result:
+prompts of ``--prompt-lens`` tokens (seeded random ids) crossed with ``--max-tokens`` outputs, greedy,
+``ignore_eos`` (so every request produces exactly its max_tokens).
+
+Correctness: every distinct request of the mix is first run alone (one client); each concurrent stream
+must return exactly those token ids (``wrong`` counts the ones that do not).
+Per level: TTFT p50/p99 (request sent -> first token), time per output token p50/p99 (per request:
+(last token - first token) / (tokens - 1)), output tokens per second over the level's wall time, errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from moe_offload import log
+
+
+@dataclass(frozen=True)
+class Job:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config of the server to start (default: the embedded tiny model)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (serve.* too)")
+    p.add_argument("--url", help="benchmark a running server at this base URL instead of starting one")
+    p.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--prompt-lens", default="16,128", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--max-tokens", default="16,64", help="output lengths in tokens, comma-separated")
+    p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn from [3, vocab) (default: the model's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--out", help="directory for serve-<model>-<sha>.{json,md,png}")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected comma-separated integers such as 1,4,16") from None
+    if not vals or min(vals) < 1:
+        raise ValueError(f"{option} {text!r}: every value must be an integer >= 1")
+    return vals
+
+
+def make_mix(prompt_lens: list[int], max_tokens: list[int], vocab: int, seed: int) -> list[Job]:
+    """The distinct requests: every prompt length crossed with every output length (seeded ids)."""
+    rng = random.Random(seed)
+    return [Job(tuple(rng.randrange(3, vocab) for _ in range(n)), m) for n in prompt_lens for m in max_tokens]
+
+
+async def _one(client, url: str, job: Job, timeout: float) -> dict:
+    body = {"prompt": list(job.prompt_ids), "max_tokens": job.max_tokens, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    rec = {"job": job, "ids": [], "t_tokens": [], "error": None}
+    t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                rec["error"] = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec["error"] = chunk["error"].get("message")
+                    break
+                ids = chunk["choices"][0].get("token_ids") or []
+                now = time.perf_counter() - t0
+                rec["ids"] += ids
+                rec["t_tokens"] += [now] * len(ids)
+    except Exception as exc:  # counted as an error of this request; the level goes on
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+async def _level(url: str, jobs: list[Job], clients: int, per_client: int, timeout: float) -> tuple[list[dict], float]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def loop(c: int) -> list[dict]:
+            return [await _one(client, url, jobs[(c * per_client + k) % len(jobs)], timeout) for k in range(per_client)]
+
+        t0 = time.perf_counter()
+        recs = await asyncio.gather(*(loop(c) for c in range(clients)))
+        return [r for rs in recs for r in rs], time.perf_counter() - t0
+
+
+def _pct(vals: list[float], q: float) -> float | None:
+    return float(np.percentile(vals, q)) if vals else None
+
+
+def summarize(records: list[dict], wall_s: float, expected: dict[Job, list[int]], clients: int) -> dict:
+    ok = [r for r in records if r["error"] is None]
+    ttft = [r["t_tokens"][0] for r in ok if r["t_tokens"]]
+    tpot = [(r["t_tokens"][-1] - r["t_tokens"][0]) / (len(r["t_tokens"]) - 1) for r in ok if len(r["t_tokens"]) > 1]
+    tokens = sum(len(r["ids"]) for r in ok)
+    wrong = sum(1 for r in ok if expected and r["ids"] != expected.get(r["job"]))
+    errors = [r["error"] for r in records if r["error"] is not None]
+    return {"clients": clients, "requests": len(records), "errors": len(errors), "error_examples": errors[:3],
+            "wrong": wrong, "output_tokens": tokens, "wall_s": round(wall_s, 4),
+            "throughput_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
+            "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
+            "tpot_p50_ms": _ms(_pct(tpot, 50)), "tpot_p99_ms": _ms(_pct(tpot, 99))}
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1000, 3)
+
+
+def markdown(result: dict) -> str:
+    mix = result["mix"]
+    head = (f"# bench serve: {result['model']}\n\n"
+            f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
+            f"outputs {mix['max_tokens']} tokens, greedy, {mix['requests_per_client']} requests per client (closed loop)\n\n"
+            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} |" for r in result["levels"]]
+    return head + "\n".join(rows) + "\n"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lv = result["levels"]
+    x = [r["clients"] for r in lv]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("tpot_p50_ms", "s-"), ("tpot_p99_ms", "s--")):
+        a1.plot(x, [r[key] for r in lv], style, label=key.replace("_ms", ""))
+    a1.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
+    a1.legend()
+    a2.plot(x, [r["throughput_tok_s"] for r in lv], "o-")
+    a2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput")
+    fig.suptitle(f"bench serve: {result['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _environment() -> dict:
+    from moe_offload.bench.report import git_info
+
+    def version(d):
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            return None
+
+    return {"git": git_info(None), "device": platform.processor() or platform.machine(),
+            "versions": {"python": platform.python_version(),
+                         **{d: version(d) for d in ("torch", "transformers", "fastapi", "uvicorn", "moe-offload")}}}
+
+
+def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | None = None) -> dict:
+    """Run the reference pass and every concurrency level against ``url`` -> the result dict."""
+    levels = _ints(a.clients, "--clients")
+    mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed)
+    alone, _ = asyncio.run(_level(url, mix, 1, len(mix), a.timeout))
+    bad = [r["error"] for r in alone if r["error"] is not None]
+    if bad:
+        raise RuntimeError(f"the single-client reference pass failed: {bad[0]}")
+    expected = {r["job"]: r["ids"] for r in alone}
+    out = []
+    for n in levels:
+        recs, wall = asyncio.run(_level(url, mix, n, a.requests_per_client, a.timeout))
+        out.append(summarize(recs, wall, expected, n))
+        log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
+    return {"model": model, "url": url, "env": _environment(), **(extra or {}),
+            "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
+                    "requests_per_client": a.requests_per_client, "distinct_requests": len(mix), "seed": a.seed,
+                    "sampling": "greedy, ignore_eos"},
+            "levels": out}
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.requests_per_client < 1:
+        raise ValueError("--requests-per-client must be >= 1")
+    if a.url:
+        import httpx
+
+        model = httpx.get(a.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+        result = run(a.url.rstrip("/"), a, a.vocab or 256, model)
+    else:
+        result = _run_in_process(a)
+    text = markdown(result)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = out / f"serve-{result['model']}-{result['env']['git']['sha'][:12]}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
+        stem.with_suffix(".md").write_text(text)
+        plot(result, stem.with_suffix(".png"))
+        log.info_rank0("bench_serve_written", path=str(stem) + ".{json,md,png}")
+    print(json.dumps(result, indent=2, default=str) if a.json else text)
+    failed = any(r["errors"] or r["wrong"] for r in result["levels"])
+    return 1 if failed else 0
+
+
+def _run_in_process(a: argparse.Namespace) -> dict:
+    from moe_offload.config import config_to_dict, load_config
+    from moe_offload.engine import Engine
+    from moe_offload.serve.config import load_serve_config, split_overrides
+    from moe_offload.serve.scheduler import Scheduler
+    from moe_offload.serve.server import ServerThread, build_app, model_name
+
+    main_sets, serve_sets = split_overrides(a.set)
+    cfg = load_config(a.config, main_sets)
+    serve_cfg = load_serve_config(serve_sets)
+    log.configure(cfg.logging.level, cfg.logging.format)
+    engine = Engine.from_config(cfg, progress=not a.json)
+    scheduler = Scheduler(engine, serve_cfg).start()
+    http = ServerThread(build_app(scheduler, serve_cfg)).start()
+    try:
+        extra = {"config": config_to_dict(cfg), "serve_config": serve_cfg.model_dump(),
+                 "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", "")}}
+        result = run(http.url, a, a.vocab or int(engine.reader.geometry.vocab), model_name(engine, serve_cfg), extra)
+        result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
+        return result
+    finally:
+        http.stop()
+        scheduler.stop()

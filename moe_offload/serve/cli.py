@@ -1,0 +1,32 @@
+"""``moe-offload serve``: the arguments and the command (moe_offload/cli.py registers them)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML config (default: the embedded configs/tiny.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = an ephemeral port)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable); serve.* keys: max_batch, max_queue, max_model_len, "
+                        "default_max_tokens, model_name")
+
+
+def main(a: argparse.Namespace) -> int:
+    from moe_offload import log
+    from moe_offload.config import load_config
+    from moe_offload.serve.config import load_serve_config, split_overrides
+    from moe_offload.serve.server import serve
+
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port {a.port} is not a TCP port; use 0..65535")
+    main_sets, serve_sets = split_overrides(a.set)
+    cfg = load_config(a.config, main_sets)
+    serve_cfg = load_serve_config(serve_sets)
+    log.configure(cfg.logging.level, cfg.logging.format)
+    if cfg.parallel.tp > 1:
+        raise ValueError("moe-offload serve runs TP=1 only for now (TP serving is the open part of issue 15); "
+                         "set parallel.tp=1")
+    return serve(cfg, serve_cfg, a.host, a.port)

@@ -67,6 +67,18 @@ def cmd_bench_ttft(a) -> int:
     return bench_main(a)
 
 
+def cmd_serve(a) -> int:
+    from moe_offload.serve.cli import main as serve_main
+
+    return serve_main(a)
+
+
+def cmd_bench_serve(a) -> int:
+    from moe_offload.serve.bench import main as bench_serve_main
+
+    return bench_serve_main(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moe-offload", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -100,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--json", action="store_true")
     pr.set_defaults(fn=cmd_probe)
 
+    from moe_offload.serve.cli import add_arguments as add_serve_arguments
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching")
+    add_serve_arguments(sv)
+    sv.set_defaults(fn=cmd_serve)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     t = bsub.add_parser("ttft", help="TTFT vs residency per copy mode, with floors and peers")
@@ -107,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(t)
     t.set_defaults(fn=cmd_bench_ttft)
+
+    from moe_offload.serve.bench import add_arguments as add_bench_serve_arguments
+
+    bs = bsub.add_parser("serve", help="concurrent streaming clients against a live server")
+    add_bench_serve_arguments(bs)
+    bs.set_defaults(fn=cmd_bench_serve)
     return p
 
 

@@ -186,8 +186,7 @@ class MappedHostArray:
             "typestr": _TYPESTR[host.dtype],
             "data": (device_ptr, False),
             "strides": tuple(s * size for s in host.stride()),
-            "version": 3,
-            "stream": None,  # no stream owns host memory: nothing to synchronize on import
+            "version": 3,  # no "stream" key: no stream owns host memory, nothing to synchronize on import
         }
 
 

@@ -1,0 +1,157 @@
+"""Tune the decode MoE tiles (kernels/decode_moe.py) on this GPU and write them into ``kernels/decode_moe_tuning.json``.
+
+Legend: T tokens, K top-k, M = T*K routed pairs, E experts, H hidden, I intermediate.
+
+For each layer shape and decode token count, each ``block_m`` that can matter is tried; for each, the
+gate_up and the down kernel are timed separately over their tile space, the fastest of each is kept,
+and the entry stored for bucket M is the ``block_m`` with the lowest sum (plus the one-launch align).
+Every call is timed inside a CUDA graph of ``--layers`` copies of the layer's weights, so the weights
+come from HBM (one layer's routed experts at T = 1, ~21 MB, would sit in the 50 MB L2) and the launch
+overhead of Python is out of the figure, as in a captured decode step.
+Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other entries are kept.
+
+Usage (CUDA only): ``python benchmarks/tune_decode_moe.py [--shapes qwen3-30b-a3b flash-next]
+[--tokens 1 2 4 8 16 32 64] [--space small|full] [--out kernels/decode_moe_tuning.json]``.
+The small space (12 tile configs per kernel) takes a few minutes per shape on an H200 (mostly Triton
+compiles); ``--tokens`` trims it. A config that does not compile or run is skipped and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
+from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+SPACES = {
+    "small": {"block_n": (16, 32, 64), "block_k": (128, 256), "num_warps": (4,), "num_stages": (3, 4)},
+    "full": {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5)},
+}
+BLOCK_MS = (16, 32)
+
+
+def graph_ms(fn, reps: int = 20) -> float | None:
+    """Device ms of one ``fn()`` replayed from a CUDA graph (median over ``reps`` replays); None when
+    it cannot compile, run or be captured here (the reason is printed)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+    except Exception as exc:  # noqa: BLE001 - a config that fails is skipped, not fatal; it is printed
+        print(f"    skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
+        return None
+
+
+def tile_space(space: str):
+    from moe_offload.kernels.fused_moe_tuning import KernelTiles
+
+    s = SPACES[space]
+    for bn, bk, w, st in itertools.product(s["block_n"], s["block_k"], s["num_warps"], s["num_stages"]):
+        yield KernelTiles(block_n=bn, block_k=bk, group_m=1, num_warps=w, num_stages=st)
+
+
+def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, space: str) -> tuple[dict, float]:
+    from moe_offload.kernels.decode_moe import decode_align
+    from moe_offload.kernels.fused_moe import down_weighted, gate_up_silu
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
+
+    dev = layers_views[0]["w13_q"].device
+    L = len(layers_views)
+    rows_TK, weights_TK = random_routing(T, E, K, dev)
+    hidden_TH = torch.randn(T, H, device=dev).bfloat16()
+    M = T * K
+    act_MI = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
+    terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    weights_M = weights_TK.reshape(-1).float()
+    best, best_ms = None, float("inf")
+    for block_m in BLOCK_MS:
+        if block_m > 16 and M <= E:  # about one pair per expert: a wider block is only padding
+            continue
+        align = decode_align(rows_TK, E, block_m)
+        align_ms = graph_ms(lambda: decode_align(rows_TK, E, block_m))
+        timed = {}
+        for which in ("gate_up", "down"):
+            for tiles in tile_space(space):
+                cfg = FusedMoeConfig(block_m, tiles, tiles)
+                if which == "gate_up":
+                    def fn(cfg=cfg):
+                        for views in layers_views:
+                            gate_up_silu(hidden_TH, views, align, act_MI, K, cfg)
+                else:
+                    def fn(cfg=cfg):
+                        for views in layers_views:
+                            down_weighted(act_MI, views, weights_M, align, terms_MH, cfg)
+                ms = graph_ms(fn)
+                if ms is not None and ms / L < timed.get(which, (None, float("inf")))[1]:
+                    timed[which] = (tiles, ms / L)
+        if len(timed) < 2 or align_ms is None:
+            continue
+        total = align_ms + timed["gate_up"][1] + timed["down"][1]
+        print(f"  T={T:3d} block_m={block_m:3d}: align {align_ms * 1e3:.1f} + gate_up {timed['gate_up'][1] * 1e3:.1f} "
+              f"+ down {timed['down'][1] * 1e3:.1f} = {total * 1e3:.1f} us", flush=True)
+        if total < best_ms:
+            best, best_ms = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0]), total
+    if best is None:
+        raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
+    return best.to_dict(), best_ms
+
+
+def main(argv=None) -> int:
+    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH
+    from moe_offload.kernels.fused_moe_tuning import TuningTable, shape_key
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=DEFAULT_TOKENS, help="token counts T to tune at")
+    ap.add_argument("--space", choices=sorted(SPACES), default="small")
+    ap.add_argument("--layers", type=int, default=8, help="weight copies cycled so reads come from HBM, not L2")
+    ap.add_argument("--out", type=Path, default=DECODE_TUNING_PATH, help="tuning table to update")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/tune_decode_moe.py needs CUDA", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    name = torch.cuda.get_device_name(device)
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
+    TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
+    for shape in args.shapes:
+        H, I, E, K = SHAPES[shape]
+        print(f"{name} {shape}: H={H} I={I} E={E} K={K}, {args.layers} layers of weights", flush=True)
+        layers_views = [random_banks(H, I, E, device, seed=s) for s in range(args.layers)]
+        entries = {}
+        for T in sorted(args.tokens):
+            cfg, ms = tune_bucket(layers_views, H, I, E, K, T, args.space)
+            entries[str(T * K)] = cfg
+            print(f"  -> T={T}: {ms * 1e3:.1f} us per layer with {cfg}", flush=True)
+        data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+        del layers_views
+        torch.cuda.empty_cache()
+        TuningTable.from_json(data, str(args.out))  # what we write must load
+        args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each shape: a cut-short run keeps its results
+        print(f"wrote {shape} to {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,6 +40,10 @@ from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.sampling import RequestError, SamplingParams, sample
 
 
+#: how often the loop refreshes its cache-stats snapshot while busy (and always when it goes idle)
+_STATS_PERIOD_S = 0.25
+
+
 class Overloaded(RuntimeError):
     """The waiting queue is full (``serve.max_queue``); retry later (HTTP 429)."""
 
@@ -119,6 +123,7 @@ class Scheduler:
         self._error: str | None = None
         self.steps = 0
         self.cache_stats: dict = {}
+        self._stats_t = 0.0
         self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
 
     # ------------------------------------------------------------------ callers (any thread)
@@ -237,7 +242,10 @@ class Scheduler:
         if self._running:
             self._decode_step()
         self.steps += 1
-        self.cache_stats = self.engine.cache.stats()
+        now = time.perf_counter()
+        idle = not (self._prefilling or self._running)
+        if idle or now - self._stats_t >= _STATS_PERIOD_S:
+            self.cache_stats, self._stats_t = self.engine.cache.stats(), now
 
     def _prefill_chunk(self, req: Request) -> None:
         eng = self.engine

@@ -20,6 +20,7 @@ from moe_offload.checkpoint.reader import CheckpointReader, detect_format
 from moe_offload.config import ModelConfig, OffloadConfig, parse_bytes
 from moe_offload.experts import FusedNvfp4Compute, OffloadedExperts, TorchGroupedCompute
 from moe_offload.formats import get_format
+from moe_offload.guards import finite_logits
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
 
@@ -226,22 +227,29 @@ class Engine:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int = 0) -> GenerateResult:
-        """Prefill + decode (greedy when decode.temperature is 0). Stops at decode.stop_token_ids / eos."""
+    def generate(self, prompt_ids: list[int], max_new_tokens: int | None = None, seed: int = 0,
+                 on_token=None) -> GenerateResult:
+        """Prefill + decode (greedy when decode.temperature is 0). Stops at decode.stop_token_ids / eos.
+        ``on_token(id)`` is called with each token as it is sampled (streaming); non-finite logits raise
+        ``guards.NonFiniteLogitsError`` naming the first layer that produced them."""
         max_new = max_new_tokens or self.cfg.decode.max_new_tokens
         stop = set(self.cfg.decode.stop_token_ids)
         gen = torch.Generator().manual_seed(seed)
         self._sync()
         t0 = time.perf_counter()
         logits, past = self.prefill(prompt_ids, last_only=True)
-        tok = self._sample(logits[:, -1], gen)
+        tok = self._sample(finite_logits(self, logits[:, -1], prompt_ids, []), gen)
         out = [int(tok.item())]  # synchronizes: TTFT includes the first sampled token
+        if on_token is not None:
+            on_token(out[-1])
         ttft = time.perf_counter() - t0
         t1 = time.perf_counter()
         while len(out) < max_new and out[-1] not in stop:
             logits, past = self.forward(tok.view(1, 1), past)
-            tok = self._sample(logits[:, -1], gen)
+            tok = self._sample(finite_logits(self, logits[:, -1], prompt_ids, out), gen)
             out.append(int(tok.item()))
+            if on_token is not None:
+                on_token(out[-1])
         dt = time.perf_counter() - t1
         n_dec = len(out) - 1
         text = self.tokenizer.decode(out) if self.tokenizer is not None else None

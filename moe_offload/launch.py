@@ -139,12 +139,12 @@ def _generate_rank(cfg: OffloadConfig, tp: TpGroup, prompt: dict) -> dict:
 def run_tp_generate(cfg: OffloadConfig, args) -> int:
     """``moe-offload generate`` with ``parallel.tp`` > 1 (torchrun or spawned ranks); prints rank 0's result
     as ``generate`` prints it."""
-    from moe_offload.cli import _print
+    from moe_offload.output import print_result
 
     if cfg.parallel.reduce != "runtime":
         raise ConfigError("parallel.reduce=host: `moe-offload generate` owns the whole model; use parallel.reduce: runtime")
     prompt = {"text": args.prompt, "ids": args.prompt_ids, "max_new_tokens": args.max_new_tokens, "seed": args.seed}
     out = run_on_ranks(cfg, _generate_rank, prompt)
     if out is not None:
-        _print(out, args.json)
+        print_result(out, args.json)
     return 0

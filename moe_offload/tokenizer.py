@@ -35,5 +35,6 @@ def load_tokenizer(directory: str | Path):
     if (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(d))
+        # never run code shipped in the checkpoint dir (tokenizer classes from the hub are refused)
+        return AutoTokenizer.from_pretrained(str(d), trust_remote_code=False)
     raise TokenizerError(f"{d}: no tokenizer files (tokenizer.json or {_FILE}); pass token ids with --prompt-ids instead")

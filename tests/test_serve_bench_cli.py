@@ -1,0 +1,37 @@
+"""``moe-offload serve`` and ``moe-offload bench serve`` on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moe_offload.cli import build_parser, main
+
+
+def test_the_serve_command_takes_config_host_port_and_set():
+    a = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "0", "--set", "serve.max_batch=2"])
+    assert (a.host, a.port, a.set, a.config) == ("0.0.0.0", 0, ["serve.max_batch=2"], None)
+
+
+def test_an_unknown_serve_key_exits_2_naming_it_before_loading_a_model(capsys):
+    assert main(["serve", "--set", "serve.max_bach=2"]) == 2
+    assert "serve.max_bach" in capsys.readouterr().err
+
+
+def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_outputs(tiny_ckpt, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
+               "--set", "prefill.warmup_tokens=8", "--set", "logging.level=WARNING", "--clients", "1,3",
+               "--requests-per-client", "2", "--prompt-lens", "4,9", "--max-tokens", "3,6", "--out", str(tmp_path),
+               "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [lv["clients"] for lv in result["levels"]] == [1, 3]
+    assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
+    # closed loop, ignore_eos: every request yields exactly its max_tokens (the mix cycles 3, 6, 3, 6 ...)
+    assert result["levels"][1]["output_tokens"] == 3 * (3 + 6)
+    assert result["levels"][0]["ttft_p50_ms"] > 0 and result["levels"][1]["tpot_p99_ms"] > 0
+    names = sorted(p.suffix for p in tmp_path.iterdir())
+    assert names == [".json", ".md", ".png"]

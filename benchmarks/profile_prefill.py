@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.bench.sweep import cell_config, experts_modules, resident_sets, use_cache
+from moe_offload.bench.sweep import cell_config, resident_sets, use_cache
+from moe_offload.experts import offloaded_experts
 from moe_offload.bench.timing import HostTimer
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
@@ -55,7 +56,7 @@ def main() -> int:
         sets = resident_sets(engine.store.layers, E, {r: n_res}, 0)[r]
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(3, engine.reader.geometry.vocab, (a.tokens,), generator=gen).tolist()
-        timer = HostTimer(engine.model, experts_modules(engine))
+        timer = HostTimer(engine.model, offloaded_experts(engine.model))
         ttft, host_fwd, host_exp = [], [], []
         for rep in range(a.reps + 1):
             engine.cache.set_residency(sets)

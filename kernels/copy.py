@@ -4,16 +4,12 @@ Legend: S source rows (the slot pool), N destination rows (a staging buffer, one
 M rows copied, R bytes per row. Banks are uint8 ``[rows, R]`` tensors whose rows are contiguous.
 
 :func:`gather_rows` is one Triton kernel on CUDA (rows copied by index, 16-byte vector loads where the
-rows allow it), and ``index_select`` + ``index_copy_`` on other devices. :func:`choose_hit_copy` reads
-``hit_copy_table.json`` (package data, written from ``benchmarks/copy_paths.py`` results) to pick
-``batch_memcpy`` or ``gather`` for a device and row size.
+rows allow it), and ``index_select`` + ``index_copy_`` on other devices. Which path copies prefill hits on a device is
+decided in ``moe_offload/hit_copy.py`` (the per-GPU table is data next to that resolver).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,8 +22,6 @@ try:  # importing triton touches no CUDA
 except ImportError:  # the torch path serves every device then (logged once on CUDA)
     triton = None
 
-HIT_COPY_CHOICES = ("batch_memcpy", "gather")
-_TABLE_PATH = Path(__file__).with_name("hit_copy_table.json")
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))  # (bytes, dtype)
 _BLOCK_BYTES = 16384  # bytes per program: 4 warps x 32 threads x 8 vectors of 16 B at 8-byte words
 _MAX_GRID_Y = 65535  # CUDA limit on grid dimension y (the chunks of one row)
@@ -117,40 +111,3 @@ def _launch_gather(kernel: Any, dst_NR: torch.Tensor, dst_rows_M: torch.Tensor, 
         dst_w, dst_rows_M, src_w, src_rows_M, row_elems, dst_w.stride(0), src_w.stride(0),
         BLOCK=block, EVEN=row_elems % block == 0, num_warps=4 if block * word >= 4096 else 1,
     )
-
-
-@functools.cache
-def _hit_copy_table() -> dict[str, Any]:
-    table = json.loads(_TABLE_PATH.read_text())
-    entries = [table["unknown_device"], *table["devices"].values()]
-    for entry in entries:
-        for choice in [entry.get("choice")] + [r["choice"] for r in entry.get("rules", [])]:
-            if choice is not None and choice not in HIT_COPY_CHOICES:
-                raise ValueError(f"{_TABLE_PATH}: choice {choice!r} is not one of {HIT_COPY_CHOICES}")
-    return table
-
-
-def choose_hit_copy(device_name: str, row_bytes: int) -> str:
-    """``"batch_memcpy"`` or ``"gather"`` for slot -> staging copies of ``row_bytes``-byte rows.
-
-    ``device_name`` is ``torch.cuda.get_device_name()``. The rule whose ``min_row_bytes`` is the largest
-    one <= ``row_bytes`` wins. A device with no measurements gets ``"gather"``: it was faster in isolation
-    at every row size measured, needs no CUDA >= 12.8 runtime and no probe, and under a concurrent GEMM
-    both paths hid behind compute (see ``hit_copy_table.json``).
-    """
-    if row_bytes < 0:
-        raise ValueError(f"row_bytes must be >= 0, got {row_bytes}")
-    table = _hit_copy_table()
-    entry = table["devices"].get(device_name)
-    if entry is None:
-        return table["unknown_device"]["choice"]
-    fitting = [r for r in entry["rules"] if r["min_row_bytes"] <= row_bytes]
-    return max(fitting, key=lambda r: r["min_row_bytes"])["choice"]
-
-
-def h2d_batch_min_row_bytes(device_name: str) -> int:
-    """Smallest row (bytes) that goes into a host->device ``cudaMemcpyBatchAsync`` call on this device;
-    smaller rows are copied per coalesced run (see ``h2d_batch`` in ``hit_copy_table.json``)."""
-    table = _hit_copy_table()["h2d_batch"]
-    entry = table["devices"].get(device_name, table["unknown_device"])
-    return int(entry["min_row_bytes"])

@@ -1,468 +1,281 @@
-"""OffloadMoeCache: the device slot pool, the residency map, the decode path and the prefill
-staging pipeline. Policy (which slot to evict) lives in ``policy.py``; copy mechanisms in
-``copy_paths.py``. This class owns memory, streams and events.
+"""OffloadMoeCache: the facade over the parts that keep experts on the device.
 
-Legend: L MoE layers (``lp`` = position of a layer in ``store.layers``), E experts per layer,
-S slots, B bytes of one expert (all banks), T tokens, K top-k.
+- ``budget.py``: how many slots the budget buys (``plan``);
+- ``slot_pool.py``: the slot pool and the residency map (host and device copies), admission;
+- ``staging.py``: the prefill pass (two staging buffers, events, admission into free slots);
+- ``hit_copy.py``: how prefill hits reach staging (resolved once per cache, declines logged + counted);
+- ``streams.py``: the copy and hit streams and the CPU no-op.
 
-Device memory: one slot pool ``[S, B]`` plus two staging buffers ``[E, B]`` (prefill double
-buffering), raw bytes laid out like the host store's rows (all banks of an expert side by side), so
-every copy moves whole expert rows: one entry per hit, one per run of misses. A fraction or slot-count budget sizes the pool and
-the staging comes on top; a byte budget (and ``auto``) includes the staging.
+Legend: T tokens, K top-k, E experts per layer, S slots, R bytes of one expert row.
 
-Streams: PCIe copies run on ``copy_stream``; prefill hit copies (device-side) on ``hit_stream``;
-compute runs on the caller's current stream. Ordering is by events only: ``ready[b]`` (misses of
-staging b landed), ``hits_ready[b]`` (its hits copied), ``release[b]`` (the GEMMs and the admission
-copy reading staging b are enqueued), ``decode_done`` (a decode miss copy landed). Prefill
-admission (staging -> free slots) runs on the compute stream. The hit copy has its own stream
-because an SM gather queued on the copy stream waits for SMs held by the compute stream's GEMMs
-and holds the next layer's PCIe copy behind it (H200, 49415ec: +0.5 ms per layer at residency 0.5).
-On the CPU there are no streams and every copy completes before the call returns.
+The prefill protocol, owned by the caller (the engine, or the first experts call of a forward that
+nobody announced)::
+
+    with cache.prefill_pass():          # one per model forward on the prefill path
+        views = cache.stage(layer)      # per MoE layer: staged views; the next layer is prefetched
+        ... compute ...
+        cache.done(layer)               # the layer's GEMMs are enqueued
+
+A pass that raises leaves nothing unordered behind (``staging.py``); ``close()`` synchronizes the
+streams before memory goes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
-from dataclasses import dataclass
+import weakref
 
 import numpy as np
 import torch
 
 from moe_offload import log
-from moe_offload.config import Budget, CacheConfig, PrefillConfig, parse_bytes
-from moe_offload.copy_paths import (
-    HitPathUnavailable, RowCopy, copy_rows_torch, index_tensor, log_hit_fallback, pointer_arrays, versions,
-)
-from moe_offload.host_store import ExpertStore, bank_views
-from moe_offload.policy import make_policy
+from moe_offload.budget import BudgetError, BudgetPlan, plan_budget
+from moe_offload.config import CacheConfig, PrefillConfig
+from moe_offload.copy_paths import RowCopy
+from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
+from moe_offload.slot_pool import SlotPool
+from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
+from moe_offload.streams import Streams
 
-
-class BudgetError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class BudgetPlan:
-    num_slots: int
-    slot_bytes: int
-    staging_bytes: int
-    min_bytes: int
-    min_fraction: float
-
-    @property
-    def total_bytes(self) -> int:
-        return self.slot_bytes + self.staging_bytes
-
-
-def plan_budget(store: ExpertStore, budget: Budget, device: torch.device, auto_reserve: str = "8GiB") -> BudgetPlan:
-    """Turn a budget into a slot count; raises ``BudgetError`` stating the minimum."""
-    B, E, L, K = store.bytes_per_expert, store.num_experts, len(store.layers), store.geometry.top_k
-    all_experts = L * E
-    staging = 2 * E * B
-    min_slots = K
-    min_bytes = staging + min_slots * B
-    min_fraction = min_slots / all_experts
-    if budget.kind == "fraction":
-        slots = math.floor(budget.value * all_experts)
-    elif budget.kind == "slots":
-        slots = int(budget.value)
-    elif budget.kind == "bytes":
-        slots = (int(budget.value) - staging) // B
-    else:  # auto
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            avail = free - parse_bytes(auto_reserve)
-        else:
-            avail = staging + all_experts * B  # host memory is the device: hold everything
-        slots = min(all_experts, max(0, (avail - staging) // B))
-    slots = min(slots, all_experts)
-    if slots < min_slots:
-        raise BudgetError(
-            f"cache.budget {budget.kind}={budget.value:g} gives {max(slots, 0)} slots, below the minimum of {min_slots} "
-            f"(one layer's routed experts, top-k) plus two staging layers: at least {min_bytes} bytes "
-            f"({min_bytes / 2**30:.3f} GiB) or a fraction of experts of {min_fraction:.4f}; raise cache.budget"
-        )
-    return BudgetPlan(slots, slots * B, staging, min_bytes, min_fraction)
+__all__ = ["OffloadMoeCache", "BudgetError", "BudgetPlan", "plan_budget"]
 
 
 class OffloadMoeCache:
     """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
 
-    def __init__(self, store: ExpertStore, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str):
-        self.store = store
-        self.cfg, self.prefill_cfg = cache_cfg, prefill_cfg
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.is_cuda = self.device.type == "cuda"
-        self.plan = plan_budget(store, cache_cfg.budget, self.device, cache_cfg.auto_reserve)
-        self.num_slots = self.plan.num_slots
-        self.layer_pos = {layer: i for i, layer in enumerate(store.layers)}
-        self.E = store.num_experts
-        S = self.num_slots
-        B = store.bytes_per_expert
-        self.pool_rows = torch.empty((S, B), dtype=torch.uint8, device=self.device)
-        self.staging_rows = [torch.empty((self.E, B), dtype=torch.uint8, device=self.device) for _ in range(2)]
-        self.slot_of = np.full((len(store.layers), self.E), -1, dtype=np.int32)
-        self.owner = np.full(S, -1, dtype=np.int64)  # lp * E + e
-        self.policy = make_policy(cache_cfg.policy, S)
-        self.stats_ = CacheStats()
-        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        self.hit_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
-        ev = (lambda: torch.cuda.Event()) if self.is_cuda else (lambda: None)
-        self.ready = [ev(), ev()]
-        self.hits_ready = [ev(), ev()]
-        self._hits_pending = [False, False]
-        self.release = [ev(), ev()]
-        self.decode_done = ev()
-        self.staged_layer: list[int | None] = [None, None]
-        self._computing: int | None = None  # staging buffer the current layer reads
-        self.begun_early = False  # begin_prefill(early=True) ran for the pass about to start
-        self._last_filled = 1
-        self._batch = None  # resolved cudaMemcpyBatchAsync binding, or None
-        self._hit_mode: str | None = None  # "batch_memcpy" | "gather" | None (full-layer copies)
-        self._resolved = False
-        self._decline_reason: str | None = None
-        self._batch_reason: str | None = None  # why batched H2D copies are off (CUDA only)
-        log.info_rank0("cache_ready", device=str(self.device), slots=S, slot_bytes=self.plan.slot_bytes,
+    def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.store, self.device = store, device
+        self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
+        self.counters = CacheStats()
+        self.plan = plan_budget(store, cache_cfg.budget, device, cache_cfg.auto_reserve)
+        self.streams = Streams(device)
+        self.pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters)
+        self.staging = PrefillStaging(store, self.pool, self.streams, self.counters, self._hit_failed)
+        self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
+        self.decode_done = self.streams.event()
+        self._resolution = None
+        self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_streams, self.streams)
+        log.info_rank0("cache_ready", device=str(device), slots=self.num_slots, slot_bytes=self.plan.slot_bytes,
                        staging_bytes=self.plan.staging_bytes, bytes_per_expert=store.bytes_per_expert,
-                       resident_capacity=round(S / (len(store.layers) * self.E), 4))
+                       resident_capacity=round(self.num_slots / (len(store.layers) * self.E), 4))
 
-    # ------------------------------------------------------------------ residency
+    # ------------------------------------------------------------------ facts
+    @property
+    def E(self) -> int:
+        return self.store.num_experts
+
+    @property
+    def num_slots(self) -> int:
+        return self.plan.num_slots
+
+    @property
+    def hit_path(self) -> str:
+        """The prefill hit path in use: ``gather``, ``batch_memcpy`` or ``full_layer_copy``."""
+        return self.staging.hit.name
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(self.store.layers)
+
     def resident(self, layer: int) -> np.ndarray:
         """Slot of each expert of ``layer`` (-1 = not resident), a host array [E]."""
-        return self.slot_of[self.layer_pos[layer]]
+        return self.pool.resident(layer)
 
-    def _evict(self, slot: int) -> None:
-        key = int(self.owner[slot])
-        if key >= 0:
-            lp, e = divmod(key, self.E)
-            self.slot_of[lp, e] = -1
-            self.stats_.layer(self.store.layers[lp]).evictions += 1
-        self.owner[slot] = -1
+    def residency_map(self) -> np.ndarray:
+        """``[L, E]`` bool, which experts are resident (a copy)."""
+        return self.pool.residency_map()
 
-    def _assign(self, layer: int, experts: np.ndarray, slots: list[int]) -> None:
-        lp = self.layer_pos[layer]
-        for e, s in zip(experts.tolist(), slots):
-            self._evict(s)
-            self.slot_of[lp, e] = s
-            self.owner[s] = lp * self.E + e
+    def pool_views(self) -> dict[str, torch.Tensor]:
+        """Typed per-bank views ``[S, ...]`` of the slot pool (rows read in place)."""
+        return self.pool.views()
 
-    def _h2d_rows(self, copies: list[RowCopy], coalesce: bool) -> None:
-        """Host -> device rows: large rows in one batched call, small rows per coalesced run
-        (small entries in a batch made the host wait for the whole copy on the H200)."""
-        if self._batch is None:
-            copy_rows_torch(copies, coalesce)
+    def slot_views(self, slots_N: np.ndarray) -> dict[str, torch.Tensor]:
+        """Typed per-bank views ``[N, ...]`` of a compacted copy of slot rows ``slots_N`` (one gather)."""
+        from moe_offload.copy_paths import index_tensor
+        from moe_offload.host_store import bank_views
+
+        rows_NR = self.pool.rows_SR.index_select(0, index_tensor(slots_N, self.device))
+        return bank_views(self.store.specs, self.store.offsets, rows_NR)
+
+    # ------------------------------------------------------------------ hit path
+    def resolve_hit_path(self) -> None:
+        """Decide how prefill hits are copied (once; the warmup calls it under load)."""
+        if self._resolution is not None:
             return
-        large = [c for c in copies if c.dst.shape[1] >= self._h2d_batch_min]
-        dst, src, size = pointer_arrays(large, coalesce)
-        if size.size:
-            self._batch.copy(dst, src, size, self.copy_stream)
-        copy_rows_torch([c for c in copies if c.dst.shape[1] < self._h2d_batch_min], coalesce)
+        cfg = self.prefill_cfg
+        res = resolve_hit_copy(cfg.hit_copy, cfg.hit_copy_on_unavailable, cfg.overlap, self.num_slots, self.device,
+                               self.store.bytes_per_expert, self.streams.copy)
+        self._resolution = res
+        self.staging.hit, self.staging.h2d = res.hit, res.h2d
 
-    def _host_rows(self, layer: int, experts: np.ndarray, slots) -> RowCopy:
-        return RowCopy(self.pool_rows, self.store.rows(layer), np.asarray(slots, dtype=np.int64), experts)
+    def _hit_failed(self, exc: Exception):
+        """A hit copy raised mid-run: full-layer copies for the rest of the process (or fail)."""
+        reason, detail = "call_failed", f"{type(exc).__name__}: {exc}"
+        if self.prefill_cfg.hit_copy_on_unavailable == "error":
+            from moe_offload.hit_copy import HitPathUnavailable
 
-    def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
-        """Make exactly these experts resident (deterministic residency for benchmarks and tests).
+            raise HitPathUnavailable(reason, detail) from exc
+        self._resolution.decline = (reason, detail)
+        if self.staging.hit.name == "batch_memcpy":  # the binding failed: PCIe misses per run from now on
+            self._resolution.h2d = self.staging.h2d = H2DRows(stream=self.streams.copy)
+        log_hit_fallback(reason, detail)
+        self.counters.fallback(reason)  # this pass; later passes are counted in begin
+        return FullLayerCopy()
 
-        Copies host -> slots and waits for them (not a hot path)."""
-        need = sum(len(v) for v in experts_per_layer.values())
-        if need > self.num_slots:
-            raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")
-        self._join_copy_stream()
-        self.staged_layer = [None, None]  # the next pass starts cold: nothing reused from staging
-        for s in range(self.num_slots):
-            self._evict(s)
-            self.policy.free(s)
-        with self._on_copy_stream():
-            for layer, experts in experts_per_layer.items():
-                ids = np.asarray(sorted(experts), dtype=np.int64)
-                slots = self.policy.choose(ids.size, set())
-                self._assign(layer, ids, slots)
-                self._h2d_rows([self._host_rows(layer, ids, slots)], coalesce=False)
-        self.synchronize()
+    # ------------------------------------------------------------------ prefill
+    @contextlib.contextmanager
+    def prefill_pass(self):
+        """One prefill pass (one model forward on the prefill path): the first layer's copy starts now,
+        overlapping whatever the caller runs before the first MoE layer. On an exception the compute
+        stream is joined behind every copy in flight (no host sync)."""
+        self._begin()
+        self._pass_open = True
+        try:
+            yield self
+        except BaseException:
+            self.streams.current_joins_copies()
+            self.staging.computing = None
+            raise
+        finally:
+            self._pass_open = False
 
-    # ------------------------------------------------------------------ streams
-    def _on_copy_stream(self):
-        return self._on(self.copy_stream)
+    def _begin(self) -> None:
+        self.resolve_hit_path()
+        self.counters.prefills += 1
+        self.staging.begin()
+        res = self._resolution
+        if res.decline is not None:
+            self.counters.fallback(res.decline[0])
+        if self.device.type == "cuda" and res.batch_h2d_reason is not None:
+            self.counters.declined[f"batch_h2d:{res.batch_h2d_reason}"] += 1
+        if self.prefill_cfg.overlap:
+            self.staging.prefetch(self.store.layers[0])
 
-    def _on(self, stream):
-        return torch.cuda.stream(stream) if self.is_cuda else _Null()
+    def stage(self, layer: int) -> dict[str, torch.Tensor]:
+        """Views ``[E, ...]`` of ``layer`` staged for compute (the compute stream waits for them); the
+        next layer's assembly is enqueued behind it. The first MoE layer of a forward outside
+        ``prefill_pass()`` begins a pass itself."""
+        if layer == self.store.layers[0]:
+            if self._pass_open:
+                self._pass_open = False
+            else:
+                self._begin()
+        views = self.staging.wait(layer)
+        if self.prefill_cfg.overlap:
+            lp = self.store.layers.index(layer) + 1
+            if lp < len(self.store.layers):
+                self.staging.prefetch(self.store.layers[lp])
+        return views
 
-    def _join_copy_stream(self) -> None:
-        """Copy and hit streams wait for everything already queued on the current (compute) stream."""
-        if self.is_cuda:
-            cur = torch.cuda.current_stream(self.device)
-            self.copy_stream.wait_stream(cur)
-            self.hit_stream.wait_stream(cur)
-
-    def synchronize(self) -> None:
-        if self.is_cuda:
-            self.copy_stream.synchronize()
-            self.hit_stream.synchronize()
-            torch.cuda.current_stream(self.device).synchronize()
+    def done(self, layer: int) -> None:
+        """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released."""
+        self.staging.done(layer)
 
     # ------------------------------------------------------------------ decode
     def ensure(self, layer: int, topk_ids_TK: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Make every expert routed in ``topk_ids_TK`` resident; return host arrays
         ``(experts, slots, ids_TK)``: the distinct routed experts (sorted), their slots, the routed ids.
 
-        Misses are copied host -> victim slots on the copy stream, which first joins the compute
-        stream (no slot still read by queued compute is overwritten); compute waits on
-        ``decode_done`` before reading. Victims never include a slot used by this step.
-        """
+        Misses are copied host -> victim slots on the copy stream, which first joins the compute and
+        hit streams (no slot still read by queued compute or a prefill gather is overwritten); the
+        compute stream waits on ``decode_done``. Victims never include a slot used by this step."""
         # HOST SYNC: the routed ids must be known on the host to pick victims and issue copies.
         ids_TK = topk_ids_TK.to("cpu", non_blocking=False).numpy()
         experts = np.unique(ids_TK)
-        lp = self.layer_pos[layer]
-        slots = self.slot_of[lp, experts]
+        if layer == self.store.layers[0]:
+            self.counters.decode_steps += 1
+        resident_E = self.pool.resident(layer)
+        slots = resident_E[experts]
         hit = slots >= 0
-        counters = self.stats_.layer(layer)
+        counters = self.counters.layer(layer)
         counters.hits += int(hit.sum())
         miss_e = experts[~hit]
         counters.misses += int(miss_e.size)
-        protected = set(slots[hit].tolist())
-        self.policy.touch(slots[hit].tolist())
+        self.pool.policy.touch(slots[hit].tolist())
+        s = self.streams
         if miss_e.size:
-            victims = self.policy.choose(int(miss_e.size), protected)
-            self._join_copy_stream()
-            with self._on_copy_stream():
-                self._assign(layer, miss_e, victims)
-                self._h2d_rows([self._host_rows(layer, miss_e, victims)], coalesce=False)
-                if self.is_cuda:
-                    self.decode_done.record(self.copy_stream)
+            s.join_current()
+            if s.is_cuda:
+                s.copy.wait_stream(s.hit)
+            rows = self.store.rows(layer)
+            h2d = self.staging.h2d
+
+            def copy(victims: list[int]) -> None:
+                h2d.copy([RowCopy(self.pool.rows_SR, rows, np.asarray(victims, dtype=np.int64), miss_e)], coalesce=False)
+
+            with s.on(s.copy):
+                self.pool.admit(layer, miss_e, copy, protected=set(slots[hit].tolist()))
+                s.record(self.decode_done, s.copy)
             counters.bytes["decode_h2d"] += int(miss_e.size) * self.store.bytes_per_expert
-            slots = self.slot_of[lp, experts]
-        if self.is_cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(self.decode_done)
+            slots = resident_E[experts]
+            s.wait(s.current(), self.decode_done)
         return experts, slots.astype(np.int64), ids_TK
 
-    @property
-    def pool(self) -> dict[str, torch.Tensor]:
-        """Per-bank column views ``[S, bank_bytes]`` of the slot pool."""
-        return {n: self.pool_rows[:, o:o + b] for n, (o, b) in self.store.offsets.items()}
+    # ------------------------------------------------------------------ residency for tests/benchmarks
+    def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
+        """Make exactly these experts resident (deterministic residency for benchmarks and tests).
+        Copies host -> slots and waits for them (HOST SYNC: not a hot path)."""
+        need = sum(len(v) for v in experts_per_layer.values())
+        if need > self.num_slots:
+            raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")
+        s = self.streams
+        s.join_current()
+        if s.is_cuda:
+            s.copy.wait_stream(s.hit)
+        self.staging.forget()  # the next pass starts cold: nothing reused from staging
+        with s.on(s.copy):
+            self.pool.clear()
+            for layer, experts in experts_per_layer.items():
+                ids = np.asarray(sorted(experts), dtype=np.int64)
+                rows = self.store.rows(layer)
 
+                def copy(slots: list[int], ids=ids, rows=rows) -> None:
+                    self.staging.h2d.copy([RowCopy(self.pool.rows_SR, rows, np.asarray(slots, dtype=np.int64), ids)],
+                                          coalesce=False)
 
-    # ------------------------------------------------------------------ prefill
-    def begin_prefill(self, first_layer: int | None = None, early: bool = False) -> None:
-        """Start a prefill pass: fence the copy stream behind queued compute, resolve the hit path
-        (first call; under load when it is the warmup), prefetch the first layer if overlapping.
+                self.pool.admit(layer, ids, copy, free_only=True)
+        self.synchronize()
 
-        ``early``: called by the engine before the model's forward (the first layer's PCIe copy then
-        overlaps the embedding and the first attention); the first experts call does not begin again."""
-        self.begun_early = early
-        self.stats_.prefills += 1
-        self._join_copy_stream()
-        if not self._resolved:
-            self.resolve_hit_path()
-        if self._decline_reason is not None:
-            self.stats_.fallback(self._decline_reason)
-        if self.is_cuda and self._batch is None and self._batch_reason is not None:
-            self.stats_.declined[f"batch_h2d:{self._batch_reason}"] += 1
-        if self.prefill_cfg.overlap:
-            self.prefetch_layer(self.store.layers[0] if first_layer is None else first_layer)
+    # ------------------------------------------------------------------ lifecycle and stats
+    def synchronize(self) -> None:
+        """HOST SYNC: every copy and the compute queued so far are done."""
+        self.streams.synchronize()
 
-    def next_layer(self, layer: int) -> int | None:
-        lp = self.layer_pos[layer] + 1
-        return self.store.layers[lp] if lp < len(self.store.layers) else None
-
-    def _buffer_for(self, layer: int) -> int | None:
-        for b in (0, 1):
-            if self.staged_layer[b] == layer:
-                return b
-        return None
-
-    def prefetch_layer(self, layer: int) -> int:
-        """Assemble ``layer`` into a staging buffer on the copy stream (hits D2D, misses H2D).
-
-        A buffer that still holds ``layer`` (and was not overwritten since) is reused as is."""
-        b = self._buffer_for(layer)
-        if b is not None:
-            return b
-        b = 1 - (self._computing if self._computing is not None else self._last_filled)
-        self.staged_layer[b] = None
-        self._hits_pending[b] = False
-        with self._on_copy_stream():
-            if self.is_cuda:
-                self.copy_stream.wait_event(self.release[b])
-            self._assemble(layer, self.staging_rows[b], b)
-            if self.is_cuda:
-                self.ready[b].record(self.copy_stream)
-        self.staged_layer[b] = layer
-        self._last_filled = b
-        return b
-
-    def _assemble(self, layer: int, staging_EB: torch.Tensor, b: int) -> None:
-        counters = self.stats_.layer(layer)
-        resident = self.resident(layer)  # host snapshot: no device sync
-        hit_e = np.nonzero(resident >= 0)[0]
-        miss_e = np.nonzero(resident < 0)[0]
-        counters.prefill_hits += int(hit_e.size)
-        counters.prefill_misses += int(miss_e.size)
-        row_total = self.store.bytes_per_expert
-        if self._hit_mode is None or hit_e.size == 0:
-            staging_EB.copy_(self.store.rows(layer), non_blocking=True)
-            counters.bytes["prefill_full_h2d"] += self.E * row_total
+    def close(self) -> None:
+        """Synchronize the streams, then drop the pool and staging memory (idempotent). The store's
+        pinned rows may be unpinned after this: no copy still reads them."""
+        if self._closed:
             return
-        # Misses first: the DMA starts as soon as the buffer is released. An SM gather queued ahead
-        # of it waits for SMs held by the previous layer's GEMMs and held the PCIe copy back with
-        # it (H200, fca575a: TTFT at residency 0.5 above the full-layer-copy TTFT).
-        self._h2d_rows([RowCopy(staging_EB, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
-        counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * row_total
-        try:
-            with self._on(self.hit_stream):
-                if self.is_cuda:
-                    self.hit_stream.wait_event(self.release[b])
-                self._copy_hits(staging_EB, hit_e, resident[hit_e].astype(np.int64), counters, self.hit_stream)
-                if self.is_cuda:
-                    self.hits_ready[b].record(self.hit_stream)
-            self._hits_pending[b] = True
-        except Exception as exc:  # a failed hit copy mid-run: fall back for the rest of the process
-            self._decline("call_failed", f"{type(exc).__name__}: {exc}")
-            staging_EB.copy_(self.store.rows(layer), non_blocking=True)
-            counters.bytes["prefill_full_h2d"] += self.E * row_total
+        self._finalizer()
+        self._closed = True
+        self.pool.rows_SR = torch.empty((0, self.store.bytes_per_expert), dtype=torch.uint8, device=self.device)
+        self.staging.rows = [self.pool.rows_SR, self.pool.rows_SR]
 
-    def _copy_hits(self, staging_EB: torch.Tensor, hit_e: np.ndarray, hit_slots: np.ndarray, counters, stream) -> None:
-        """Slot rows -> staging rows on the device (on ``stream``): one batched call, or one gather kernel."""
-        nbytes = int(hit_e.size) * staging_EB.shape[1]
-        if self._hit_mode == "batch_memcpy":
-            dst, src, size = pointer_arrays([RowCopy(staging_EB, self.pool_rows, hit_e, hit_slots)], coalesce=False)
-            self._batch.copy(dst, src, size, stream)
-            counters.bytes["prefill_hit_d2d"] += nbytes
-            return
-        from moe_offload.kernels import copy as copy_kernels
-
-        dst_idx, src_idx = index_tensor(hit_e, self.device), index_tensor(hit_slots, self.device)
-        copy_kernels.gather_rows(staging_EB, dst_idx, self.pool_rows, src_idx)
-        counters.bytes["prefill_hit_gather"] += nbytes
-
-    def wait_layer(self, layer: int) -> dict[str, torch.Tensor]:
-        """Typed views ``[E, ...]`` of ``layer`` in staging; the compute stream waits until it is ready."""
-        b = self._buffer_for(layer)
-        if b is None:
-            self._join_copy_stream()
-            b = self.prefetch_layer(layer)
-        self._computing = b
-        if self.is_cuda:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_event(self.ready[b])
-            if self._hits_pending[b]:
-                cur.wait_event(self.hits_ready[b])
-        return bank_views(self.store.specs, self.store.offsets, self.staging_rows[b])
-
-    def release_layer(self, layer: int) -> None:
-        """The GEMMs reading ``layer``'s staging are enqueued: the buffer may be refilled after them
-        (and after the admission copy, which reads it too)."""
-        b = self._buffer_for(layer)
-        if b is None:
-            return
-        self._admit_free(layer, b)
-        if self.is_cuda:
-            self.release[b].record(torch.cuda.current_stream(self.device))
-        self._computing = None
-
-    def _admit_free(self, layer: int, b: int) -> None:
-        """Warm the decode cache from staging: copy staged experts into FREE slots only (no eviction).
-
-        Runs on the compute stream, right after the layer's GEMMs: it is SM work, and on the copy
-        stream it would hold the next layer's PCIe copy behind the GEMMs."""
-        free = np.nonzero(self.owner < 0)[0]
-        if free.size == 0:
-            return
-        resident = self.resident(layer)
-        new_e = np.nonzero(resident < 0)[0][: free.size]
-        if new_e.size == 0:
-            return
-        slots = self.policy.choose(int(new_e.size), set())
-        self._assign(layer, new_e, slots)
-        from moe_offload.kernels import copy as copy_kernels
-
-        dst_idx, src_idx = index_tensor(np.asarray(slots), self.device), index_tensor(new_e, self.device)
-        copy_kernels.gather_rows(self.pool_rows, dst_idx, self.staging_rows[b], src_idx)
-
-    # ------------------------------------------------------------------ hit path resolution
-    def resolve_hit_path(self) -> None:
-        """Decide how prefill hits are copied; one logged event per reason if declined."""
-        self._resolved = True
-        cfg = self.prefill_cfg
-        if not cfg.hit_d2d:
-            self._hit_mode = None
-            self._resolve_batch_for_h2d()
-            return
-        if not cfg.overlap:
-            return self._decline("overlap_off", "prefill.overlap is false; the hit/miss split runs only in the overlapped pipeline")
-        if self.num_slots == 0:
-            return self._decline("no_hit_region", "the budget leaves no slots to hit")
-        if not self.is_cuda:
-            if cfg.hit_copy == "gather":
-                self._hit_mode = "gather"
-                return
-            return self._decline("cpu_device", "device is cpu: no copy engine (hit_copy=gather runs on cpu)")
-        choice = cfg.hit_copy
-        if choice == "auto":
-            from moe_offload.kernels.copy import choose_hit_copy
-
-            choice = choose_hit_copy(torch.cuda.get_device_name(self.device), self.store.bytes_per_expert)
-        self._resolve_batch_for_h2d()
-        if choice == "batch_memcpy" and self._batch is None:
-            return self._decline(self._batch_reason, self._batch_detail)
-        self._hit_mode = choice
-        log.info_rank0("prefill_hit_path", mode=choice, row_bytes=self.store.bytes_per_expert, setting=cfg.hit_copy)
-
-    def _resolve_batch_for_h2d(self) -> None:
-        self._batch = None
-        self._batch_reason, self._batch_detail = "cpu_device", "device is cpu"
-        if not self.is_cuda:
-            return
-        self._batch_reason = None
-        from moe_offload.kernels.batch_memcpy import BatchMemcpyUnavailable, load_batch_memcpy
-
-        from moe_offload.kernels.copy import h2d_batch_min_row_bytes
-
-        self._h2d_batch_min = h2d_batch_min_row_bytes(torch.cuda.get_device_name(self.device))
-        try:
-            self._batch = load_batch_memcpy(self.device)
-        except BatchMemcpyUnavailable as exc:
-            self._batch_reason, self._batch_detail = f"probe_failed:{exc.reason}", str(exc)
-            log.log_once("batch_memcpy_unavailable", "batch_memcpy_unavailable", logging.WARNING, reason=exc.reason,
-                         detail=str(exc), fallback="copy_per_run", **versions())
-
-    def _decline(self, reason: str, detail: str) -> None:
-        """Switch prefill to full-layer copies for the rest of the process (or fail, if configured)."""
-        self._hit_mode = None
-        if reason == "call_failed":
-            self._batch = None
-        if self.prefill_cfg.hit_d2d_on_unavailable == "error":
-            raise HitPathUnavailable(reason, detail)
-        self._decline_reason = reason
-        log_hit_fallback(reason, detail)
-        if reason == "call_failed":  # the pass in flight; later passes are counted in begin_prefill
-            self.stats_.fallback(reason)
-
-    @property
-    def hit_mode(self) -> str | None:
-        return self._hit_mode
-
-    # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
-        snap = self.stats_.snapshot()
-        snap["hit_path"] = self._hit_mode or "full_layer_copy"
+        snap = self.counters.snapshot()
+        snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
-        snap["resident_experts"] = int((self.owner >= 0).sum())
+        snap["resident_experts"] = self.pool.resident_count
         return snap
+
+    @property
+    def decode_steps(self) -> int:
+        return self.counters.decode_steps
 
     def reset(self) -> None:
         """Zero the counters (residency is kept)."""
-        self.stats_.reset()
+        self.counters.reset()
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _close_streams(streams: Streams) -> None:
+    try:
+        streams.synchronize()
+    except Exception as exc:  # a sticky CUDA error at teardown: report it, unpinning still must happen
+        log.event("cache_close_sync_failed", logging.ERROR, detail=f"{type(exc).__name__}: {exc}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from moe_offload.presets import PRESET_NAMES
 
@@ -117,14 +117,41 @@ class CacheConfig(_Strict):
 
 class PrefillConfig(_Strict):
     overlap: bool = True
-    hit_d2d: bool = True
-    hit_copy: Literal["auto", "batch_memcpy", "gather"] = "auto"
-    hit_d2d_on_unavailable: Literal["fallback", "error"] = "fallback"
+    hit_copy: Literal["off", "auto", "batch_memcpy", "gather"] = Field(
+        "auto", description="how prefill hits (resident experts) reach staging: off = the whole layer over PCIe; "
+        "auto = per GPU and row size from measurements (moe_offload/hit_copy_table.json)")
+    hit_copy_on_unavailable: Literal["fallback", "error"] = "fallback"
     warmup: bool = True
     warmup_tokens: int = Field(128, ge=1, le=65536)
     chunk_tokens: int = Field(8192, ge=16, description="prompts longer than this are prefilled in chunks")
     dequant_chunk_bytes: str = Field("2GiB", description="dequantized weights held at once by the torch compute path")
     dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        """``hit_d2d`` / ``hit_d2d_on_unavailable`` (before 0.2) are accepted for one release, each with one
+        ``config_key_deprecated`` event naming the new key: ``hit_d2d: false`` means ``hit_copy: off``."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("hit_copy") is False:  # YAML 1.1 reads a bare `off` as false
+            data["hit_copy"] = "off"
+        if "hit_d2d" in data:
+            old = data.pop("hit_d2d")
+            if not isinstance(old, bool):
+                raise ValueError(f"prefill.hit_d2d (deprecated) must be a boolean, got {old!r}; use prefill.hit_copy")
+            if old is False:
+                if data.get("hit_copy", "off") != "off":
+                    raise ValueError("prefill.hit_d2d=false contradicts prefill.hit_copy; drop hit_d2d (deprecated) "
+                                     "and set prefill.hit_copy: off")
+                data["hit_copy"] = "off"
+            _deprecated("prefill.hit_d2d", "prefill.hit_copy (off | auto | batch_memcpy | gather)")
+        if "hit_d2d_on_unavailable" in data:
+            data.setdefault("hit_copy_on_unavailable", data.pop("hit_d2d_on_unavailable"))
+            data.pop("hit_d2d_on_unavailable", None)
+            _deprecated("prefill.hit_d2d_on_unavailable", "prefill.hit_copy_on_unavailable")
+        return data
 
     @field_validator("dequant_chunk_bytes")
     @classmethod
@@ -132,6 +159,13 @@ class PrefillConfig(_Strict):
         if parse_bytes(v) <= 0:
             raise ValueError("must be a positive byte size such as '2GiB'")
         return v
+
+
+def _deprecated(old: str, new: str) -> None:
+    from moe_offload import log
+
+    log.log_once(f"config_key_deprecated:{old}", "config_key_deprecated", 30, key=old, use=new,
+                 detail="accepted in this release only")
 
 
 class DecodeConfig(_Strict):

@@ -1,6 +1,6 @@
-"""Copy mechanisms used by the cache: host->device rows (coalesced runs), device->device hit copies
-(one ``cudaMemcpyBatchAsync`` call, or the SM gather kernel), full-layer copies, and the resolution
-of the prefill hit path with its logged fallback.
+"""Row-copy mechanics shared by the copy paths: row copies as data (``RowCopy``), runs of consecutive
+ids, pointer arrays for one batched call, ``Tensor.copy_`` per run, and sync-free index tensors.
+The choice of path lives in ``hit_copy.py``.
 
 Every function here enqueues on the stream current at the call (the cache enters its copy
 stream first) and never synchronizes the device.
@@ -8,13 +8,11 @@ stream first) and never synchronizes the device.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from moe_offload import log
 
 
 @dataclass(frozen=True)
@@ -90,15 +88,6 @@ def index_tensor(rows: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-class HitPathUnavailable(RuntimeError):
-    """``prefill.hit_d2d_on_unavailable: error`` and the hit path cannot be used."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"prefill hit D2D path unavailable: reason={reason} ({detail}); "
-                         "set prefill.hit_d2d_on_unavailable=fallback to run with full-layer copies")
-        self.reason, self.detail = reason, detail
-
-
 def versions() -> dict:
     cuda_rt = driver = None
     if torch.cuda.is_available():
@@ -109,10 +98,3 @@ def versions() -> dict:
         except Exception as exc:  # the binding itself may be what failed; report what we can
             cuda_rt = f"unknown ({type(exc).__name__})"
     return {"cuda_runtime": cuda_rt or torch.version.cuda, "driver": driver, "torch": torch.__version__}
-
-
-def log_hit_fallback(reason: str, detail: str) -> None:
-    """One WARNING event per reason per process."""
-    log.log_once(f"prefill_hit_d2d_unavailable:{reason}", "prefill_hit_d2d_unavailable", logging.WARNING,
-                 reason=reason, fallback="full_layer_copy", detail=detail,
-                 setting="prefill.hit_d2d / prefill.hit_copy", **versions())

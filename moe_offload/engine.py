@@ -17,8 +17,9 @@ from tqdm.auto import tqdm
 from moe_offload import log
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.checkpoint.reader import CheckpointReader, detect_format
-from moe_offload.config import ModelConfig, OffloadConfig, parse_bytes
-from moe_offload.experts import FusedNvfp4Compute, OffloadedExperts, TorchGroupedCompute
+from moe_offload.config import ModelConfig, OffloadConfig
+from moe_offload.compute import make_compute, prefill_compute
+from moe_offload.experts import OffloadedExperts, offloaded_experts
 from moe_offload.formats import get_format
 from moe_offload.guards import finite_logits
 from moe_offload.host_store import ExpertStore
@@ -62,28 +63,6 @@ def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
     return ensure_preset(model_cfg.preset, fmt, path, model_cfg.layers, model_cfg.seed, progress)
 
 
-def make_compute(cfg: OffloadConfig, fmt_name: str, store: ExpertStore, device: torch.device, dtype: torch.dtype):
-    backend = cfg.compute.backend
-    nvfp4 = fmt_name != "bf16"
-    if backend == "triton":
-        if not (nvfp4 and device.type == "cuda"):
-            raise RuntimeError("compute.backend=triton needs an NVFP4 checkpoint on a CUDA device; use auto or torch")
-        return FusedNvfp4Compute(dtype)
-    use_triton_dequant = device.type == "cuda" and nvfp4
-    return TorchGroupedCompute(get_format(fmt_name), dtype, dequant_chunk_rows(cfg, store, dtype), use_triton_dequant)
-
-
-def dequant_chunk_rows(cfg: OffloadConfig, store: ExpertStore, dtype: torch.dtype) -> int:
-    """Experts dequantized per chunk: ``prefill.dequant_chunk_experts``, else as many as fit in
-    ``prefill.dequant_chunk_bytes`` (2 GiB: a whole Qwen3-30B-A3B layer, 128 x 9.4 MB, in one chunk;
-    fewer chunks mean fewer kernel launches per layer on the host)."""
-    if cfg.prefill.dequant_chunk_experts is not None:
-        return cfg.prefill.dequant_chunk_experts
-    H, I = store.geometry.hidden, store.inter
-    dense_bytes = 3 * H * I * torch.empty((), dtype=dtype).element_size()
-    return max(1, parse_bytes(cfg.prefill.dequant_chunk_bytes) // dense_bytes)
-
-
 @dataclass
 class GenerateResult:
     prompt_ids: list[int]
@@ -111,8 +90,11 @@ class Engine:
         self.reader, self.tokenizer, self.device, self.dtype = reader, tokenizer, device, dtype
         params = inspect.signature(type(model).forward).parameters
         self._kv_name = "cache" if "cache" in params else "past_key_values"
-        experts = [m for m in model.modules() if isinstance(m, OffloadedExperts)]
+        experts = offloaded_experts(model)
         self._first_experts = next((m for m in experts if m.layer_idx == store.layers[0]), None)
+        self._computes = list({id(c): c for m in experts for c in (m.compute, m.prefill_compute)}.values())
+        for c in self._computes:
+            c.bind(cache.counters)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -126,20 +108,14 @@ class Engine:
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device)
-        compute = make_compute(cfg, fmt_name, store, device, dtype)
-        prefill_compute = None
-        if cfg.compute.cuda_graphs and device.type == "cuda":
-            from moe_offload.graphs import GraphedCompute
-
-            prefill_compute = GraphedCompute(compute, cfg.compute.graph_after, cfg.compute.max_graphs)
-            if dtype != torch.bfloat16 and getattr(compute, "name", "") != "triton":
-                # CUDA grouped_mm is bf16-only: other dtypes take a per-group loop that reads offsets on the host
-                prefill_compute.disable("compute_syncs", f"dtype {dtype} runs the per-group GEMM loop (a host sync)")
+        fmt = get_format(fmt_name)
+        compute = make_compute(cfg, fmt, store, device, dtype)
+        graphed = prefill_compute(cfg, compute, device, dtype)
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
         attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce,
-                                                                 prefill_compute))
+                                                                 graphed))
         model.to(device).eval()
         check_no_meta(model)
         tokenizer = None
@@ -152,7 +128,7 @@ class Engine:
         engine = cls(cfg, model, cache, store, reader, tokenizer, device, dtype)
         log.info_rank0("engine_ready", model_type=geo.model_type, format=fmt_name, layers=len(store.layers),
                        experts=geo.num_experts, top_k=geo.top_k, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                       expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(prefill_compute or compute, "name", "?"))
+                       expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(graphed or compute, "name", "?"))
         if cfg.prefill.warmup:
             engine.warmup(progress=progress and tp_rank == 0)
         else:
@@ -179,13 +155,29 @@ class Engine:
         # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
         # logits_to_keep=1: the LM head runs on the last position only (what sampling needs)
         first = self._first_experts
+        kwargs = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
         if first is not None and first.cache is self.cache and not first.uses_decode_path(ids_BT.numel()):
-            self.cache.begin_prefill(early=True)  # layer 0's copy overlaps the embedding and attention
-        try:
-            out = self.model(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
-        finally:
-            self.cache.begun_early = False
+            with self.cache.prefill_pass():  # layer 0's copy overlaps the embedding and attention
+                out = self.model(**kwargs)
+        else:
+            out = self.model(**kwargs)
         return out.logits, getattr(out, self._kv_name)
+
+    def replace_cache(self, cache) -> None:
+        """Serve from ``cache`` (a new OffloadMoeCache over the same store) from now on; the old one is
+        closed (its streams synchronized, its device memory dropped)."""
+        old = self.cache
+        for m in offloaded_experts(self.model, old):
+            m.cache = cache
+        for c in self._computes:
+            c.bind(cache.counters)
+        self.cache = cache
+        old.close()
+
+    def close(self) -> None:
+        """Synchronize and free the device cache, then unpin the host store (idempotent)."""
+        self.cache.close()
+        self.store.close()
 
     @torch.inference_mode()
     def prefill(self, input_ids, past=None, last_only: bool = False) -> tuple[torch.Tensor, object]:

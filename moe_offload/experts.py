@@ -17,63 +17,28 @@ import torch
 from torch import nn
 
 from moe_offload.cache import OffloadMoeCache
+from moe_offload.compute.base import ExpertCompute
 from moe_offload.copy_paths import index_tensor
-from moe_offload.formats import ExpertFormat
-from moe_offload.host_store import bank_views
-from moe_offload.kernels.moe_gemm import moe_grouped
-
-
-class TorchGroupedCompute:
-    """Dequantize chunks of rows (Triton kernel on CUDA, torch reference on CPU) + grouped_mm."""
-
-    name = "torch"
-
-    def __init__(self, fmt: ExpertFormat, dtype: torch.dtype, chunk_rows: int, use_triton_dequant: bool):
-        self.fmt, self.dtype, self.chunk_rows = fmt, dtype, chunk_rows
-        self._dequant = self.fmt.dequantize
-        if use_triton_dequant and fmt.name != "bf16":
-            from moe_offload.kernels.nvfp4 import dequant_banks
-
-            self._dequant = dequant_banks
-
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
-        def dequant_rows(r0: int, r1: int):
-            return self._dequant({k: v[r0:r1] for k, v in views.items()}, self.dtype)
-
-        return moe_grouped(hidden_TH, rows_TK, weights_TK, num_rows, dequant_rows, self.chunk_rows, self.dtype)
-
-
-class FusedNvfp4Compute:
-    """Fused W4A16 Triton grouped GEMM: NVFP4 dequantized in the K loop, no bf16 copy, no host sync."""
-
-    name = "triton"
-
-    def __init__(self, dtype: torch.dtype):
-        from moe_offload.kernels.fused_moe import fused_moe_nvfp4
-
-        self._fn, self.dtype = fused_moe_nvfp4, dtype
-
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
-        return self._fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
 
 
 class OffloadedExperts(nn.Module):
     """Experts of one MoE layer, computed from the cache. ``reduce``: TP all-reduce (or None);
-    ``prefill_compute``: the prefill path's compute when it differs (a ``GraphedCompute``)."""
+    ``prefill_compute``: the prefill path's compute when it differs (e.g. graphed)."""
 
-    def __init__(self, layer_idx: int, cache: OffloadMoeCache, compute: Callable, decode_max_tokens: int,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None, prefill_compute: Callable | None = None):
+    def __init__(self, layer_idx: int, cache: OffloadMoeCache, compute: ExpertCompute, decode_max_tokens: int,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 prefill_compute: ExpertCompute | None = None):
         super().__init__()
-        self.prefill_compute = prefill_compute
         self.layer_idx = layer_idx
         self.cache = cache
         self.compute = compute
+        self.prefill_compute = prefill_compute or compute
         self.decode_max_tokens = decode_max_tokens
         self.reduce = reduce
         self.top_k = cache.store.geometry.top_k
 
     def extra_repr(self) -> str:
-        return f"layer={self.layer_idx}, experts={self.cache.E}, compute={getattr(self.compute, 'name', '?')}"
+        return f"layer={self.layer_idx}, experts={self.cache.E}, compute={self.compute.name}"
 
     def uses_decode_path(self, num_tokens: int) -> bool:
         routed_max = min(num_tokens * self.top_k, self.cache.E)
@@ -88,32 +53,20 @@ class OffloadedExperts(nn.Module):
         return self.reduce(out) if self.reduce is not None else out
 
     def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        cache = self.cache
-        if self.layer_idx == cache.store.layers[0]:
-            cache.stats_.decode_steps += 1
-        experts, slots, ids_TK = cache.ensure(self.layer_idx, topk_ids_TK)
+        experts, slots, ids_TK = self.cache.ensure(self.layer_idx, topk_ids_TK)
         dev = hidden_TH.device
         rows_TK = index_tensor(np.searchsorted(experts, ids_TK), dev)
-        # the routed experts' rows, compacted: one gather of whole rows, then typed bank views
-        rows_NB = cache.pool_rows.index_select(0, index_tensor(slots, dev))
-        views = bank_views(cache.store.specs, cache.store.offsets, rows_NB)
+        views = self.cache.slot_views(slots)  # the routed experts' rows, compacted (one gather)
         return self.compute(hidden_TH, rows_TK, topk_w_TK, views, int(experts.size))
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        cache = self.cache
-        if self.layer_idx == cache.store.layers[0]:
-            if cache.begun_early:
-                cache.begun_early = False
-            else:
-                cache.begin_prefill(self.layer_idx)
-        views = cache.wait_layer(self.layer_idx)
-        if cache.prefill_cfg.overlap:
-            nxt = cache.next_layer(self.layer_idx)
-            if nxt is not None:
-                cache.prefetch_layer(nxt)
-        if self.prefill_compute is not None:
-            out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, cache.E, stats=cache.stats_)
-        else:
-            out = self.compute(hidden_TH, topk_ids_TK, topk_w_TK, views, cache.E)
-        cache.release_layer(self.layer_idx)
+        views = self.cache.stage(self.layer_idx)
+        out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E)
+        self.cache.done(self.layer_idx)
         return out
+
+
+def offloaded_experts(model: nn.Module, cache: OffloadMoeCache | None = None) -> list[OffloadedExperts]:
+    """The model's OffloadedExperts modules (of ``cache`` only, when given), in layer order."""
+    mods = [m for m in model.modules() if isinstance(m, OffloadedExperts) and (cache is None or m.cache is cache)]
+    return sorted(mods, key=lambda m: m.layer_idx)

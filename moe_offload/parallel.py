@@ -195,7 +195,7 @@ def make_reducer(group: ProcessGroup | None, mode: str) -> Callable[[torch.Tenso
 # ---------------------------------------------------------------------------------------- residency
 def residency_digest(cache, step: int) -> np.ndarray:
     """``[1 + L]`` int64: the step, then a CRC32 of each MoE layer's resident set (bit e = expert e)."""
-    resident_LE = cache.slot_of >= 0
+    resident_LE = cache.residency_map()
     crcs = [zlib.crc32(np.packbits(row).tobytes()) for row in resident_LE]
     return np.asarray([step, *crcs], dtype=np.int64)
 
@@ -223,7 +223,7 @@ def check_residency(cache, group: ProcessGroup | None = None, step: int | None =
     ``step`` defaults to the cache's decode step counter. Returns the step; raises
     ``ResidencyDivergence`` (the same on every rank) when they disagree.
     """
-    step = cache.stats_.decode_steps if step is None else int(step)
+    step = cache.decode_steps if step is None else int(step)
     W = dist.get_world_size(group)
     if W == 1:
         return step
@@ -256,9 +256,9 @@ class ResidencyMonitor:
         self._handle = None
 
     def attach(self, model: nn.Module) -> "ResidencyMonitor":
-        from moe_offload.experts import OffloadedExperts
+        from moe_offload.experts import offloaded_experts
 
-        mods = [m for m in model.modules() if isinstance(m, OffloadedExperts) and m.cache is self.cache]
+        mods = offloaded_experts(model, self.cache)
         if not mods:
             raise ValueError("no OffloadedExperts of this cache in the model: attach after attach_experts()")
         last = max(mods, key=lambda m: m.layer_idx)
@@ -287,13 +287,13 @@ def gather_hit_paths(cache, group: ProcessGroup | None = None) -> list[dict]:
     WARNING ``tp_hit_path_disagreement`` listing them (each rank has already logged its own fallback)."""
     views: list[dict | None] = [None] * dist.get_world_size(group)
     rank = dist.get_rank(group)
-    mine = {"rank": rank, "hit_path": cache.hit_mode or "full_layer_copy",
+    mine = {"rank": rank, "hit_path": cache.hit_path,
             "fallbacks": sorted(cache.stats()["hit_d2d_fallbacks"])}
     dist.all_gather_object(views, mine, group=group)
     if len({(v["hit_path"], tuple(v["fallbacks"])) for v in views}) > 1 and rank == 0:
         per_rank = ";".join(f"rank{v['rank']}={v['hit_path']}" + (f"({','.join(v['fallbacks'])})" if v["fallbacks"] else "")
                             for v in views)
-        log.warning("tp_hit_path_disagreement", per_rank=per_rank, setting="prefill.hit_d2d / prefill.hit_copy",
+        log.warning("tp_hit_path_disagreement", per_rank=per_rank, setting="prefill.hit_copy",
                     detail="ranks copy prefill hits differently; the slowest rank sets the pace")
     return views
 

@@ -23,24 +23,32 @@ class LruPolicy:
         self.num_slots = num_slots
         self._order: OrderedDict[int, None] = OrderedDict((s, None) for s in range(num_slots))
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() yields slot 0 first
+        self._free_set: set[int] = set(self._free)
 
     def touch(self, slots: Iterable[int]) -> None:
         for s in slots:
             self._order.move_to_end(s)
 
     def free(self, slot: int) -> None:
-        """Mark ``slot`` empty (its expert was dropped)."""
+        """Mark ``slot`` empty (its expert was dropped); freeing a free slot changes nothing."""
+        if slot in self._free_set:
+            return
+        self._free_set.add(slot)
         self._free.append(slot)
         self._order.move_to_end(slot, last=False)
 
+    def choose_free(self, n: int) -> list[int]:
+        """``n`` free slots (the caller checked there are that many); raises ``PolicyError`` otherwise."""
+        if n > len(self._free):
+            raise PolicyError(f"need {n} free slots but {len(self._free)} are free")
+        picked = [self._free.pop() for _ in range(n)]
+        self._free_set.difference_update(picked)
+        self.touch(picked)
+        return picked
+
     def choose(self, n: int, protected: set[int]) -> list[int]:
         """``n`` slots to (re)fill, never one in ``protected``; most-recent use order is updated."""
-        picked: list[int] = []
-        while self._free and len(picked) < n:
-            s = self._free.pop()
-            if s in protected:
-                continue
-            picked.append(s)
+        picked = [s for s in reversed(self._free) if s not in protected][:n]
         if len(picked) < n:
             chosen = set(picked)
             for s in self._order:
@@ -52,7 +60,9 @@ class LruPolicy:
             raise PolicyError(
                 f"need {n} slots but only {len(picked)} are not in use by this step; raise cache.budget"
             )
-        self._free = [s for s in self._free if s not in set(picked)]
+        chosen = set(picked)
+        self._free = [s for s in self._free if s not in chosen]
+        self._free_set.difference_update(chosen)
         self.touch(picked)
         return picked
 

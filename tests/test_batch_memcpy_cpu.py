@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_offload.kernels import batch_memcpy as bm
+from moe_offload import hit_copy as hc
 from moe_offload.kernels import copy as kc
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
@@ -257,16 +258,16 @@ def test_gather_rows_refuses_malformed_arguments(bad):
 
 @pytest.mark.parametrize("row_bytes", [12, 65_536, 2_654_220, 9_437_184, 1 << 30])
 def test_h200_default_is_gather_at_every_row_size(row_bytes):
-    assert kc.choose_hit_copy("NVIDIA H200", row_bytes) == "gather"
+    assert hc.choose_hit_copy("NVIDIA H200", row_bytes) == "gather"
 
 
 def test_unknown_device_falls_back_to_gather():
-    assert kc.choose_hit_copy("Some Future GPU", 2_654_220) == "gather"
+    assert hc.choose_hit_copy("Some Future GPU", 2_654_220) == "gather"
 
 
 def test_largest_threshold_below_the_row_size_wins(monkeypatch):
     table = {"unknown_device": {"choice": "gather"}, "devices": {"X": {"rules": [
         {"min_row_bytes": 0, "choice": "gather"}, {"min_row_bytes": 1 << 20, "choice": "batch_memcpy"}]}}}
-    monkeypatch.setattr(kc, "_hit_copy_table", lambda: table)
-    assert [kc.choose_hit_copy("X", b) for b in (4096, 1 << 20, 1 << 24)] == ["gather", "batch_memcpy",
+    monkeypatch.setattr(hc, "_hit_copy_table", lambda: table)
+    assert [hc.choose_hit_copy("X", b) for b in (4096, 1 << 20, 1 << 24)] == ["gather", "batch_memcpy",
                                                                               "batch_memcpy"]

@@ -11,7 +11,7 @@ import torch
 from moe_offload import log
 from moe_offload.cache import BudgetError, OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig, load_config
-from moe_offload.copy_paths import HitPathUnavailable
+from moe_offload.hit_copy import HitPathUnavailable
 from moe_offload.engine import Engine
 from moe_offload.host_store import ExpertStore
 
@@ -25,12 +25,14 @@ def _cache(store, budget, **prefill):
 
 
 def _check_invariants(cache):
-    owners = cache.owner[cache.owner >= 0]
+    pool = cache.pool
+    owners = pool.owner_S[pool.owner_S >= 0]
     assert len(set(owners.tolist())) == owners.size  # a slot has at most one owner, an expert one slot
-    lp, e = np.nonzero(cache.slot_of >= 0)
+    lp, e = np.nonzero(pool.slot_of_LE >= 0)
     for l_, e_ in zip(lp.tolist(), e.tolist()):
-        assert cache.owner[cache.slot_of[l_, e_]] == l_ * cache.E + e_  # map and owners agree
-    assert (cache.slot_of >= 0).sum() == owners.size
+        assert pool.owner_S[pool.slot_of_LE[l_, e_]] == l_ * cache.E + e_  # map and owners agree
+    assert (pool.slot_of_LE >= 0).sum() == owners.size
+    assert np.array_equal(pool.table_LE.cpu().numpy(), pool.slot_of_LE)  # device table == host map
 
 
 def test_decode_invariants_hold_under_random_routing(tiny_ckpt):
@@ -47,8 +49,7 @@ def test_decode_invariants_hold_under_random_routing(tiny_ckpt):
         # every routed expert is resident in the slot returned, and its bytes are the host's
         for e, s in zip(experts.tolist(), slots.tolist()):
             assert cache.resident(layer)[e] == s
-            for name in cache.pool:
-                assert torch.equal(cache.pool[name][s], store.bank(layer, name)[e])
+            assert torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e])
         _check_invariants(cache)
     st = cache.stats()["total"]
     lookups = st["hits"] + st["misses"]
@@ -89,16 +90,12 @@ def test_prefill_bytes_by_path_add_up(tiny_ckpt):
     store = _store(tiny_ckpt)
     cache = _cache(store, "1.0", hit_copy="gather")
     cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
-    cache.resolve_hit_path()
-    cache.begin_prefill()
-    for layer in store.layers:
-        views = cache.wait_layer(layer)
-        for name, view in store.views(layer).items():
-            assert torch.equal(views[name], view)  # every bank of every expert staged intact
-        nxt = cache.next_layer(layer)
-        if nxt is not None:
-            cache.prefetch_layer(nxt)
-        cache.release_layer(layer)
+    with cache.prefill_pass():
+        for layer in store.layers:
+            views = cache.stage(layer)
+            for name, view in store.views(layer).items():
+                assert torch.equal(views[name], view)  # every bank of every expert staged intact
+            cache.done(layer)
     st = cache.stats()["total"]
     half = store.num_experts // 2 * len(store.layers)
     assert st["prefill_hits"] == half and st["prefill_misses"] == half
@@ -124,10 +121,19 @@ def _events(buf, name):
     return [r for r in map(json.loads, buf.getvalue().splitlines()) if r["event"] == name]
 
 
-def test_cpu_device_falls_back_with_exactly_one_event_and_a_counter(tiny_ckpt):
+def test_auto_hit_copy_on_cpu_is_the_gather_without_a_warning(tiny_ckpt):
+    buf = _capture_json()
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "prefill.hit_copy=auto")
+    eng.prefill(torch.arange(3, 43)[None])
+    assert _events(buf, "prefill_hit_d2d_unavailable") == []
+    st = eng.cache.stats()
+    assert st["hit_path"] == "gather" and st["hit_d2d_fallbacks"] == {}
+
+
+def test_batch_memcpy_on_cpu_falls_back_with_exactly_one_event_and_a_counter(tiny_ckpt):
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     buf = _capture_json()
-    eng = _engine(path, "prefill.hit_copy=auto")
+    eng = _engine(path, "prefill.hit_copy=batch_memcpy")
     ids = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
     a, _ = eng.prefill(ids)
     eng.prefill(ids)
@@ -135,6 +141,7 @@ def test_cpu_device_falls_back_with_exactly_one_event_and_a_counter(tiny_ckpt):
     assert len(ev) == 1
     e = ev[0]
     assert e["level"] == "WARNING" and e["reason"] == "cpu_device" and e["fallback"] == "full_layer_copy"
+    assert e["setting"] == "prefill.hit_copy"
     for key in ("rank", "world_size", "cuda_runtime", "driver", "torch"):
         assert key in e
     stats = eng.cache.stats()
@@ -175,17 +182,17 @@ def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_outp
     ev = _events(buf, "prefill_hit_d2d_unavailable")
     assert [e["reason"] for e in ev] == ["call_failed"] and "injected" in ev[0]["detail"]
     assert eng.cache.stats()["hit_d2d_fallbacks"] == {"call_failed": 2}
-    assert eng.cache.hit_mode is None
+    assert eng.cache.hit_path == "full_layer_copy"
 
 
 def test_error_mode_fails_start_up_with_the_reason(tiny_ckpt):
     with pytest.raises(HitPathUnavailable, match="reason=cpu_device"):
-        _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_copy=batch_memcpy", "prefill.hit_d2d_on_unavailable=error")
+        _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_copy=batch_memcpy", "prefill.hit_copy_on_unavailable=error")
 
 
-def test_hit_d2d_off_logs_nothing_and_copies_whole_layers(tiny_ckpt):
+def test_hit_copy_off_logs_nothing_and_copies_whole_layers(tiny_ckpt):
     buf = _capture_json()
-    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_d2d=false")
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.hit_copy=off")
     eng.prefill(torch.arange(3, 60)[None])
     assert _events(buf, "prefill_hit_d2d_unavailable") == []
     st = eng.cache.stats()
@@ -225,19 +232,20 @@ def test_engine_begins_each_prefill_pass_once_before_the_forward(tiny_ckpt, monk
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     eng = _engine(path, "cache.budget=0.37", "prefill.chunk_tokens=64", "prefill.warmup=false")
     calls = []
-    begin = eng.cache.begin_prefill
-    monkeypatch.setattr(eng.cache, "begin_prefill", lambda *a, **k: (calls.append(k.get("early", False)), begin(*a, **k)))
+    begin, pass_ = eng.cache._begin, eng.cache.prefill_pass
+    monkeypatch.setattr(eng.cache, "_begin", lambda: (calls.append("begin"), begin()))
+    monkeypatch.setattr(eng.cache, "prefill_pass", lambda: (calls.append("pass"), pass_())[1])
     eng.prefill(torch.arange(3, 131)[None])  # two chunks of 64
-    assert calls == [True, True] and eng.cache.stats()["prefills"] == 2
+    assert calls == ["pass", "begin", "pass", "begin"] and eng.cache.stats()["prefills"] == 2
     with torch.inference_mode():
         eng.model(input_ids=torch.arange(3, 40)[None])
-    assert calls == [True, True, False]
+    assert calls[4:] == ["begin"] and eng.cache.stats()["prefills"] == 3
 
 
 def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckpt, monkeypatch):
     """On the copy stream an SM gather queued first waits for SMs held by the previous layer's GEMMs
     and holds the DMA of the misses behind it (seen on the H200 at fca575a); misses go first."""
-    import moe_offload.cache as cache_mod
+    import moe_offload.hit_copy as hit_mod
     import moe_offload.kernels.copy as copy_mod
 
     store = _store(tiny_ckpt)
@@ -245,10 +253,10 @@ def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckp
     cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
     cache.resolve_hit_path()
     order = []
-    real_rows, real_gather = cache_mod.copy_rows_torch, copy_mod.gather_rows
-    monkeypatch.setattr(cache_mod, "copy_rows_torch", lambda *a, **k: (order.append("h2d"), real_rows(*a, **k)))
+    real_rows, real_gather = hit_mod.copy_rows_torch, copy_mod.gather_rows
+    monkeypatch.setattr(hit_mod, "copy_rows_torch", lambda *a, **k: (order.append("h2d"), real_rows(*a, **k)))
     monkeypatch.setattr(copy_mod, "gather_rows", lambda *a, **k: (order.append("gather"), real_gather(*a, **k)))
-    cache.prefetch_layer(store.layers[0])
+    cache.staging.prefetch(store.layers[0])
     assert order == ["h2d", "gather"]
 
 
@@ -256,11 +264,11 @@ def test_admission_into_free_slots_happens_at_release_not_on_the_copy_stream(tin
     store = _store(tiny_ckpt)
     cache = _cache(store, "1.0", hit_copy="gather")
     layer = store.layers[0]
-    cache.begin_prefill()
-    assert (cache.resident(layer) >= 0).sum() == 0  # staged, not yet admitted
-    cache.wait_layer(layer)
-    cache.release_layer(layer)
+    with cache.prefill_pass():
+        assert (cache.resident(layer) >= 0).sum() == 0  # staged, not yet admitted
+        cache.stage(layer)
+        cache.done(layer)
     assert (cache.resident(layer) >= 0).all()
-    for name in cache.pool:
-        e, s = 3, cache.resident(layer)[3]
-        assert torch.equal(cache.pool[name][s], store.bank(layer, name)[e])
+    e, s = 3, cache.resident(layer)[3]
+    assert torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e])
+    _check_invariants(cache)

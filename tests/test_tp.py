@@ -133,7 +133,7 @@ def _mechanics_job(tp, nvfp4_path: str, bf16_path: str) -> dict:
     rt.monitor.detach()
 
     # rank 0 copies prefill hits with the gather kernel, rank 1 declines on the CPU (full-layer copies)
-    hit_copy = "gather" if tp.rank == 0 else "auto"
+    hit_copy = "gather" if tp.rank == 0 else "batch_memcpy"  # batch_memcpy declines on cpu
     rt2 = build_tp_engine(_cfg(bf16_path, f"parallel.tp={WORLD}", f"prefill.hit_copy={hit_copy}"), tp, progress=False)
     rt2.engine.generate(PROMPT, 2)
     out["hit_paths"] = rt2.hit_paths()

@@ -19,13 +19,14 @@ from tqdm.auto import tqdm
 
 from moe_offload.bench.timing import HostTimer
 from moe_offload.config import OffloadConfig
+from moe_offload.experts import offloaded_experts
 
 #: prefill settings of each mode; "auto" is accepted too (the runtime's per-row-size choice)
 MODES = {
-    "batch_memcpy": {"hit_d2d": True, "hit_copy": "batch_memcpy"},
-    "gather": {"hit_d2d": True, "hit_copy": "gather"},
-    "auto": {"hit_d2d": True, "hit_copy": "auto"},
-    "off": {"hit_d2d": False},
+    "batch_memcpy": {"hit_copy": "batch_memcpy"},
+    "gather": {"hit_copy": "gather"},
+    "auto": {"hit_copy": "auto"},
+    "off": {"hit_copy": "off"},
 }
 
 
@@ -53,33 +54,19 @@ def resident_sets(layers: tuple[int, ...], num_experts: int, counts: dict[float,
     return {r: {layer: sorted(perms[layer][:n].tolist()) for layer in layers} for r, n in counts.items()}
 
 
-def experts_modules(engine) -> list[torch.nn.Module]:
-    from moe_offload.experts import OffloadedExperts
-
-    return [m for m in engine.model.modules() if isinstance(m, OffloadedExperts)]
-
-
 def use_cache(engine, cfg: OffloadConfig) -> None:
     """Give ``engine`` a fresh cache built from ``cfg.cache`` and ``cfg.prefill`` over the same store (no
     checkpoint reload), then warm it up so the hit path resolves under load, as at start-up."""
     from moe_offload.cache import OffloadMoeCache
 
-    experts = experts_modules(engine)
-    engine.cache.synchronize()
-    engine.cache = None
-    for m in experts:
-        m.cache = None
-    gc.collect()  # the old pool and staging buffers go before the new ones are allocated
-    if engine.device.type == "cuda":
-        torch.cuda.empty_cache()
-    cache = OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device)
-    engine.cache, engine.cfg = cache, cfg
-    for m in experts:
-        m.cache = cache
+    engine.cache.close()  # the old pool and staging go before the new ones are allocated
+    free_memory()
+    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device))
+    engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()
     else:
-        cache.resolve_hit_path()
+        engine.cache.resolve_hit_path()
 
 
 def free_memory() -> None:
@@ -128,7 +115,7 @@ def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], count
     returns ``{"cells", "modes"}``. ``on_cell(cell)`` runs after each cell (TP: per-rank figures)."""
     first = plan.residencies[0]
     sets = resident_sets(engine.store.layers, engine.store.num_experts, counts, plan.seed)
-    timer = HostTimer(engine.model, experts_modules(engine))
+    timer = HostTimer(engine.model, offloaded_experts(engine.model))
     cells, modes = [], {}
     current = (plan.modes[0], slots[first])
     bar = tqdm(total=len(plan.modes) * len(plan.prompt_lens) * len(plan.residencies), desc="ttft cells",
@@ -139,7 +126,7 @@ def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], count
             if (mode, slots[r]) != current:
                 use_cache(engine, ccfg)
                 current = (mode, slots[r])
-            modes.setdefault(mode, {**MODES[mode], "hit_path": engine.cache.hit_mode or "full_layer_copy",
+            modes.setdefault(mode, {**MODES[mode], "hit_path": engine.cache.hit_path,
                                     "prefill": ccfg.prefill.model_dump()})
             for n in plan.prompt_lens:
                 bar.set_postfix(mode=mode, tokens=n, residency=r)

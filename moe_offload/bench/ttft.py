@@ -291,7 +291,7 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
             "host_store": store,
         },
         "config": config_to_dict(cfg),
-        "config_note": "prefill.hit_d2d and prefill.hit_copy are set per mode (see modes[*].prefill); "
+        "config_note": "prefill.hit_copy is set per mode (see modes[*].prefill); "
                        "cache.budget per residency (see settings.slots); under TP, expert bytes are per rank",
         "settings": {"prompt_lens": list(plan.prompt_lens), "residencies": list(plan.residencies),
                      "resident_per_layer": {str(r): n for r, n in setup.counts.items()}, "modes": list(plan.modes),

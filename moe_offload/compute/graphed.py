@@ -13,6 +13,9 @@ Rules:
 - at most ``max_graphs`` graphs are kept (least recently used dropped);
 - all graphs share one memory pool, which is safe only if their replays never overlap: every
   replay goes to the stream of the first capture; a call on another stream runs eagerly;
+- captures run on one side stream made up front, right after the cache's copy and hit streams (torch
+  hands out streams round-robin from a pool of 32 per device; a fresh stream per capture would
+  sooner or later alias the copy or hit stream);
 - a capture that fails (an op that cannot be captured) turns graphs off for this wrapper and the
   call runs eagerly. Each declined case logs one structured event per reason and is counted in
   the cache's ``stats()["declined"]`` as ``cuda_graph:<reason>``.
@@ -32,8 +35,10 @@ from moe_offload import log
 class GraphedCompute:
     """Wraps a prefill compute ``(hidden_TH, rows_TK, weights_TK, views, num_rows) -> out_TH``."""
 
-    def __init__(self, inner: Callable, graph_after: int = 2, max_graphs: int = 16):
+    def __init__(self, inner: Callable, device: torch.device, graph_after: int = 2, max_graphs: int = 16):
         self.inner = inner
+        self.stats = None  # the cache counters (bind)
+        self._side = torch.cuda.Stream(device)  # the capture stream
         self.name = f"{getattr(inner, 'name', '?')}+cuda_graph"
         self.graph_after, self.max_graphs = graph_after, max_graphs
         self._graphs: OrderedDict = OrderedDict()  # key -> (graph, static inputs, static output)
@@ -42,11 +47,16 @@ class GraphedCompute:
         self._stream = None  # the stream every replay goes to (first capture's current stream)
         self._disabled: str | None = None
 
-    def disable(self, reason: str, detail: str, stats=None) -> None:
+    def bind(self, stats) -> None:
+        """Report captures, replays and declines into ``stats`` (a ``CacheStats``)."""
+        self.stats = stats
+        self.inner.bind(stats)
+
+    def disable(self, reason: str, detail: str) -> None:
         """Run eagerly from now on (each call is counted as declined with ``reason``)."""
         self._disabled = reason
         self._graphs.clear()
-        self._decline(reason, stats, detail=detail)
+        self._decline(reason, detail=detail)
 
     @staticmethod
     def _key(hidden_TH, rows_TK, weights_TK, views, num_rows) -> tuple:
@@ -54,21 +64,25 @@ class GraphedCompute:
                 num_rows, hidden_TH.device,
                 tuple((k, v.data_ptr(), tuple(v.shape), v.stride(), v.dtype) for k, v in views.items()))
 
-    def _decline(self, reason: str, stats, **detail) -> None:
+    def _decline(self, reason: str, **detail) -> None:
         log.log_once(f"cuda_graph_declined:{reason}", "cuda_graph_declined", logging.WARNING, reason=reason,
                      fallback="eager", **detail)
-        if stats is not None:
-            stats.declined[f"cuda_graph:{reason}"] += 1
+        if self.stats is not None:
+            self.stats.declined[f"cuda_graph:{reason}"] += 1
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, stats=None):
+    def _count(self, what: str) -> None:
+        if self.stats is not None:
+            self.stats.compute[what] += 1
+
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
         if self._disabled is not None:
-            self._decline(self._disabled, stats)
+            self._decline(self._disabled)
             return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
         if hidden_TH.device.type != "cuda":
             return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
         stream = torch.cuda.current_stream(hidden_TH.device)
         if self._stream is not None and stream != self._stream:
-            self._decline("other_stream", stats, detail="graphs share a memory pool and replay on one stream")
+            self._decline("other_stream", detail="graphs share a memory pool and replay on one stream")
             return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
         key = self._key(hidden_TH, rows_TK, weights_TK, views, num_rows)
         entry = self._graphs.get(key)
@@ -78,10 +92,9 @@ class GraphedCompute:
             n = self._seen.get(key, 0) + 1
             self._seen[key] = n
             if n < self.graph_after:
-                if stats is not None:
-                    stats.compute["eager"] += 1
+                self._count("eager")
                 return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
-            entry = self._capture(key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream, stats)
+            entry = self._capture(key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream)
             if entry is None:
                 return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
         else:
@@ -91,17 +104,16 @@ class GraphedCompute:
         s_r.copy_(rows_TK)
         s_w.copy_(weights_TK)
         graph.replay()
-        if stats is not None:
-            stats.compute["graph_replays"] += 1
+        self._count("graph_replays")
         # the static output is overwritten by the next replay: hand out a copy
         return s_out.clone()
 
-    def _capture(self, key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream, stats):
+    def _capture(self, key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream):
         static = (hidden_TH.clone(), rows_TK.clone(), weights_TK.clone())
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(hidden_TH.device)
+        side = self._side
         side.wait_stream(stream)
         try:
             with torch.cuda.stream(side):
@@ -112,14 +124,13 @@ class GraphedCompute:
                     graph.capture_end()
         except Exception as exc:  # an op that cannot be captured: eager from now on
             stream.wait_stream(side)
-            self.disable("capture_failed", f"{type(exc).__name__}: {exc}", stats)
+            self.disable("capture_failed", f"{type(exc).__name__}: {exc}")
             return None
         stream.wait_stream(side)
         self._stream = stream
         self._graphs[key] = (graph, static, out)
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
-        if stats is not None:
-            stats.compute["graph_captures"] += 1
+        self._count("graph_captures")
         log.event("cuda_graph_captured", logging.DEBUG, tokens=int(hidden_TH.shape[0]), graphs=len(self._graphs))
         return self._graphs[key]

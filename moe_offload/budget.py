@@ -1,0 +1,64 @@
+"""The slot plan: how many expert slots a ``cache.budget`` buys on a device.
+
+Legend: L MoE layers, E experts per layer, K top-k, R bytes of one expert row (all banks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from moe_offload.config import Budget, parse_bytes
+
+
+class BudgetError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    num_slots: int
+    slot_bytes: int
+    staging_bytes: int
+    min_bytes: int
+    min_fraction: float
+
+    @property
+    def total_bytes(self) -> int:
+        return self.slot_bytes + self.staging_bytes
+
+
+def plan_budget(store, budget: Budget, device: torch.device, auto_reserve: str = "8GiB") -> BudgetPlan:
+    """Turn a budget into a slot count; raises ``BudgetError`` stating the minimum.
+
+    A fraction or slot-count budget sizes the pool and the two prefill staging layers come on top;
+    a byte budget (and ``auto``) includes the staging."""
+    R, E, L, K = store.bytes_per_expert, store.num_experts, len(store.layers), store.geometry.top_k
+    all_experts = L * E
+    staging = 2 * E * R
+    min_slots = K
+    min_bytes = staging + min_slots * R
+    min_fraction = min_slots / all_experts
+    if budget.kind == "fraction":
+        slots = math.floor(budget.value * all_experts)
+    elif budget.kind == "slots":
+        slots = int(budget.value)
+    elif budget.kind == "bytes":
+        slots = (int(budget.value) - staging) // R
+    else:  # auto
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            avail = free - parse_bytes(auto_reserve)
+        else:
+            avail = staging + all_experts * R  # host memory is the device: hold everything
+        slots = min(all_experts, max(0, (avail - staging) // R))
+    slots = min(slots, all_experts)
+    if slots < min_slots:
+        raise BudgetError(
+            f"cache.budget {budget.kind}={budget.value:g} gives {max(slots, 0)} slots, below the minimum of {min_slots} "
+            f"(one layer's routed experts, top-k) plus two staging layers: at least {min_bytes} bytes "
+            f"({min_bytes / 2**30:.3f} GiB) or a fraction of experts of {min_fraction:.4f}; raise cache.budget"
+        )
+    return BudgetPlan(slots, slots * R, staging, min_bytes, min_fraction)

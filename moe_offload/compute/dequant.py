@@ -1,0 +1,34 @@
+"""Dequantize + grouped GEMM: chunks of bank rows dequantized to the compute dtype (Triton kernel on
+CUDA for NVFP4, the format's torch reference elsewhere), then ``torch._grouped_mm`` (kernels/moe_gemm.py).
+
+Legend: T tokens, K top-k, H hidden, N rows of the bank views.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.kernels.moe_gemm import moe_grouped
+
+
+class DequantGroupedCompute:
+    """Sync-free chunked dequant + grouped_mm (bf16 on CUDA; other dtypes take a per-group loop)."""
+
+    name = "torch"
+
+    def __init__(self, fmt, dtype: torch.dtype, chunk_rows: int, use_triton_dequant: bool):
+        self.fmt, self.dtype, self.chunk_rows = fmt, dtype, chunk_rows
+        self._dequant = fmt.dequantize
+        if use_triton_dequant and fmt.is_quantized:
+            from moe_offload.kernels.nvfp4 import dequant_banks
+
+            self._dequant = dequant_banks
+
+    def bind(self, stats) -> None:
+        """Nothing to report."""
+
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
+        def dequant_rows(r0: int, r1: int):
+            return self._dequant({k: v[r0:r1] for k, v in views.items()}, self.dtype)
+
+        return moe_grouped(hidden_TH, rows_TK, weights_TK, num_rows, dequant_rows, self.chunk_rows, self.dtype)

@@ -1,0 +1,153 @@
+"""The prefill pass: each MoE layer assembled into one of two staging buffers one layer ahead of compute.
+
+Legend: E experts per layer (staging rows), R bytes of one expert row, b a staging buffer (0 or 1).
+
+Per buffer b three events: ``misses_done[b]`` (its PCIe copies landed, copy stream), ``hits_done[b]``
+(its device-side hit copies landed, hit stream) and ``released[b]`` (every reader of it is enqueued on
+the compute stream: the GEMMs and the admission gather). The ordering rule, on every path including a
+pass that raised half-way: every new writer of buffer b waits for ``released[b]`` AND for every writer
+of b's previous fill (the copy stream waits the old ``hits_done[b]``, the hit stream the old
+``misses_done[b]``; the waits are enqueued before either event is recorded again). A pass therefore
+never needs to know how the previous one ended.
+
+Counters: hits and misses of a layer are counted when compute uses the staged layer (``wait``), not
+when its copies are issued: a staged layer reused by the next pass counts again, a prefetch that
+nothing used does not. Bytes are counted when issued (they crossed the bus).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moe_offload.copy_paths import RowCopy, index_tensor
+from moe_offload.hit_copy import FULL_LAYER_COPY
+from moe_offload.host_store import bank_views
+
+
+class PrefillStaging:
+    """Two ``[E, R]`` staging buffers and the pass that fills them (owned by ``OffloadMoeCache``)."""
+
+    def __init__(self, store, pool, streams, stats, on_hit_failure):
+        self.store, self.pool, self.streams, self.stats = store, pool, streams, stats
+        self.on_hit_failure = on_hit_failure  # called with the exception; returns the new hit path
+        E, R = store.num_experts, store.bytes_per_expert
+        self.rows = [torch.empty((E, R), dtype=torch.uint8, device=pool.device) for _ in range(2)]
+        self.misses_done = [streams.event(), streams.event()]
+        self.hits_done = [streams.event(), streams.event()]
+        self.released = [streams.event(), streams.event()]
+        self.staged: list[int | None] = [None, None]  # the layer a buffer holds (its fill is enqueued)
+        self.used = [(0, 0), (0, 0)]  # (hits, misses) of the fill a buffer holds
+        self.computing: int | None = None  # the buffer the layer being computed reads
+        self.last_filled = 1
+        self.hit = None  # the HitCopy (set by the cache after resolution)
+        self.h2d = None  # the H2DRows of the misses
+
+    def buffer_for(self, layer: int) -> int | None:
+        for b in (0, 1):
+            if self.staged[b] == layer:
+                return b
+        return None
+
+    def begin(self) -> None:
+        """A new pass: nothing is being computed; copies wait for the compute already queued."""
+        self.computing = None
+        self.streams.join_current()
+
+    def forget(self) -> None:
+        """Drop what the buffers hold (the next pass assembles every layer anew)."""
+        self.staged = [None, None]
+
+    def prefetch(self, layer: int) -> int:
+        """Enqueue the assembly of ``layer`` into the buffer not being computed; a buffer that already
+        holds ``layer`` is reused as is. Returns the buffer."""
+        b = self.buffer_for(layer)
+        if b is not None:
+            return b
+        b = 1 - (self.computing if self.computing is not None else self.last_filled)
+        self.staged[b] = None
+        s = self.streams
+        # Waits first, before either event of b is recorded again (see the module docstring).
+        s.wait(s.hit, self.released[b], self.misses_done[b])
+        s.wait(s.copy, self.released[b], self.hits_done[b])
+        self._assemble(layer, b)
+        self.staged[b] = layer
+        self.last_filled = b
+        return b
+
+    def _assemble(self, layer: int, b: int) -> None:
+        s, counters, R = self.streams, self.stats.layer(layer), self.store.bytes_per_expert
+        staging_ER = self.rows[b]
+        resident_E = self.pool.resident(layer)  # host snapshot: no device sync
+        hit_e = np.flatnonzero(resident_E >= 0)
+        miss_e = np.flatnonzero(resident_E < 0)
+        self.used[b] = (int(hit_e.size), int(miss_e.size))
+        if self.hit.name == FULL_LAYER_COPY or hit_e.size == 0:
+            self._copy_full(layer, b)
+            return
+        # Misses first: the DMA starts as soon as the buffer is released. An SM gather queued ahead
+        # of it waits for SMs held by the previous layer's GEMMs and holds the PCIe copy back.
+        with s.on(s.copy):
+            self.h2d.copy([RowCopy(staging_ER, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
+            s.record(self.misses_done[b], s.copy)
+        counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * R
+        try:
+            with s.on(s.hit):
+                self.hit.copy(staging_ER, hit_e, self.pool.rows_SR, resident_E[hit_e].astype(np.int64), s.hit)
+                s.record(self.hits_done[b], s.hit)
+        except Exception as exc:  # a failed hit copy mid-run: full-layer copies from now on
+            self.hit = self.on_hit_failure(exc)
+            if s.is_cuda:
+                s.copy.wait_stream(s.hit)  # whatever part of the hit copy was enqueued lands first
+            self._copy_full(layer, b)
+            return
+        counters.bytes[self.hit.bytes_key] += int(hit_e.size) * R
+
+    def _copy_full(self, layer: int, b: int) -> None:
+        s = self.streams
+        with s.on(s.copy):
+            self.rows[b].copy_(self.store.rows(layer), non_blocking=True)
+            s.record(self.misses_done[b], s.copy)
+        self.stats.layer(layer).bytes["prefill_full_h2d"] += self.rows[b].numel()
+
+    def wait(self, layer: int) -> dict[str, torch.Tensor]:
+        """Typed views ``[E, ...]`` of ``layer`` in staging; the compute stream waits until it is whole."""
+        b = self.buffer_for(layer)
+        if b is None:
+            self.streams.join_current()
+            b = self.prefetch(layer)
+        self.computing = b
+        s = self.streams
+        s.wait(s.current(), self.misses_done[b], self.hits_done[b])
+        counters = self.stats.layer(layer)
+        counters.prefill_hits += self.used[b][0]
+        counters.prefill_misses += self.used[b][1]
+        return bank_views(self.store.specs, self.store.offsets, self.rows[b])
+
+    def done(self, layer: int) -> None:
+        """The GEMMs reading ``layer``'s staging are enqueued: warm the slot pool from it (free slots
+        only, compute stream), then let the buffer be refilled after both."""
+        b = self.buffer_for(layer)
+        if b is None:
+            return
+        self._admit_free(layer, b)
+        self.streams.record(self.released[b], self.streams.current())
+        self.computing = None
+
+    def _admit_free(self, layer: int, b: int) -> None:
+        """Copy staged experts that are not resident into FREE slots (no eviction). SM work on the
+        compute stream: on the copy stream it would hold the next layer's PCIe copy behind the GEMMs."""
+        if self.pool.free_slots().size == 0:
+            return
+        new_e = np.flatnonzero(self.pool.resident(layer) < 0)
+        if new_e.size == 0:
+            return
+        from moe_offload.kernels.copy import gather_rows
+
+        dev = self.pool.device
+
+        def copy(slots: list[int]) -> None:
+            gather_rows(self.pool.rows_SR, index_tensor(np.asarray(slots), dev), self.rows[b],
+                        index_tensor(new_e[:len(slots)], dev))
+
+        self.pool.admit(layer, new_e, copy, free_only=True)

@@ -1,0 +1,67 @@
+"""Streams and events of one cache, and their CPU no-op.
+
+Three streams on CUDA: ``copy`` (PCIe copies: prefill misses, decode admissions), ``hit`` (device-side
+prefill hit copies: an SM gather queued on the copy stream would wait for SMs held by the compute
+stream's GEMMs and hold the next layer's PCIe copy behind it) and the caller's current stream
+(compute). Ordering between them is by events only; nothing here synchronizes the host except
+``synchronize``. On the CPU there are no streams: every copy completes before its call returns,
+events are ``None`` and every method is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Streams:
+    """The cache's streams on ``device`` (CUDA) or nothing (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        self.copy = torch.cuda.Stream(device) if self.is_cuda else None
+        self.hit = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def event(self):
+        return torch.cuda.Event() if self.is_cuda else None
+
+    def current(self):
+        return torch.cuda.current_stream(self.device) if self.is_cuda else None
+
+    def on(self, stream):
+        """Context: enqueue on ``stream`` (no-op on CPU)."""
+        return torch.cuda.stream(stream) if self.is_cuda else contextlib.nullcontext()
+
+    def wait(self, stream, *events) -> None:
+        """``stream`` waits for each event (recorded or not: an unrecorded event is complete)."""
+        if self.is_cuda:
+            for ev in events:
+                stream.wait_event(ev)
+
+    def record(self, event, stream) -> None:
+        if self.is_cuda:
+            event.record(stream)
+
+    def join_current(self) -> None:
+        """Copy and hit streams wait for everything already queued on the current (compute) stream."""
+        if self.is_cuda:
+            cur = self.current()
+            self.copy.wait_stream(cur)
+            self.hit.wait_stream(cur)
+
+    def current_joins_copies(self) -> None:
+        """The current stream waits for everything queued on the copy and hit streams (no host sync):
+        whatever the caller enqueues next is ordered after every copy in flight."""
+        if self.is_cuda:
+            cur = self.current()
+            cur.wait_stream(self.copy)
+            cur.wait_stream(self.hit)
+
+    def synchronize(self) -> None:
+        """HOST SYNC: wait for the copy, hit and current streams (teardown, tests, benchmarks)."""
+        if self.is_cuda:
+            self.copy.synchronize()
+            self.hit.synchronize()
+            self.current().synchronize()

@@ -1,0 +1,89 @@
+"""On CUDA: a prefill pass that raises half-way leaves no unordered copy behind (real streams, events).
+
+The hazard (found in review of 5255331): the pass enqueues layer L+1's assembly before computing L.
+If compute(L) raises, L+1's hit gather may still be in flight on the hit stream when the next request
+writes the same staging rows (a new prefill's misses, copy stream) or overwrites the slots it reads
+(a decode admission, copy stream). ``torch.cuda._sleep`` on the hit stream holds the stale gather
+back long enough that any missing wait shows as wrong bytes, deterministically.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig
+from moe_offload.hit_copy import GatherHitCopy
+from moe_offload.host_store import ExpertStore
+
+pytestmark = pytest.mark.gpu
+
+_SPIN = 300_000_000  # cycles (~0.15 s on an H200): far longer than the host needs to enqueue the next request
+
+
+class _DelayedGather(GatherHitCopy):
+    """The real gather, queued behind a spin kernel on the hit stream while ``armed``."""
+
+    armed = False
+
+    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream) -> None:
+        if self.armed:
+            torch.cuda._sleep(_SPIN)
+        super().copy(staging_ER, hit_e_M, pool_SR, hit_slots_M, stream)
+
+
+def _setup(tiny_ckpt):
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    E = store.num_experts
+    L0, L1, L2 = store.layers[:3]
+    hits2 = list(range(0, E, 2))  # the rows layer 2's gather writes ...
+    rest0 = [e for e in range(E) if e not in hits2]  # ... are exactly layer 0's misses
+    # exactly E slots, all taken: no admission into free slots changes residency mid-test; layer 2's
+    # slots first, so they are the least recently used (the decode admission's victims)
+    cache = OffloadMoeCache(store, CacheConfig(budget=f"{E} slots"), PrefillConfig(hit_copy="gather"), "cuda")
+    cache.set_residency({L2: hits2, L0: rest0})
+    cache.resolve_hit_path()
+    gather = _DelayedGather()
+    cache.staging.hit = gather
+    return store, cache, gather, (L0, L1, L2), hits2
+
+
+def _abort_after_prefetching_layer_2(cache, layers, gather):
+    L0, L1, _ = layers
+    with pytest.raises(RuntimeError, match="injected"):
+        with cache.prefill_pass():
+            cache.stage(L0)
+            cache.done(L0)
+            gather.armed = True  # the gather of layer 2, enqueued by stage(L1), waits behind a spin
+            cache.stage(L1)
+            gather.armed = False
+            raise RuntimeError("injected compute failure in layer 1")
+
+
+def test_a_prefill_after_an_aborted_pass_stages_every_layer_bitwise(tiny_ckpt):
+    store, cache, gather, layers, _ = _setup(tiny_ckpt)
+    _abort_after_prefetching_layer_2(cache, layers, gather)
+    staged = {}
+    with cache.prefill_pass():
+        for layer in store.layers:
+            cache.stage(layer)
+            b = cache.staging.buffer_for(layer)
+            staged[layer] = cache.staging.rows[b].clone()  # on the compute stream: what compute reads
+            cache.done(layer)
+    torch.cuda.synchronize()
+    for layer, rows in staged.items():
+        assert torch.equal(rows.cpu(), store.rows(layer)), f"layer {layer} staged wrong bytes"
+
+
+def test_a_decode_admission_after_an_aborted_pass_does_not_overwrite_slots_a_stale_gather_reads(tiny_ckpt):
+    store, cache, gather, layers, hits2 = _setup(tiny_ckpt)
+    L0, _, L2 = layers
+    _abort_after_prefetching_layer_2(cache, layers, gather)
+    b2 = cache.staging.buffer_for(L2)
+    K = store.geometry.top_k
+    ids = torch.tensor([hits2[:K]], device="cuda")  # misses in layer 0: they evict layer 2's slots
+    cache.ensure(L0, ids)
+    torch.cuda.synchronize()
+    assert cache.staging.buffer_for(L2) == b2
+    assert torch.equal(cache.staging.rows[b2].cpu(), store.rows(L2)), "the stale gather read overwritten slots"
+    assert np.array_equal(cache.pool.table_LE.cpu().numpy(), cache.pool.slot_of_LE)  # device table == host map

@@ -155,3 +155,14 @@ def test_serve_misses_names_the_bad_input():
         serve_misses(slot_of_E, ids, host_EB, pool_RB, S + 1)  # 4 pairs need 4 scratch rows past S
     with pytest.raises(ValueError, match="chunk_bytes"):
         MissCopyConfig(chunk_bytes=100)
+
+
+@pytest.mark.parametrize("B, word, vec", [(16 * 9, 4, 4), (4 * 37, 4, 1), (8 * 5, 4, 2), (1001, 1, 1), (2 * 51, 1, 2)])
+def test_copy_words_follow_the_alignment_of_every_row_start(B, word, vec):
+    from moe_offload.kernels.decode_miss import _word_layout
+
+    host = torch.zeros(3, B, dtype=torch.uint8)
+    pool = torch.zeros(4, B, dtype=torch.uint8)
+    dtype, got_word, got_vec = _word_layout(host, pool)
+    # 16-byte rows give 4 int32 per vector (one 16-byte load), 4-byte rows single words, odd rows bytes
+    assert (got_word, got_vec) == (word, vec) and dtype == (torch.int32 if word == 4 else torch.uint8)

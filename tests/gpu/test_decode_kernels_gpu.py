@@ -17,7 +17,7 @@ pytestmark = [
 ]
 
 FMT = Nvfp4ModelOptFormat()
-H, I, E, K = 256, 128, 32, 4  # small NVFP4 experts (B = 82,956 bytes: 4-byte, not 16-byte, aligned rows)
+H, I, E, K = 256, 128, 32, 4  # small NVFP4 experts (B = 55,308 bytes: 4-byte, not 16-byte, aligned rows)
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ Legend: B sequences in the decode batch, S padded cache length, T prompt tokens,
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import threading
 import time
@@ -35,8 +34,8 @@ from typing import Callable
 import torch
 
 from moe_offload import log
-from moe_offload.serve import kv
 from moe_offload.serve.config import ServeConfig
+from moe_offload.serve.executor import LocalExecutor
 from moe_offload.serve.sampling import RequestError, SamplingParams, sample
 
 
@@ -82,7 +81,6 @@ class Request:
     finish_reason: str | None = None
     cancelled: bool = False
     # loop-thread state
-    past: object = None
     prefilled: int = 0
     gen: torch.Generator | None = None
 
@@ -98,14 +96,13 @@ class Request:
 
 class Scheduler:
     """Owns ``engine`` on one loop thread. ``submit`` is safe from any thread; the sink is called on the
-    loop thread and must not block (hand the Output to your own queue / event loop)."""
+    loop thread and must not block (hand the Output to your own queue / event loop). ``executor`` runs
+    the forwards and cache edits (a ``BroadcastExecutor`` on rank 0 under TP)."""
 
-    def __init__(self, engine, cfg: ServeConfig | None = None):
+    def __init__(self, engine, cfg: ServeConfig | None = None, executor: LocalExecutor | None = None):
         self.engine, self.cfg = engine, cfg or ServeConfig()
+        self.executor = executor or LocalExecutor(engine)
         model = engine.model
-        params = inspect.signature(type(model).forward).parameters
-        # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
-        self._kv_name = "cache" if "cache" in params else "past_key_values"
         self.vocab = int(engine.reader.geometry.vocab)
         self.max_model_len = self.cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
         tok = engine.tokenizer
@@ -117,7 +114,6 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
-        self._batch_past = None
         self._ids = itertools.count()
         self._stop = False
         self._error: str | None = None
@@ -227,7 +223,11 @@ class Scheduler:
             self._waiting.clear()
             self._prefilling.clear()
             self._running = []
-            self._batch_past = None
+        try:
+            self.executor.reset()
+            self.executor.stop()
+        except Exception as exc:  # e.g. a TP peer already gone; nothing is left to serve anyway
+            log.event("serve_executor_stop_failed", 30, error=type(exc).__name__, message=str(exc))
 
     def _step(self) -> None:
         if self._prefilling:
@@ -238,6 +238,7 @@ class Scheduler:
                 log.event("serve_request_failed", 40, request=req.id, stage="prefill", error=type(exc).__name__,
                           message=str(exc))
                 self._prefilling.popleft()
+                self.executor.drop(req.id)
                 self._finish(req, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
         if self._running:
             self._decode_step()
@@ -248,50 +249,39 @@ class Scheduler:
             self.cache_stats, self._stats_t = self.engine.cache.stats(), now
 
     def _prefill_chunk(self, req: Request) -> None:
-        eng = self.engine
-        chunk = eng.cfg.prefill.chunk_tokens
+        chunk = self.engine.cfg.prefill.chunk_tokens
         s = req.prefilled
-        ids_1T = torch.tensor([req.prompt_ids[s:s + chunk]], dtype=torch.long, device=eng.device)
-        logits, req.past = eng.forward(ids_1T, req.past, 1)
-        req.prefilled += ids_1T.shape[1]
+        logits_1V = self.executor.prefill(req.id, req.prompt_ids[s:s + chunk])
+        req.prefilled = min(len(req.prompt_ids), s + chunk)
         if req.prefilled < len(req.prompt_ids):
             return
         self._prefilling.popleft()
         req.gen = torch.Generator().manual_seed(req.params.seed)
-        tok = sample(logits[:, -1], [req.params], [req.gen])[0]
+        tok = sample(logits_1V, [req.params], [req.gen])[0]
         req.t_first = time.perf_counter()
         if self._emit(req, tok):
-            req.past = None
+            self.executor.drop(req.id)
             return
-        B_len = self._batch_len()
-        self._batch_past = kv.append(self._batch_past, req.past, B_len, len(req.prompt_ids))
-        req.past = None
+        self.executor.join(req.id, self._batch_len(), len(req.prompt_ids))
         self._running.append(req)
 
     def _batch_len(self) -> int:
         return max((r.cache_len for r in self._running), default=0)
 
-    @torch.inference_mode()
     def _decode_step(self) -> None:
         rows = self._running
-        eng = self.engine
-        S = self._batch_len()
-        lens = [r.cache_len + 1 for r in rows]
-        mask_BS = kv.attention_mask(lens, S + 1, eng.device)
-        pos_B1 = torch.tensor([[r.cache_len] for r in rows], dtype=torch.long).to(eng.device, non_blocking=True)
-        ids_B1 = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long).to(eng.device, non_blocking=True)
         try:
-            out = eng.model(input_ids=ids_B1, attention_mask=mask_BS, position_ids=pos_B1, use_cache=True,
-                            logits_to_keep=1, **{self._kv_name: self._batch_past})
-        except Exception as exc:  # the batch's KV state is unknown now: fail its requests, keep serving
-            log.event("serve_request_failed", 40, requests=len(rows), stage="decode", error=type(exc).__name__,
-                      message=str(exc))
-            for r in rows:
+            logits_BV = self.executor.decode([r.output_ids[-1] for r in rows], [r.cache_len for r in rows])
+        except Exception as exc:  # the caches' state is unknown now: fail their requests, keep serving
+            log.event("serve_request_failed", 40, requests=len(rows) + len(self._prefilling), stage="decode",
+                      error=type(exc).__name__, message=str(exc))
+            for r in [*rows, *self._prefilling]:
                 self._finish(r, None, error=f"decode failed: {type(exc).__name__}: {exc}")
-            self._running, self._batch_past = [], None
+            self._running = []
+            self._prefilling.clear()
+            self.executor.reset()
             return
-        self._batch_past = getattr(out, self._kv_name)
-        toks = sample(out.logits[:, -1], [r.params for r in rows], [r.gen for r in rows])
+        toks = sample(logits_BV, [r.params for r in rows], [r.gen for r in rows])
         keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t)]
         if len(keep) < len(rows):
             self._shrink(keep)
@@ -299,16 +289,17 @@ class Scheduler:
     def _shrink(self, keep: list[int]) -> None:
         """Keep the running rows ``keep``; cut the cache columns that only padded the rows that left."""
         self._running = [self._running[b] for b in keep]
-        S_cached = kv.seq_len(self._batch_past) if self._batch_past is not None else 0
-        trim = max(0, S_cached - self._batch_len()) if self._running else 0
-        self._batch_past = kv.keep(self._batch_past, keep, trim)
+        trim = max(0, self.executor.batch_len() - self._batch_len()) if self._running else 0
+        self.executor.keep(keep, trim)
 
     def _drop_cancelled(self) -> None:
-        for q in (self._waiting, self._prefilling):
-            for r in [r for r in q if r.cancelled]:
-                q.remove(r)
-                r.past = None
-                self._finish(r, "cancelled")
+        for r in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(r)
+            self._finish(r, "cancelled")
+        for r in [r for r in self._prefilling if r.cancelled]:
+            self._prefilling.remove(r)
+            self.executor.drop(r.id)
+            self._finish(r, "cancelled")
         if any(r.cancelled for r in self._running):
             gone = [r for r in self._running if r.cancelled]
             self._shrink([b for b, r in enumerate(self._running) if not r.cancelled])

@@ -255,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     from moe_offload.guards import NonFiniteLogitsError
 
     parser = build_parser()
-    a = parser.parse_args(argv)
+    try:
+        a = parser.parse_args(argv)
+    except SystemExit as exc:  # usage error (2, already printed in one line), --help or --version (0)
+        return int(exc.code or 0)
     if not log._logger.handlers:
         log.configure()
     try:

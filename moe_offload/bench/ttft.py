@@ -105,7 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-reps", type=int, default=3, help="timed repetitions per peer and prompt length (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the resident sets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (needs moe_offload.parallel, issue 6)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, or one per process under "
+                   "torchrun); the expert intermediate size must split into multiples of the format's block")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for the JSON and markdown (default %(default)s)")
     p.add_argument("--git-sha", help="record this commit when the tree has no .git (e.g. a copied checkout)")
@@ -251,11 +252,8 @@ def run_tp(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict | None:
     """The sweep on ``parallel.tp`` ranks (spawned, or this process is one rank under torchrun);
     None on ranks other than 0. Floors are per rank: each rank moves its 1/tp slice over its own link,
     and the slowest link sets the bandwidth."""
-    try:
-        from moe_offload.launch import run_on_ranks
-    except ImportError as exc:
-        raise RuntimeError(f"bench ttft with parallel.tp={cfg.parallel.tp} needs moe_offload.parallel (issue 6), "
-                           f"which this installation lacks ({exc}); run with --tp 1") from None
+    from moe_offload.launch import run_on_ranks
+
     part = run_on_ranks(cfg, _tp_rank, plan)
     if part is None:
         return None
@@ -315,6 +313,10 @@ def main(a: argparse.Namespace) -> int:
     notes = list(plan.notes)
     if any(s.split("=", 1)[0].strip() == "cache.budget" for s in a.set):
         notes.append(f"--set cache.budget is replaced: the bench sizes the pool itself (--budget {plan.budget})")
+    if cfg.parallel.tp > 1:  # before a rank is spawned or a weight is read
+        from moe_offload.prompts import check_tp, model_facts
+
+        check_tp(model_facts(cfg), cfg.parallel.tp, "--tp")
     part = run_tp(cfg, plan, notes) if cfg.parallel.tp > 1 else run_single(cfg, plan, notes)
     if part is None:  # a torchrun rank other than 0: rank 0 reports
         return 0

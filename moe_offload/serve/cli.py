@@ -26,7 +26,10 @@ def main(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, main_sets)
     serve_cfg = load_serve_config(serve_sets)
     log.configure(cfg.logging.level, cfg.logging.format)
-    if cfg.parallel.tp > 1:
-        raise ValueError("moe-offload serve runs TP=1 only for now (TP serving is the open part of issue 15); "
-                         "set parallel.tp=1")
+    if cfg.parallel.tp > 1:  # rank 0 serves HTTP, the other ranks replay its forwards (serve/tp.py)
+        from moe_offload.launch import run_on_ranks
+        from moe_offload.serve.tp import serve_rank
+
+        run_on_ranks(cfg, serve_rank, serve_cfg.model_dump(), a.host, a.port)
+        return 0
     return serve(cfg, serve_cfg, a.host, a.port)

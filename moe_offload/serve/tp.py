@@ -1,0 +1,86 @@
+"""Serving under tensor parallelism: rank 0 runs HTTP and the scheduler; every rank runs the same forwards.
+
+Rank 0's scheduler drives a ``BroadcastExecutor``: each forward and KV edit is broadcast before it runs,
+and ranks 1..N-1 replay them (``executor.follow``). Sampling and stop decisions happen on rank 0 only;
+its sampled ids reach the other ranks as the next decode op's input, so a bitwise logit difference across
+ranks can never feed different tokens into the all-reduce or stop one rank alone.
+
+``moe-offload serve --set parallel.tp=2`` spawns the ranks itself; under ``torchrun --nproc-per-node 2 -m
+moe_offload.cli serve ...`` each process is one rank (``launch.run_on_ranks``).
+"""
+
+from __future__ import annotations
+
+from moe_offload import log
+from moe_offload.serve.config import ServeConfig
+from moe_offload.serve.executor import BroadcastExecutor, LocalExecutor, follow
+
+
+def _src(tp) -> int:
+    import torch.distributed as dist
+
+    return dist.get_global_rank(tp.group, 0) if tp.group is not None else 0
+
+
+def leader_scheduler(rt, serve_cfg: ServeConfig):
+    """Rank 0's started Scheduler over the TP runtime ``rt`` (``launch.build_tp_engine``)."""
+    from moe_offload.serve.scheduler import Scheduler
+
+    return Scheduler(rt.engine, serve_cfg, BroadcastExecutor(rt.engine, rt.tp.group, _src(rt.tp))).start()
+
+
+def follow_rank(rt) -> int:
+    """Ranks 1..N-1: replay rank 0's ops until it stops -> ops replayed."""
+    n = follow(LocalExecutor(rt.engine), rt.tp.group, _src(rt.tp))
+    log.event("serve_follower_done", ops=n)
+    return n
+
+
+def serve_rank(cfg, tp, serve_cfg: dict, host: str, port: int) -> dict | None:
+    """One rank of ``moe-offload serve`` under TP (for ``launch.run_on_ranks``)."""
+    import uvicorn
+
+    from moe_offload.launch import build_tp_engine
+    from moe_offload.serve.server import build_app, model_name
+
+    rt = build_tp_engine(cfg, tp, progress=tp.rank == 0)
+    if tp.rank != 0:
+        follow_rank(rt)
+        return None
+    scfg = ServeConfig.model_validate(serve_cfg)
+    scheduler = leader_scheduler(rt, scfg)
+    log.info_rank0("serve_listening", host=host, port=port, model=model_name(rt.engine, scfg), tp=tp.world_size,
+                   max_batch=scfg.max_batch, max_queue=scfg.max_queue, max_model_len=scheduler.max_model_len)
+    try:
+        uvicorn.run(build_app(scheduler, scfg), host=host, port=port, log_level="warning", lifespan="off")
+    finally:
+        scheduler.stop()  # its loop broadcasts "stop": the followers return
+    return {"steps": scheduler.steps}
+
+
+def generate_rank(cfg, tp, serve_cfg: dict, jobs: list[tuple[list[int], dict]]) -> list[list[int]] | None:
+    """Every job ``(prompt_ids, SamplingParams kwargs)`` submitted at once to rank 0's scheduler (no HTTP)
+    -> each job's output ids (rank 0), None on the other ranks. Tests and benchmarks use it."""
+    import threading
+
+    from moe_offload.launch import build_tp_engine
+    from moe_offload.serve.sampling import SamplingParams
+
+    rt = build_tp_engine(cfg, tp, progress=False)
+    if tp.rank != 0:
+        follow_rank(rt)
+        return None
+    scheduler = leader_scheduler(rt, ServeConfig.model_validate(serve_cfg))
+    try:
+        events, reqs = [], []
+        for prompt, params in jobs:
+            done = threading.Event()
+            reqs.append(scheduler.submit(prompt, SamplingParams(**params),
+                                         lambda o, d=done: d.set() if o.finished else None))
+            events.append(done)
+        for e in events:
+            if not e.wait(300):
+                raise TimeoutError("a TP serving request did not finish in 300 s")
+        return [r.output_ids for r in reqs]
+    finally:
+        scheduler.stop()

@@ -84,9 +84,9 @@ def full_layers(cfg, layers: int) -> int:
     """Depth of the model a truncated preset stands for (the figures are extrapolated to it)."""
     if cfg.model.checkpoint:
         return layers
-    from moe_offload.checkpoint.synthetic import PRESETS
+    from moe_offload.presets import get_preset
 
-    return max(PRESETS[cfg.model.preset].config["num_hidden_layers"], layers)
+    return max(get_preset(cfg.model.preset).depth, layers)
 
 
 # ---------------------------------------------------------------------------------------- derive
@@ -127,6 +127,17 @@ def derive(result: dict) -> None:
         c["per_layer_s"] = med / m["layers"]
         c["extrapolated_s"] = med * m["full_layers"] / m["layers"] if m["full_layers"] != m["layers"] else None
     result["targets"] = targets(result)
+    if not on_cuda(result):
+        for t in result["targets"]:  # measured, but a CPU run cannot meet or miss a PCIe target
+            t.update(met=None, detail=f"{CPU_NOTE} (value measured: {t['value']})")
+
+
+#: why a CPU run gives no verdicts (its "H2D" is a host memcpy; there is no PCIe link to be near)
+CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not PCIe floors"
+
+
+def on_cuda(result: dict) -> bool:
+    return result.get("device", {}).get("type") == "cuda"
 
 
 def _target(tid: str, n: int, value, threshold: float, op: str, detail, mode: str | None = None, **extra) -> dict:
@@ -214,6 +225,8 @@ def _header(result: dict) -> list[str]:
         f"{s['reps']} reps per cell: median [min–max] ms; warmup {'on' if s['warmup'] else 'off'}. "
         "×floor = TTFT / max(PCIe floor, compute floor).",
     ]
+    if not on_cuda(result):
+        lines += ["", f"**CPU run: {CPU_NOTE}; the floor and ×floor columns are n/a and no target has a verdict.**"]
     if m["tp"] > 1:
         lines += ["", f"TP={m['tp']}: expert bytes, H2D bytes and the PCIe floor are per rank (each rank moves its "
                   f"1/{m['tp']} slice of every expert over its own link; bandwidth of the slowest rank, all ranks "
@@ -246,14 +259,16 @@ def _ttft_table(result: dict, n: int) -> list[str]:
         if first is None:
             continue
         hit = None if first["hit_fraction"] is None else 100 * first["hit_fraction"]
-        cols = [f"{r:g}", _num(hit, 1), _ms(first["pcie_floor_s"])]
+        cuda = on_cuda(result)
+        cols = [f"{r:g}", _num(hit, 1), _ms(first["pcie_floor_s"]) if cuda else "n/a"]
         for mo, c in row.items():
             if c is None:
                 cols += ["–", "–"]
                 continue
             t = c["ttft_s"]
             mark = "" if mo == "off" or _hit_on(c) else " †"
-            cols += [f"{_ms(t['median'])} [{_ms(t['min'])}–{_ms(t['max'])}]{mark}", _num(c["ratio_to_floor"])]
+            cols += [f"{_ms(t['median'])} [{_ms(t['min'])}–{_ms(t['max'])}]{mark}",
+                     _num(c["ratio_to_floor"]) if cuda else "n/a"]
         if truncated:
             hits = [c["extrapolated_s"] for mo, c in row.items() if mo != "off" and _hit_on(c)]
             cols.append(_ms(min(hits)) if hits else "–")
@@ -295,8 +310,10 @@ def _peer_table(result: dict) -> list[str]:
 
 
 def _target_table(result: dict) -> list[str]:
-    lines = ["", "## Targets", "", "| target | tokens | mode | value | threshold | met |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["", "## Targets", ""]
+    if not on_cuda(result):
+        return lines + [f"No verdicts: {CPU_NOTE}. The values stay in the JSON (targets[*].value)."]
+    lines += ["| target | tokens | mode | value | threshold | met |", "| --- | --- | --- | --- | --- | --- |"]
     for t in result["targets"]:
         name = t["id"] + (f" @ {t['residency']:g}" if "residency" in t else "")
         met = {True: "yes", False: "NO", None: "n/a"}[t["met"]]

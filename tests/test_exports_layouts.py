@@ -207,3 +207,21 @@ def test_non_finite_logits_are_a_request_error_naming_the_first_layer(exports, t
                         lambda t: t.update({name: torch.full_like(t[name], float("nan"))}))
     rc, _, err = _generate(dst)
     assert rc == 1 and "non-finite logits" in err and "(layer 1)" in err and "Traceback" not in err
+
+
+def test_linear_attention_projections_quantized_as_llm_compressor_does_are_served(exports, tmp_path):
+    # llm-compressor quantizes every Linear but the router gates and lm_head: qwen3_next's in_proj_ba too
+    from moe_offload.formats import get_format
+    from moe_offload.formats.nvfp4 import quantize
+
+    fmt = get_format("nvfp4-ct")
+
+    def quantize_ba(t):
+        for name in [k for k in t if k.endswith("linear_attn.in_proj_ba.weight")]:
+            w = t.pop(name)
+            t.update(fmt.to_disk(name[: -len(".weight")], *quantize(w.float())))
+
+    dst = _edit_tensors(_copy(exports("tiny-qwen3-next", "nvfp4-ct"), tmp_path / "ba"), quantize_ba)
+    assert any(k.endswith("in_proj_ba.weight_packed") for k in CheckpointReader(dst).names())
+    rc, out, err = _generate(dst)
+    assert rc == 0, err

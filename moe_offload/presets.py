@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_offload.tokenizer import ByteTokenizer
+
 #: qwen3_next alternates 3 linear-attention layers and 1 full-attention layer
 NEXT_PERIOD = 4
-#: the byte tokenizer's special ids (moe_offload.tokenizer.ByteTokenizer), written into every preset
-BOS_ID, EOS_ID = 1, 2
+#: every preset ships the byte tokenizer; its special ids go into config.json
+BOS_ID, EOS_ID = ByteTokenizer.bos_id, ByteTokenizer.eos_id
 
 
 @dataclass(frozen=True)

@@ -193,3 +193,11 @@ def test_qwen3_next_truncation_without_full_attention_is_refused(tmp_path):
 
     with pytest.raises(PresetError, match="--layers >= 4"):
         make_checkpoint("flash-next", "nvfp4-ct", tmp_path / "x", layers=2, progress=False)
+
+
+def test_a_depth_beyond_the_preset_is_refused_naming_the_range(tmp_path):
+    from moe_offload.checkpoint.synthetic import PresetError, make_checkpoint
+
+    with pytest.raises(PresetError, match=r"--layers 5 .*outside 1\.\.4"):
+        make_checkpoint("tiny-qwen3-moe", "bf16", tmp_path / "x", layers=5, progress=False)
+    assert not (tmp_path / "x").exists()

@@ -66,3 +66,15 @@ def test_parse_bytes_units():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_the_embedded_default_detects_the_checkpoint_format():
+    # a checkpoint passed with --checkpoint / model.checkpoint must not need --set model.format=...
+    assert load_config().model.format == "auto"
+
+
+def test_config_and_the_checkpoint_writer_share_one_preset_table():
+    from moe_offload import config, presets
+    from moe_offload.checkpoint import synthetic
+
+    assert config.PRESETS == tuple(presets.PRESETS) and synthetic.PRESETS is presets.PRESETS

@@ -21,23 +21,26 @@ class BudgetError(ValueError):
 class BudgetPlan:
     num_slots: int
     slot_bytes: int
-    staging_bytes: int
+    staging_bytes: int  # the two prefill staging layers plus the decode scratch rows
     min_bytes: int
     min_fraction: float
+    scratch_rows: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.slot_bytes + self.staging_bytes
 
 
-def plan_budget(store, budget: Budget, device: torch.device, auto_reserve: str = "8GiB") -> BudgetPlan:
+def plan_budget(store, budget: Budget, device: torch.device, auto_reserve: str = "8GiB",
+                scratch_rows: int = 0) -> BudgetPlan:
     """Turn a budget into a slot count; raises ``BudgetError`` stating the minimum.
 
-    A fraction or slot-count budget sizes the pool and the two prefill staging layers come on top;
-    a byte budget (and ``auto``) includes the staging."""
+    A fraction or slot-count budget sizes the pool; the two prefill staging layers and the
+    ``scratch_rows`` decode scratch rows (misses served from host memory) come on top. A byte
+    budget (and ``auto``) includes them."""
     R, E, L, K = store.bytes_per_expert, store.num_experts, len(store.layers), store.geometry.top_k
     all_experts = L * E
-    staging = 2 * E * R
+    staging = (2 * E + scratch_rows) * R
     min_slots = K
     min_bytes = staging + min_slots * R
     min_fraction = min_slots / all_experts
@@ -58,7 +61,7 @@ def plan_budget(store, budget: Budget, device: torch.device, auto_reserve: str =
     if slots < min_slots:
         raise BudgetError(
             f"cache.budget {budget.kind}={budget.value:g} gives {max(slots, 0)} slots, below the minimum of {min_slots} "
-            f"(one layer's routed experts, top-k) plus two staging layers: at least {min_bytes} bytes "
+            f"(one layer's routed experts, top-k) plus two staging layers and {scratch_rows} decode scratch rows: at least {min_bytes} bytes "
             f"({min_bytes / 2**30:.3f} GiB) or a fraction of experts of {min_fraction:.4f}; raise cache.budget"
         )
-    return BudgetPlan(slots, slots * R, staging, min_bytes, min_fraction)
+    return BudgetPlan(slots, slots * R, staging, min_bytes, min_fraction, scratch_rows)

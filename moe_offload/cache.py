@@ -33,6 +33,7 @@ from moe_offload import log
 from moe_offload.budget import BudgetError, BudgetPlan, plan_budget
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
+from moe_offload.decode_path import DecodeResidency
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
@@ -45,16 +46,20 @@ __all__ = ["OffloadMoeCache", "BudgetError", "BudgetPlan", "plan_budget"]
 class OffloadMoeCache:
     """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
 
-    def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str):
+    def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
+                 decode_max_tokens: int = 16):
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.store, self.device = store, device
         self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
         self.counters = CacheStats()
-        self.plan = plan_budget(store, cache_cfg.budget, device, cache_cfg.auto_reserve)
+        scratch = min(decode_max_tokens * store.geometry.top_k, store.num_experts)
+        self.plan = plan_budget(store, cache_cfg.budget, device, cache_cfg.auto_reserve, scratch)
         self.streams = Streams(device)
-        self.pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters)
+        self.pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
+        self.decode = DecodeResidency(store, self.pool, self.streams, self.counters, decode_max_tokens,
+                                      cache_cfg.admit_per_step)
         self.staging = PrefillStaging(store, self.pool, self.streams, self.counters, self._hit_failed)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.decode_done = self.streams.event()
@@ -96,14 +101,6 @@ class OffloadMoeCache:
         """Typed per-bank views ``[S, ...]`` of the slot pool (rows read in place)."""
         return self.pool.views()
 
-    def slot_views(self, slots_N: np.ndarray) -> dict[str, torch.Tensor]:
-        """Typed per-bank views ``[N, ...]`` of a compacted copy of slot rows ``slots_N`` (one gather)."""
-        from moe_offload.copy_paths import index_tensor
-        from moe_offload.host_store import bank_views
-
-        rows_NR = self.pool.rows_SR.index_select(0, index_tensor(slots_N, self.device))
-        return bank_views(self.store.specs, self.store.offsets, rows_NR)
-
     # ------------------------------------------------------------------ hit path
     def resolve_hit_path(self) -> None:
         """Decide how prefill hits are copied (once; the warmup calls it under load)."""
@@ -114,6 +111,7 @@ class OffloadMoeCache:
                                self.store.bytes_per_expert, self.streams.copy)
         self._resolution = res
         self.staging.hit, self.staging.h2d = res.hit, res.h2d
+        self.decode.h2d = res.h2d
 
     def _hit_failed(self, exc: Exception):
         """A hit copy raised mid-run: full-layer copies for the rest of the process (or fail)."""
@@ -124,7 +122,7 @@ class OffloadMoeCache:
             raise HitPathUnavailable(reason, detail) from exc
         self._resolution.decline = (reason, detail)
         if self.staging.hit.name == "batch_memcpy":  # the binding failed: PCIe misses per run from now on
-            self._resolution.h2d = self.staging.h2d = H2DRows(stream=self.streams.copy)
+            self._resolution.h2d = self.staging.h2d = self.decode.h2d = H2DRows(stream=self.streams.copy)
         log_hit_fallback(reason, detail)
         self.counters.fallback(reason)  # this pass; later passes are counted in begin
         return FullLayerCopy()
@@ -179,44 +177,27 @@ class OffloadMoeCache:
         self.staging.done(layer)
 
     # ------------------------------------------------------------------ decode
-    def ensure(self, layer: int, topk_ids_TK: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Make every expert routed in ``topk_ids_TK`` resident; return host arrays
-        ``(experts, slots, ids_TK)``: the distinct routed experts (sorted), their slots, the routed ids.
+    def decode_rows(self, layer: int, ids_TK: torch.Tensor) -> torch.Tensor:
+        """Pool row ``[T, K]`` int32 of each routed pair: its slot, or a scratch row its expert was just
+        copied into from mapped host memory. No host sync (``decode_path.py``)."""
+        return self.decode.rows(layer, ids_TK)
 
-        Misses are copied host -> victim slots on the copy stream, which first joins the compute and
-        hit streams (no slot still read by queued compute or a prefill gather is overwritten); the
-        compute stream waits on ``decode_done``. Victims never include a slot used by this step."""
-        # HOST SYNC: the routed ids must be known on the host to pick victims and issue copies.
-        ids_TK = topk_ids_TK.to("cpu", non_blocking=False).numpy()
-        experts = np.unique(ids_TK)
-        if layer == self.store.layers[0]:
-            self.counters.decode_steps += 1
-        resident_E = self.pool.resident(layer)
-        slots = resident_E[experts]
-        hit = slots >= 0
-        counters = self.counters.layer(layer)
-        counters.hits += int(hit.sum())
-        miss_e = experts[~hit]
-        counters.misses += int(miss_e.size)
-        self.pool.policy.touch(slots[hit].tolist())
-        s = self.streams
-        if miss_e.size:
-            s.join_current()
-            if s.is_cuda:
-                s.copy.wait_stream(s.hit)
-            rows = self.store.rows(layer)
-            h2d = self.staging.h2d
+    def decode_views(self) -> dict[str, torch.Tensor]:
+        """Bank views ``[S + X, ...]`` of the pool (slots and scratch rows) that ``decode_rows`` index."""
+        return self.pool.views()
 
-            def copy(victims: list[int]) -> None:
-                h2d.copy([RowCopy(self.pool.rows_SR, rows, np.asarray(victims, dtype=np.int64), miss_e)], coalesce=False)
+    @property
+    def decode_num_rows(self) -> int:
+        return int(self.pool.rows_NR.shape[0])
 
-            with s.on(s.copy):
-                self.pool.admit(layer, miss_e, copy, protected=set(slots[hit].tolist()))
-                s.record(self.decode_done, s.copy)
-            counters.bytes["decode_h2d"] += int(miss_e.size) * self.store.bytes_per_expert
-            slots = resident_E[experts]
-            s.wait(s.current(), self.decode_done)
-        return experts, slots.astype(np.int64), ids_TK
+    def decode_step_enqueued(self) -> None:
+        """Every layer of a decode step is enqueued (its routing record completes with it)."""
+        self.decode.step_enqueued()
+
+    def step_boundary(self) -> None:
+        """Between decode steps (never inside a captured step): commit and schedule admissions."""
+        self.resolve_hit_path()
+        self.decode.boundary()
 
     # ------------------------------------------------------------------ residency for tests/benchmarks
     def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
@@ -226,9 +207,9 @@ class OffloadMoeCache:
         if need > self.num_slots:
             raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")
         s = self.streams
-        s.join_current()
-        if s.is_cuda:
-            s.copy.wait_stream(s.hit)
+        self.synchronize()
+        self.decode.drop_pending()
+        self.resolve_hit_path()
         self.staging.forget()  # the next pass starts cold: nothing reused from staging
         with s.on(s.copy):
             self.pool.clear()
@@ -255,10 +236,17 @@ class OffloadMoeCache:
             return
         self._finalizer()
         self._closed = True
-        self.pool.rows_SR = torch.empty((0, self.store.bytes_per_expert), dtype=torch.uint8, device=self.device)
-        self.staging.rows = [self.pool.rows_SR, self.pool.rows_SR]
+        self.decode.close()
+        empty = torch.empty((0, self.store.bytes_per_expert), dtype=torch.uint8, device=self.device)
+        self.pool.rows_NR = self.pool.rows_SR = empty
+        self.staging.rows = [empty, empty]
 
     def stats(self) -> dict:
+        """Counters since the last ``reset`` (HOST SYNC: reads the decode step's device counters)."""
+        R = self.store.bytes_per_expert
+        for layer, (routed, missed) in self.decode.counts().items():
+            c = self.counters.layer(layer)
+            c.hits, c.misses, c.bytes["decode_uva"] = routed - missed, missed, missed * R
         snap = self.counters.snapshot()
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
@@ -272,6 +260,7 @@ class OffloadMoeCache:
     def reset(self) -> None:
         """Zero the counters (residency is kept)."""
         self.counters.reset()
+        self.decode.reset_counts()
 
 
 def _close_streams(streams: Streams) -> None:

@@ -102,6 +102,8 @@ class CacheConfig(_Strict):
     budget: Budget = Budget(kind="fraction", value=0.5)
     policy: Literal["lru"] = "lru"
     auto_reserve: str = "8GiB"
+    admit_per_step: int = Field(64, ge=0, le=65536, description="experts missed by a decode step that enter "
+                                "slots before the next step (copied between steps; 0 = never admit in decode)")
 
     @field_validator("budget", mode="before")
     @classmethod
@@ -170,6 +172,10 @@ def _deprecated(old: str, new: str) -> None:
 
 class DecodeConfig(_Strict):
     max_tokens: int = Field(16, ge=1, le=4096, description="a batch of at most this many tokens takes the decode path")
+    cuda_graphs: bool = Field(True, description="on CUDA, replay each decode step (every layer + LM head) as one "
+                              "CUDA graph over a static KV cache (one graph per batch size)")
+    max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
+                               "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 = greedy")
     top_k: int = Field(0, ge=0)

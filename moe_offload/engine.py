@@ -7,6 +7,7 @@ Legend: B batch (1 here), T prompt tokens, V vocab.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from moe_offload.cache import OffloadMoeCache
 from moe_offload.checkpoint.reader import CheckpointReader, detect_format
 from moe_offload.config import ModelConfig, OffloadConfig
 from moe_offload.compute import make_compute, prefill_compute
+from moe_offload.compute.decode import DecodeCompute
 from moe_offload.experts import OffloadedExperts, offloaded_experts
 from moe_offload.formats import get_format
 from moe_offload.guards import finite_logits
@@ -92,7 +94,9 @@ class Engine:
         self._kv_name = "cache" if "cache" in params else "past_key_values"
         experts = offloaded_experts(model)
         self._first_experts = next((m for m in experts if m.layer_idx == store.layers[0]), None)
-        self._computes = list({id(c): c for m in experts for c in (m.compute, m.prefill_compute)}.values())
+        self._decoders: dict = {}
+        self._computes = list({id(c): c for m in experts
+                               for c in (m.compute, m.prefill_compute, m.decode_compute)}.values())
         for c in self._computes:
             c.bind(cache.counters)
 
@@ -107,15 +111,16 @@ class Engine:
         reader = CheckpointReader(path)
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
-        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device)
+        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens)
         fmt = get_format(fmt_name)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
+        decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch")
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
         attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce,
-                                                                 graphed))
+                                                                 graphed, decode))
         model.to(device).eval()
         check_no_meta(model)
         tokenizer = None
@@ -149,19 +154,53 @@ class Engine:
         self.cache.synchronize()
         self.cache.reset()
 
+    @property
+    def kv_name(self) -> str:
+        """The model forward's KV-cache argument (transformers 5.24 renamed past_key_values -> cache)."""
+        return self._kv_name
+
+    def run_model(self, kwargs: dict, num_tokens: int):
+        """``model(**kwargs).logits``; a forward on the prefill path is one announced prefill pass (layer
+        0's copy then overlaps the embedding and the first attention)."""
+        first = self._first_experts
+        if first is not None and first.cache is self.cache and not first.uses_decode_path(num_tokens):
+            with self.cache.prefill_pass():
+                return self.model(**kwargs).logits
+        return self.model(**kwargs).logits
+
     @torch.inference_mode()
     def forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
-        """One model forward of ``ids_BT [B, T]`` on the KV cache ``past`` -> (logits, past)."""
-        # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
-        # logits_to_keep=1: the LM head runs on the last position only (what sampling needs)
-        first = self._first_experts
+        """One model forward of ``ids_BT [B, T]`` on the KV cache ``past`` -> (logits, past).
+        ``logits_to_keep=1``: the LM head runs on the last position only (what sampling needs)."""
+        if past is None:
+            from transformers import DynamicCache
+
+            past = DynamicCache(config=self.model.config)
         kwargs = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
-        if first is not None and first.cache is self.cache and not first.uses_decode_path(ids_BT.numel()):
-            with self.cache.prefill_pass():  # layer 0's copy overlaps the embedding and attention
-                out = self.model(**kwargs)
-        else:
-            out = self.model(**kwargs)
-        return out.logits, getattr(out, self._kv_name)
+        return self.run_model(kwargs, ids_BT.numel()), past
+
+    def decoder(self, batch: int):
+        """The static-cache decoder for ``batch`` sequences (made once, reset per request), or None when
+        ``decode.cuda_graphs`` is off or the device is not CUDA."""
+        if not (self.cfg.decode.cuda_graphs and self.device.type == "cuda"):
+            return None
+        if batch > self.cfg.decode.max_tokens:  # the step would take the prefill path (host work per layer)
+            self.cache.counters.declined["decode_graph:batch_above_decode_max_tokens"] += 1
+            return None
+        if batch not in self._decoders:
+            from moe_offload.decode_graph import StaticDecoder
+
+            try:
+                self._decoders[batch] = StaticDecoder(self, batch, self.cfg.decode.max_cache_len, graphs=True)
+            except Exception as exc:  # e.g. a hybrid (linear-attention) cache transformers cannot make static
+                log.log_once(f"decode_graph_declined:static_cache:{type(exc).__name__}", "decode_graph_declined",
+                             logging.WARNING, reason="static_cache_unavailable", fallback="eager_dynamic_cache",
+                             detail=f"{type(exc).__name__}: {exc}"[:500], setting="decode.cuda_graphs")
+                self._decoders[batch] = None
+        dec = self._decoders[batch]
+        if dec is None:
+            self.cache.counters.declined["decode_graph:static_cache_unavailable"] += 1
+        return dec
 
     def replace_cache(self, cache) -> None:
         """Serve from ``cache`` (a new OffloadMoeCache over the same store) from now on; the old one is
@@ -224,28 +263,67 @@ class Engine:
         """Prefill + decode (greedy when decode.temperature is 0). Stops at decode.stop_token_ids / eos.
         ``on_token(id)`` is called with each token as it is sampled (streaming); non-finite logits raise
         ``guards.NonFiniteLogitsError`` naming the first layer that produced them."""
+        cb = None if on_token is None else (lambda b, t: on_token(t))
+        return self.generate_batch([prompt_ids], max_new_tokens, seed, cb)[0]
+
+    @torch.inference_mode()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | None = None, seed: int = 0,
+                       on_token=None) -> list[GenerateResult]:
+        """``generate`` for B prompts of equal length, decoded together (one forward per step for all B).
+        On CUDA with ``decode.cuda_graphs`` each step is one CUDA graph replay over a static KV cache
+        (``decode_graph.py``); otherwise eager steps over a DynamicCache. ``on_token(b, id)`` streams.
+        A sequence that stopped keeps its batch row until all stop (its later tokens are dropped)."""
+        if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
+            raise ValueError(f"generate_batch needs non-empty prompts of one length, got lengths "
+                             f"{[len(p) for p in prompts]}; batch prompts of different lengths through the server")
         max_new = max_new_tokens or self.cfg.decode.max_new_tokens
         stop = set(self.cfg.decode.stop_token_ids)
         gen = torch.Generator().manual_seed(seed)
+        ids_BT = torch.as_tensor(prompts, dtype=torch.long)
+        B, T = ids_BT.shape
+        dec = self.decoder(B) if T + max_new <= self.cfg.decode.max_cache_len else None
+        if dec is None and self.cfg.decode.cuda_graphs and self.device.type == "cuda" and B in self._decoders:
+            self.cache.counters.declined["decode_graph:longer_than_max_cache_len"] += 1
         self._sync()
         t0 = time.perf_counter()
-        logits, past = self.prefill(prompt_ids, last_only=True)
-        tok = self._sample(finite_logits(self, logits[:, -1], prompt_ids, []), gen)
-        out = [int(tok.item())]  # synchronizes: TTFT includes the first sampled token
-        if on_token is not None:
-            on_token(out[-1])
+        if dec is not None:
+            dec.reset()
+            logits_BV = dec.prefill(ids_BT.to(self.device))
+            step = dec.step
+        else:
+            logits, past = self.prefill(ids_BT, last_only=True)
+            logits_BV = logits[:, -1]
+
+            def step(tok_B):
+                return self.forward(tok_B.view(B, 1), past, 1)[0][:, -1]
+
+        tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], []), gen)
+        outs = [[t] for t in tok_B.tolist()]  # synchronizes: TTFT includes the first sampled tokens
         ttft = time.perf_counter() - t0
+        done = [o[-1] in stop for o in outs]
+        if on_token is not None:
+            for b, o in enumerate(outs):
+                on_token(b, o[-1])
         t1 = time.perf_counter()
-        while len(out) < max_new and out[-1] not in stop:
-            logits, past = self.forward(tok.view(1, 1), past)
-            tok = self._sample(finite_logits(self, logits[:, -1], prompt_ids, out), gen)
-            out.append(int(tok.item()))
-            if on_token is not None:
-                on_token(out[-1])
+        steps = 0
+        while steps + 1 < max_new and not all(done):
+            logits_BV = step(tok_B)
+            tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], outs[0]), gen)
+            steps += 1
+            for b, t in enumerate(tok_B.tolist()):
+                if not done[b]:
+                    outs[b].append(t)
+                    done[b] = t in stop or len(outs[b]) >= max_new
+                    if on_token is not None:
+                        on_token(b, t)
         dt = time.perf_counter() - t1
-        n_dec = len(out) - 1
-        text = self.tokenizer.decode(out) if self.tokenizer is not None else None
-        return GenerateResult(list(prompt_ids), out, text, ttft, n_dec / dt if n_dec and dt > 0 else None, self.cache.stats())
+        stats = self.cache.stats()
+        results = []
+        for p, o in zip(prompts, outs):
+            text = self.tokenizer.decode(o) if self.tokenizer is not None else None
+            rate = steps / dt if steps and dt > 0 else None
+            results.append(GenerateResult(list(p), o, text, ttft, rate, stats))
+        return results
 
     @torch.inference_mode()
     def measure_ttft(self, prompt_ids: list[int]) -> float:

@@ -1,9 +1,10 @@
 """OffloadedExperts: a drop-in for transformers' experts modules backed by the OffloadMoeCache.
 
 Call: ``(hidden_TH [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-Path by token count: ``T <= decode.max_tokens`` (and the routed experts fit in the slot pool) runs
-the decode path (experts made resident, compute reads slots); otherwise the prefill path (the layer
-assembled in a staging buffer, the next layer's assembly overlapping this layer's compute).
+Path by token count: ``T <= decode.max_tokens`` runs the decode path (no host sync: resident experts
+read in place from their slots, misses read from mapped host memory into scratch rows; capturable in
+a CUDA graph); otherwise the prefill path (the layer assembled in a staging buffer, the next layer's
+assembly overlapping this layer's compute).
 
 Legend: T tokens, K top-k, H hidden, N rows of the bank views the compute reads.
 """
@@ -12,13 +13,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.compute.base import ExpertCompute
-from moe_offload.copy_paths import index_tensor
 
 
 class OffloadedExperts(nn.Module):
@@ -27,8 +26,9 @@ class OffloadedExperts(nn.Module):
 
     def __init__(self, layer_idx: int, cache: OffloadMoeCache, compute: ExpertCompute, decode_max_tokens: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 prefill_compute: ExpertCompute | None = None):
+                 prefill_compute: ExpertCompute | None = None, decode_compute: ExpertCompute | None = None):
         super().__init__()
+        self.decode_compute = decode_compute or compute
         self.layer_idx = layer_idx
         self.cache = cache
         self.compute = compute
@@ -41,8 +41,7 @@ class OffloadedExperts(nn.Module):
         return f"layer={self.layer_idx}, experts={self.cache.E}, compute={self.compute.name}"
 
     def uses_decode_path(self, num_tokens: int) -> bool:
-        routed_max = min(num_tokens * self.top_k, self.cache.E)
-        return num_tokens <= self.decode_max_tokens and routed_max <= self.cache.num_slots
+        return num_tokens <= self.decode_max_tokens
 
     def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = hidden_TH.shape[0]
@@ -53,11 +52,16 @@ class OffloadedExperts(nn.Module):
         return self.reduce(out) if self.reduce is not None else out
 
     def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        experts, slots, ids_TK = self.cache.ensure(self.layer_idx, topk_ids_TK)
-        dev = hidden_TH.device
-        rows_TK = index_tensor(np.searchsorted(experts, ids_TK), dev)
-        views = self.cache.slot_views(slots)  # the routed experts' rows, compacted (one gather)
-        return self.compute(hidden_TH, rows_TK, topk_w_TK, views, int(experts.size))
+        cache = self.cache
+        eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
+        layers = cache.layers
+        if eager and self.layer_idx == layers[0]:
+            cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
+        rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK)
+        out = self.decode_compute(hidden_TH, rows_TK, topk_w_TK, cache.decode_views(), cache.decode_num_rows)
+        if eager and self.layer_idx == layers[-1]:
+            cache.decode_step_enqueued()
+        return out
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
         views = self.cache.stage(self.layer_idx)

@@ -25,6 +25,10 @@ class LruPolicy:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() yields slot 0 first
         self._free_set: set[int] = set(self._free)
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def touch(self, slots: Iterable[int]) -> None:
         for s in slots:
             self._order.move_to_end(s)

@@ -30,12 +30,15 @@ from moe_offload.stats import CacheStats
 class SlotPool:
     """``num_slots`` device rows of ``store.bytes_per_expert`` bytes and the residency map over them."""
 
-    def __init__(self, store, num_slots: int, policy: str, device: torch.device, stats: CacheStats):
+    def __init__(self, store, num_slots: int, policy: str, device: torch.device, stats: CacheStats,
+                 scratch_rows: int = 0):
         self.store, self.device, self.stats = store, device, stats
         self.num_slots = num_slots
         self.E = store.num_experts
         self.layer_pos = {layer: i for i, layer in enumerate(store.layers)}
-        self.rows_SR = torch.empty((num_slots, store.bytes_per_expert), dtype=torch.uint8, device=device)
+        # rows 0..S-1 are slots, S..S+X-1 decode scratch rows (misses of one decode step, never resident)
+        self.rows_NR = torch.empty((num_slots + scratch_rows, store.bytes_per_expert), dtype=torch.uint8, device=device)
+        self.rows_SR = self.rows_NR[:num_slots]
         self.slot_of_LE = np.full((len(store.layers), self.E), -1, dtype=np.int32)
         self.table_LE = torch.full((len(store.layers), self.E), -1, dtype=torch.int32, device=device)
         self.owner_S = np.full(num_slots, -1, dtype=np.int64)
@@ -50,16 +53,17 @@ class SlotPool:
         """``[L, E]`` bool: which experts are resident (a copy)."""
         return self.slot_of_LE >= 0
 
-    def free_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.owner_S < 0)
+    def num_free(self) -> int:
+        """Slots holding nothing and not reserved by a fill in flight."""
+        return self.policy.num_free
 
     @property
     def resident_count(self) -> int:
         return int((self.owner_S >= 0).sum())
 
     def views(self) -> dict[str, torch.Tensor]:
-        """Typed per-bank views ``[S, ...]`` of the pool (rows read in place)."""
-        return bank_views(self.store.specs, self.store.offsets, self.rows_SR)
+        """Typed per-bank views ``[S + X, ...]`` of the pool, scratch rows included (rows read in place)."""
+        return bank_views(self.store.specs, self.store.offsets, self.rows_NR)
 
     # ---------------------------------------------------------------- changing the map
     def _write_table(self, lp: int, experts: np.ndarray, values: np.ndarray) -> None:
@@ -84,12 +88,35 @@ class SlotPool:
             e_arr = np.asarray(es, dtype=np.int64)
             self._write_table(lp, e_arr, np.full(e_arr.size, -1, dtype=np.int64))
 
-    def _commit(self, layer: int, experts: np.ndarray, slots: list[int]) -> None:
+    def reserve(self, n: int, protected: set[int] = frozenset(), free_only: bool = False) -> list[int]:
+        """``n`` slots to fill, taken out of the map now (their old experts are no longer resident);
+        never a slot in ``protected``. Fill them, then ``commit`` (or ``release`` on failure)."""
+        if n == 0:
+            return []
+        slots = self.policy.choose_free(n) if free_only else self.policy.choose(n, set(protected))
+        self._evict(slots)
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        """Reserved slots whose fill failed or was dropped: free again (the map never claimed them)."""
+        for s in slots:
+            self.policy.free(s)
+
+    def commit(self, layer: int, experts: np.ndarray, slots: list[int]) -> None:
+        """``slots`` now hold ``experts`` of ``layer`` (their copies are enqueued ahead of every reader the
+        caller enqueues next). An expert that became resident elsewhere meanwhile keeps its slot and the
+        reserved one is released."""
         lp = self.layer_pos[layer]
-        for e, s in zip(experts.tolist(), slots):
+        keep_e, keep_s = [], []
+        for e, s in zip(np.asarray(experts).tolist(), slots):
+            if self.slot_of_LE[lp, e] >= 0:
+                self.policy.free(s)
+                continue
             self.slot_of_LE[lp, e] = s
             self.owner_S[s] = lp * self.E + e
-        self._write_table(lp, np.asarray(experts, dtype=np.int64), np.asarray(slots, dtype=np.int64))
+            keep_e.append(e)
+            keep_s.append(s)
+        self._write_table(lp, np.asarray(keep_e, dtype=np.int64), np.asarray(keep_s, dtype=np.int64))
 
     def admit(self, layer: int, experts: np.ndarray, copy: Callable[[list[int]], None],
               protected: set[int] = frozenset(), free_only: bool = False) -> list[int]:
@@ -98,22 +125,17 @@ class SlotPool:
         Victims come from the policy, never from ``protected``; ``free_only`` takes free slots only
         (at most as many as there are; the rest of ``experts`` stay out). Returns the slots, in the
         order of the admitted experts (the first ``len(slots)`` of ``experts``)."""
-        if free_only:
-            n = min(int(experts.size), int(self.free_slots().size))
-        else:
-            n = int(experts.size)
-        if n == 0:
-            return []
+        n = min(int(experts.size), self.num_free()) if free_only else int(experts.size)
         experts = np.asarray(experts[:n], dtype=np.int64)
-        slots = self.policy.choose(n, set(protected)) if not free_only else self.policy.choose_free(n)
-        self._evict(slots)
+        slots = self.reserve(n, protected, free_only)
+        if not slots:
+            return []
         try:
             copy(slots)
         except BaseException:
-            for s in slots:
-                self.policy.free(s)
+            self.release(slots)
             raise
-        self._commit(layer, experts, slots)
+        self.commit(layer, experts, slots)
         return slots
 
     def clear(self) -> None:

@@ -137,7 +137,7 @@ class PrefillStaging:
     def _admit_free(self, layer: int, b: int) -> None:
         """Copy staged experts that are not resident into FREE slots (no eviction). SM work on the
         compute stream: on the copy stream it would hold the next layer's PCIe copy behind the GEMMs."""
-        if self.pool.free_slots().size == 0:
+        if self.pool.num_free() == 0:
             return
         new_e = np.flatnonzero(self.pool.resident(layer) < 0)
         if new_e.size == 0:

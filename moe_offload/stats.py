@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-#: copy paths whose bytes are counted
-PATHS = ("decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "prefill_hit_d2d", "prefill_hit_gather")
+#: copy paths whose bytes are counted (decode_uva: misses read from mapped host memory by the decode
+#: step; decode_h2d: admissions into slots between steps)
+PATHS = ("decode_uva", "decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "prefill_hit_d2d", "prefill_hit_gather")
 
 
 @dataclass

@@ -35,39 +35,106 @@ def _check_invariants(cache):
     assert np.array_equal(pool.table_LE.cpu().numpy(), pool.slot_of_LE)  # device table == host map
 
 
-def test_decode_invariants_hold_under_random_routing(tiny_ckpt):
+def _decode_step(cache, ids_by_layer, check=None):
+    """One decode step through the cache's decode path: boundary, every layer's rows, step end.
+    ``check(layer, rows_TK)`` runs right after the layer's rows, as its compute would (scratch rows
+    are reused by the next layer)."""
+    cache.step_boundary()
+    rows = {}
+    for layer, ids in ids_by_layer.items():
+        rows[layer] = cache.decode_rows(layer, ids)
+        if check is not None:
+            check(layer, rows[layer])
+    cache.decode_step_enqueued()
+    return rows
+
+
+def test_decode_rows_hold_the_routed_experts_bytes_under_random_routing(tiny_ckpt):
+    """Every routed pair's row (slot or scratch) holds its expert's host bytes, whatever the residency;
+    admissions between steps keep the map, the owners and the device table in agreement."""
     store = _store(tiny_ckpt)
-    cache = _cache(store, "10 slots")
+    cache = _cache(store, "24 slots")  # 24 of 64 experts: hits, misses and evictions all happen
     rng = random.Random(0)
     K = store.geometry.top_k
-    for step in range(300):
-        layer = rng.choice(store.layers)
-        T = rng.choice([1, 2])
-        ids = torch.tensor([rng.sample(range(store.num_experts), K) for _ in range(T)])
-        experts, slots, _ = cache.ensure(layer, ids)
-        assert sorted(set(ids.flatten().tolist())) == experts.tolist()
-        # every routed expert is resident in the slot returned, and its bytes are the host's
-        for e, s in zip(experts.tolist(), slots.tolist()):
-            assert cache.resident(layer)[e] == s
-            assert torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e])
+    for step in range(200):
+        T = rng.choice([1, 2, 3])
+        ids = {layer: torch.tensor([rng.sample(range(store.num_experts), K) for _ in range(T)])
+               for layer in store.layers}
+        def check(layer, rows_TK):
+            for e, r in zip(ids[layer].flatten().tolist(), rows_TK.flatten().tolist()):
+                assert torch.equal(cache.pool.rows_NR[r], store.rows(layer)[e])
+                slot = cache.resident(layer)[e]
+                assert r == slot if slot >= 0 else r >= cache.num_slots  # resident: read in place
+
+        _decode_step(cache, ids, check)
         _check_invariants(cache)
     st = cache.stats()["total"]
-    lookups = st["hits"] + st["misses"]
-    assert lookups > 0 and st["misses"] >= 10  # the pool is smaller than the routed set
-    # bytes moved equal misses x bytes per expert
-    assert st["bytes"]["decode_h2d"] == st["misses"] * store.bytes_per_expert
-    assert st["evictions"] == st["misses"] - 10  # the first 10 misses filled free slots
+    assert st["misses"] >= 24 and st["hits"] > 0  # the pool is smaller than the routed set
+    assert st["bytes"]["decode_uva"] == st["misses"] * store.bytes_per_expert
+    assert st["bytes"]["decode_h2d"] > 0 and st["evictions"] > 0  # admissions replaced residents
+    assert cache.stats()["decode_steps"] == 200
 
 
-def test_decode_never_evicts_a_slot_used_by_the_same_step(tiny_ckpt):
+def test_a_missed_expert_is_admitted_at_the_second_boundary_after_its_step(tiny_ckpt):
     store = _store(tiny_ckpt)
-    K = store.geometry.top_k
-    cache = _cache(store, f"{K} slots")
+    cache = _cache(store, "1.0")
     layer = store.layers[0]
-    for start in range(0, store.num_experts - K, 1):
-        ids = torch.arange(start, start + K).view(1, K)
-        experts, slots, _ = cache.ensure(layer, ids)
-        assert len(set(slots.tolist())) == K  # K distinct slots: none reused within the step
+    ids = torch.tensor([[1, 5, 9, 13]])
+    _decode_step(cache, {layer: ids})
+    assert (cache.resident(layer)[[1, 5, 9, 13]] < 0).all()  # served from host memory this step
+    cache.step_boundary()  # reads the step's routing, enqueues the admission copies
+    assert (cache.resident(layer)[[1, 5, 9, 13]] < 0).all()  # not claimed before the copy is done
+    cache.step_boundary()
+    slots = cache.resident(layer)[[1, 5, 9, 13]]
+    assert (slots >= 0).all()
+    rows = _decode_step(cache, {layer: ids})[layer]
+    assert rows.flatten().tolist() == slots.tolist()  # now read in place from the slots
+    _check_invariants(cache)
+
+
+def test_a_failing_admission_copy_leaves_the_map_true_and_the_next_step_correct(tiny_ckpt, monkeypatch):
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "6 slots")
+    layer = store.layers[0]
+    cache.set_residency({layer: [0, 1, 2, 3, 4, 5]})
+    before = cache.resident(layer).copy()
+    _decode_step(cache, {layer: torch.tensor([[7, 8, 9, 10]])})
+
+    def broken(*a, **k):  # fault injection: the admission's host -> slot copy raises
+        raise RuntimeError("injected copy failure")
+
+    monkeypatch.setattr(cache.decode.h2d, "copy", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.step_boundary()
+    _check_invariants(cache)
+    for e in range(store.num_experts):  # every expert the map calls resident is in its slot
+        s = cache.resident(layer)[e]
+        if s >= 0:
+            assert torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e]) and before[e] == s
+    monkeypatch.undo()
+    rows = _decode_step(cache, {layer: torch.tensor([[0, 7, 8, 9]])})[layer]
+    for e, r in zip([0, 7, 8, 9], rows.flatten().tolist()):
+        assert torch.equal(cache.pool.rows_NR[r], store.rows(layer)[e])
+
+
+def test_a_failing_prefill_admission_leaves_the_map_true(tiny_ckpt, monkeypatch):
+    import moe_offload.kernels.copy as copy_mod
+
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0", hit_copy="gather")
+    layer = store.layers[0]
+
+    def broken(*a, **k):
+        raise RuntimeError("injected gather failure")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        with cache.prefill_pass():
+            cache.stage(layer)
+            monkeypatch.setattr(copy_mod, "gather_rows", broken)
+            cache.done(layer)
+    monkeypatch.undo()
+    assert (cache.resident(layer) < 0).all() and cache.pool.num_free() == cache.num_slots
+    _check_invariants(cache)
 
 
 def test_budget_below_minimum_states_the_minimum(tiny_ckpt):
@@ -75,14 +142,16 @@ def test_budget_below_minimum_states_the_minimum(tiny_ckpt):
     with pytest.raises(BudgetError) as e:
         _cache(store, "2 slots")
     msg = str(e.value)
-    min_bytes = 2 * store.num_experts * store.bytes_per_expert + store.geometry.top_k * store.bytes_per_expert
+    scratch = min(16 * store.geometry.top_k, store.num_experts)  # decode.max_tokens (16) x K, at most E
+    min_bytes = (2 * store.num_experts + scratch + store.geometry.top_k) * store.bytes_per_expert
     assert str(min_bytes) in msg and "fraction of experts" in msg
 
 
 def test_byte_budget_counts_the_staging_buffers(tiny_ckpt):
     store = _store(tiny_ckpt)
     B = store.bytes_per_expert
-    cache = _cache(store, str(2 * store.num_experts * B + 7 * B) + "b")
+    scratch = min(16 * store.geometry.top_k, store.num_experts)
+    cache = _cache(store, str((2 * store.num_experts + scratch) * B + 7 * B) + "b")
     assert cache.num_slots == 7
 
 
@@ -167,9 +236,9 @@ def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_outp
     calls = {"n": 0}
     real = copy_mod.gather_rows
 
-    def flaky(*args, **kw):  # fault injection: the third hit copy of the run fails
+    def flaky(*args, **kw):  # fault injection: the second hit copy of the run (layer 1 of the first pass) fails
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] == 2:
             raise RuntimeError("injected copy failure")
         return real(*args, **kw)
 

@@ -61,7 +61,7 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
 
     engine.cache.close()  # the old pool and staging go before the new ones are allocated
     free_memory()
-    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device))
+    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()

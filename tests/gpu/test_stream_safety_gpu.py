@@ -81,9 +81,14 @@ def test_a_decode_admission_after_an_aborted_pass_does_not_overwrite_slots_a_sta
     _abort_after_prefetching_layer_2(cache, layers, gather)
     b2 = cache.staging.buffer_for(L2)
     K = store.geometry.top_k
-    ids = torch.tensor([hits2[:K]], device="cuda")  # misses in layer 0: they evict layer 2's slots
-    cache.ensure(L0, ids)
+    ids = torch.tensor([hits2[:K]], device="cuda")  # misses in layer 0: admitted into layer 2's slots
+    cache.step_boundary()
+    cache.decode_rows(L0, ids)
+    cache.decode_step_enqueued()
+    cache.step_boundary()  # admission: victims are layer 2's least recently used slots
     torch.cuda.synchronize()
+    assert any(int(s) >= 0 for s in cache.decode._pending[0][2]) and cache.decode._pending[0][0] == L0
     assert cache.staging.buffer_for(L2) == b2
     assert torch.equal(cache.staging.rows[b2].cpu(), store.rows(L2)), "the stale gather read overwritten slots"
+    cache.step_boundary()
     assert np.array_equal(cache.pool.table_LE.cpu().numpy(), cache.pool.slot_of_LE)  # device table == host map

@@ -1,0 +1,136 @@
+"""Decode over a static KV cache, each step (every layer + the LM head) replayed as one CUDA graph.
+
+Legend: B sequences of a batch, T prompt tokens, V vocab, P = ``decode.max_cache_len`` positions.
+
+A ``StaticDecoder`` owns a transformers ``StaticCache`` of ``B x P`` positions and, on CUDA, one graph
+of the decode step: static inputs (token ids ``[B, 1]``, and on transformers versions whose models take
+``cache_position`` also the position tensors), static logits out. The offloaded experts in the step
+read the device residency table at replay time, so admissions between replays are honoured; the
+step's host-side work (admission, the routing record) runs around the replay
+(``cache.step_boundary()`` before, ``cache.decode_step_enqueued()`` after).
+
+The step is captured on its second call (the first runs eagerly: Triton compiles, cuBLAS and the
+allocator warm up) on a stream made once per decoder. A capture that fails (an op that syncs or
+cannot be captured) logs one ``decode_graph_declined`` event, is counted in ``stats()["declined"]``
+and the decoder runs eagerly from then on. Prompts are prefilled eagerly into the same static cache.
+Decoders are reused across requests (``reset``): the graph holds the cache's addresses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+
+from moe_offload import log
+
+
+class StaticDecoder:
+    """Prefill + decode of ``batch`` equal-length sequences over a static KV cache (see module doc)."""
+
+    def __init__(self, engine, batch: int, max_len: int, graphs: bool):
+        from transformers import StaticCache
+
+        self.engine, self.batch, self.max_len = engine, batch, max_len
+        dev = engine.device
+        self.kv = StaticCache(config=engine.model.config, max_cache_len=max_len)
+        params = inspect.signature(type(engine.model).forward).parameters
+        self._positions = "cache_position" in params  # transformers < 5.2x: positions are passed in
+        self.ids_B1 = torch.zeros((batch, 1), dtype=torch.long, device=dev)
+        self.pos_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos_B1 = torch.zeros((batch, 1), dtype=torch.long, device=dev)
+        self.graphs = graphs and dev.type == "cuda"
+        self.graph = None
+        self.logits_BV = None
+        self.length = 0  # positions filled
+        self._eager_steps = 0
+        self._stream = torch.cuda.Stream(dev) if self.graphs else None
+        self._declined: str | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def _kwargs(self, ids_BT: torch.Tensor, start: int) -> dict:
+        kw = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=1, **{self.engine.kv_name: self.kv})
+        if self._positions:
+            T = ids_BT.shape[1]
+            cache_pos = torch.arange(start, start + T, device=ids_BT.device)
+            kw.update(cache_position=cache_pos, position_ids=cache_pos[None].expand(ids_BT.shape[0], T))
+        return kw
+
+    def _step_kwargs(self) -> dict:
+        kw = dict(input_ids=self.ids_B1, use_cache=True, logits_to_keep=1, **{self.engine.kv_name: self.kv})
+        if self._positions:
+            kw.update(cache_position=self.pos_1, position_ids=self.pos_B1)
+        return kw
+
+    # ------------------------------------------------------------------ running
+    @torch.inference_mode()
+    def reset(self) -> None:
+        """Forget the sequences (the cache's addresses, and so the graph, stay valid)."""
+        self.kv.reset()
+        self.length = 0
+
+    @torch.inference_mode()
+    def prefill(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """Eager prefill (chunked like ``Engine.prefill``) into the static cache -> last logits ``[B, V]``."""
+        B, T = ids_BT.shape
+        if B != self.batch or self.length + T >= self.max_len:
+            raise ValueError(f"a prefill of {B} x {T} tokens does not fit this decoder ({self.batch} sequences, "
+                             f"{self.max_len - self.length} positions left); raise decode.max_cache_len")
+        chunk = self.engine.cfg.prefill.chunk_tokens
+        logits = None
+        for s in range(0, T, chunk):
+            part = ids_BT[:, s:s + chunk]
+            logits = self.engine.run_model(self._kwargs(part, self.length), part.numel())
+            self.length += part.shape[1]
+        return logits[:, -1]
+
+    @torch.inference_mode()
+    def step(self, tok_B: torch.Tensor) -> torch.Tensor:
+        """One decode step for the sampled tokens ``tok_B [B]`` -> logits ``[B, V]`` (a static buffer on
+        the graph path: read it before the next step)."""
+        if self.length + 1 > self.max_len:
+            raise ValueError(f"the sequences reached decode.max_cache_len={self.max_len} positions")
+        self.ids_B1.copy_(tok_B.view(self.batch, 1))
+        if self._positions:
+            self.pos_1.fill_(self.length)  # a fill kernel with the value as an argument: no sync
+            self.pos_B1.fill_(self.length)
+        self.length += 1
+        cache = self.engine.cache
+        if self.graph is not None:
+            cache.step_boundary()
+            self.graph.replay()
+            cache.decode_step_enqueued()
+            return self.logits_BV
+        if self.graphs and self._declined is None and self._eager_steps >= 1:
+            cache.step_boundary()
+            if self._capture():
+                self.graph.replay()
+                cache.decode_step_enqueued()
+                return self.logits_BV
+        self._eager_steps += 1
+        return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]
+
+    def _capture(self) -> bool:
+        cur = torch.cuda.current_stream(self.engine.device)
+        graph = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(cur)
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                out = self.engine.model(**self._step_kwargs())
+                logits_BV = out.logits[:, -1]
+        except Exception as exc:  # an op that syncs or cannot be captured: eager from now on
+            cur.wait_stream(self._stream)
+            self._decline("capture_failed", f"{type(exc).__name__}: {exc}")
+            return False
+        cur.wait_stream(self._stream)
+        self.graph, self.logits_BV = graph, logits_BV
+        self.engine.cache.counters.compute["decode_graph_captures"] += 1
+        log.event("decode_graph_captured", logging.INFO, batch=self.batch, max_len=self.max_len)
+        return True
+
+    def _decline(self, reason: str, detail: str) -> None:
+        self._declined = reason
+        log.log_once(f"decode_graph_declined:{reason}", "decode_graph_declined", logging.WARNING, reason=reason,
+                     fallback="eager", detail=detail[:500], setting="decode.cuda_graphs")
+        self.engine.cache.counters.declined[f"decode_graph:{reason}"] += 1

@@ -1,0 +1,173 @@
+"""The decode step without host syncs, and admission into slots off the critical path.
+
+Legend: L MoE layers (``lp`` = position in ``store.layers``), E experts per layer, T tokens of a step,
+K top-k, S slots, X scratch rows (``min(decode.max_tokens * K, E)``), R bytes of one expert row.
+
+In the step (every tensor op on the compute stream, nothing read back; capturable in a CUDA graph):
+- ``rows(layer, ids_TK)``: the device table ``table_LE[lp]`` gives each routed expert's slot; a
+  missing expert is copied by SMs straight from mapped pinned host memory (UVA) into one of X scratch
+  rows (``kernels/decode_miss.py``), so the compute reads every routed expert in place from the pool
+  (rows 0..S-1 slots, S..S+X-1 scratch). On the CPU the same rows come from the torch reference.
+- device counters per layer (distinct routed experts, distinct misses) and one record of the routed
+  ids, written into mapped pinned host memory (a device-side write: capturable, no D2H call).
+
+Between steps (``boundary``, host; the engine calls it before each step and the first MoE layer of
+an eager forward calls it too), deterministic so TP ranks stay in agreement:
+1. admissions enqueued at the previous boundary are committed (their copy event is waited: issued a
+   whole step earlier, it is done);
+2. the previous step's routing record is read (its event waited: the step's sampled token was already
+   read by then) and the policy admits up to ``decode.admit_per_step`` missed experts: victims leave
+   the device table first (written on the compute stream, so steps enqueued later serve them from
+   host memory), the copy stream waits for the compute and hit streams (no queued step still reads a
+   victim), copies host -> victim slots, and records an event. The new owners enter the map and the
+   table at the next boundary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from moe_offload.copy_paths import RowCopy
+from moe_offload.uva import mapped_device_view, pin_mapped, unpin
+
+
+class DecodeResidency:
+    """The decode path of one cache (see the module docstring)."""
+
+    def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int):
+        self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
+        self.device = pool.device
+        K, E, L = store.geometry.top_k, store.num_experts, len(store.layers)
+        self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
+        self.scratch_base = pool.num_slots
+        self.counts_L2 = torch.zeros((L, 2), dtype=torch.int64, device=self.device)  # routed, missed (distinct)
+        self._record_host = torch.zeros((L, max_tokens, K), dtype=torch.int32)
+        self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
+        self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
+        self._record_T: dict[int, int] = {}  # lp -> tokens recorded by the step in flight
+        self._record_event = streams.event()
+        self._record_ready = False
+        self._pending: list[tuple[int, np.ndarray, list[int]]] = []  # (layer, experts, slots) being copied
+        self._pending_event = streams.event()
+        self.h2d = None  # the cache's H2DRows (set after hit-path resolution)
+
+    # ------------------------------------------------------------------ in the step
+    def host_rows(self, layer: int) -> torch.Tensor:
+        return self.store.device_rows(layer, self.device)
+
+    def rows(self, layer: int, ids_TK: torch.Tensor) -> torch.Tensor:
+        """``rows_TK`` int32: the pool row each routed pair reads (slot, or scratch after a UVA copy)."""
+        lp = self.pool.layer_pos[layer]
+        T = ids_TK.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"a decode step of {T} tokens exceeds decode.max_tokens={self.max_tokens}")
+        table_E = self.pool.table_LE[lp]
+        if self.device.type == "cuda":
+            from moe_offload.kernels.decode_miss import serve_misses
+
+            rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base)
+        else:
+            from moe_offload.kernels.decode_miss import serve_misses_reference
+
+            rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
+                                             self.scratch_base)
+        seen_E = torch.zeros(self.store.num_experts, dtype=torch.bool, device=self.device)
+        seen_E.index_fill_(0, ids_TK.reshape(-1).long(), True)
+        self.counts_L2[lp] += torch.stack([seen_E.sum(), (seen_E & (table_E < 0)).sum()])
+        self._record_dev[lp, :T].copy_(ids_TK)
+        self._record_T[lp] = T
+        return rows_TK
+
+    def step_enqueued(self) -> None:
+        """The step's last layer is enqueued: its routing record is complete once this event is."""
+        self.counters.decode_steps += 1
+        self.streams.record(self._record_event, self.streams.current())
+        self._record_ready = True
+
+    # ------------------------------------------------------------------ between steps
+    def boundary(self) -> None:
+        """Commit last boundary's admissions, then admit from the last step's routing (host)."""
+        self.commit_pending()
+        if not self._record_ready:
+            return
+        self._record_ready = False
+        if self.streams.is_cuda:
+            self._record_event.synchronize()  # HOST SYNC, between steps: see the module docstring
+        record = {lp: self._record_host[lp, :T].numpy().copy() for lp, T in self._record_T.items()}
+        self._admit(record)
+
+    def _admit(self, record: dict[int, np.ndarray]) -> None:
+        budget = self.admit_per_step
+        if budget == 0 or self.pool.num_slots == 0:
+            return
+        plans = []
+        reserved: set[int] = set()
+        for lp, ids_TK in sorted(record.items()):
+            layer = self.store.layers[lp]
+            experts = np.unique(ids_TK)
+            slots = self.pool.resident(layer)[experts]
+            self.pool.policy.touch(slots[slots >= 0].tolist())
+            missed = experts[slots < 0][:budget]
+            if missed.size == 0:
+                continue
+            protected = set(slots[slots >= 0].tolist()) | reserved
+            n = min(int(missed.size), self.pool.num_slots - len(protected))
+            if n <= 0:
+                continue
+            victims = self.pool.reserve(n, protected)  # victims leave the map and the device table now
+            reserved.update(victims)
+            plans.append((layer, missed[:n], victims))
+            budget -= n
+            if budget == 0:
+                break
+        if not plans:
+            return
+        s = self.streams
+        s.join_current()  # the table writes above, and every queued step that may read a victim
+        if s.is_cuda:
+            s.copy.wait_stream(s.hit)  # a prefill hit gather may still read a victim
+        try:
+            with s.on(s.copy):
+                for layer, experts, victims in plans:
+                    self.h2d.copy([RowCopy(self.pool.rows_SR, self.store.rows(layer),
+                                           np.asarray(victims, dtype=np.int64), experts)], coalesce=False)
+                    self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * self.store.bytes_per_expert
+                s.record(self._pending_event, s.copy)
+        except BaseException:
+            for _, _, victims in plans:
+                self.pool.release(victims)
+            raise
+        self._pending = plans
+
+    def commit_pending(self) -> None:
+        """Admissions whose copies were enqueued at the last boundary enter the map and the table."""
+        if not self._pending:
+            return
+        if self.streams.is_cuda:
+            self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
+        for layer, experts, victims in self._pending:
+            self.pool.commit(layer, experts, victims)
+        self._pending = []
+
+    def drop_pending(self) -> None:
+        """Forget admissions in flight (the caller synchronized and clears the pool)."""
+        for _, _, victims in self._pending:
+            self.pool.release(victims)
+        self._pending = []
+        self._record_ready = False
+
+    # ------------------------------------------------------------------ stats and teardown
+    def counts(self) -> dict[int, tuple[int, int]]:
+        """HOST SYNC (stats only): per MoE layer (distinct routed, distinct missed) over all steps."""
+        c = self.counts_L2.cpu().numpy()
+        return {self.store.layers[lp]: (int(c[lp, 0]), int(c[lp, 1])) for lp in range(c.shape[0])}
+
+    def reset_counts(self) -> None:
+        self.counts_L2.zero_()
+
+    def close(self) -> None:
+        if self._record_pinned:
+            self._record_dev = self._record_host
+            unpin([self._record_host.data_ptr()])
+            self._record_pinned = False

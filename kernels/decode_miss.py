@@ -126,9 +126,9 @@ def _copy_kernel(src_ptr, dst_ptr, miss_ptr, count_ptr, row_words, src_stride_v,
         x = w // chunks
         c = w - x * chunks
         e = tl.load(miss_ptr + x).to(tl.int64)
-        src = src_ptr + e * src_stride_v * VEC
-        dst = dst_ptr + (scratch_base + x).to(tl.int64) * dst_stride_v * VEC
-        offs = c * BLOCK + tl.arange(0, BLOCK)
+        src = src_ptr + tl.multiple_of(e * src_stride_v * VEC, VEC)
+        dst = dst_ptr + tl.multiple_of((scratch_base + x).to(tl.int64) * dst_stride_v * VEC, VEC)
+        offs = tl.max_contiguous(tl.multiple_of(c * BLOCK + tl.arange(0, BLOCK), BLOCK), BLOCK)
         if c * BLOCK + BLOCK <= row_words:
             tl.store(dst + offs, tl.load(src + offs))
         else:

@@ -225,3 +225,19 @@ def test_linear_attention_projections_quantized_as_llm_compressor_does_are_serve
     assert any(k.endswith("in_proj_ba.weight_packed") for k in CheckpointReader(dst).names())
     rc, out, err = _generate(dst)
     assert rc == 0, err
+
+
+@settings(max_examples=15, deadline=None)
+@given(offset=st.integers(0, 400), byte=st.integers(0, 255))
+def test_a_corrupt_safetensors_header_is_a_named_error_or_still_valid(exports, tmp_path_factory, offset, byte):
+    # any single byte of the length prefix or the JSON header changed: a ValueError naming the file
+    # (CheckpointError / FormatError), never another exception
+    dst = _copy(exports("tiny-mixtral", "nvfp4-ct"), tmp_path_factory.mktemp("hdr") / "c")
+    f = dst / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[offset] = byte
+    f.write_bytes(bytes(data))
+    try:
+        inspect_checkpoint(str(dst))
+    except ValueError as exc:
+        assert str(dst) in str(exc)  # names the checkpoint (its file, or the dir for a missing tensor)

@@ -46,9 +46,18 @@ def _read_header(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{path}: corrupt safetensors header (length {n}, file {size} bytes); re-download or re-create it")
         try:
             header = json.loads(f.read(n))
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{path}: corrupt safetensors header ({exc}); re-download or re-create it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object); re-download or re-create it")
     header.pop("__metadata__", None)
+    for name, v in header.items():
+        ok = (isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)
+              and all(isinstance(d, int) and d >= 0 for d in v["shape"]) and isinstance(v.get("data_offsets"), list)
+              and len(v["data_offsets"]) == 2 and all(isinstance(o, int) for o in v["data_offsets"]))
+        if not ok:
+            raise CheckpointError(f"{path}: corrupt safetensors header entry for tensor {name!r} ({v!r:.120}); "
+                                  "re-download or re-create it")
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end != size:
         raise CheckpointError(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
-# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]   stages: probe ttft profile tests copy fused
+# Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
+#   stages: probe ttft profile tests copy fused kernels decode_smoke decode
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -21,6 +22,33 @@ fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
 has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has kernels && timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/decode_kernels.py --out "$RES" > "$RES/decode_kernels.log" 2>&1
+if has decode_smoke; then  # generate on a truncated real-size model: decode tok/s per residency, graphs on/off
+  timeout ${SMOKE_TIMEOUT:-300} python3 - > "$RES/decode_smoke.log" 2>&1 <<'PY'
+import json, time, torch
+from moe_offload.config import load_config
+from moe_offload.engine import Engine
+from moe_offload.bench.sweep import resident_sets
+L = 8
+for graphs in (True, False):
+    cfg = load_config("configs/qwen3-30b-a3b-nvfp4.yaml", [f"model.layers={L}", "model.cache_dir=/tmp/moe-cache",
+                      "cache.budget=1.0", f"decode.cuda_graphs={str(graphs).lower()}", "decode.max_cache_len=1200"])
+    eng = Engine.from_config(cfg, progress=False)
+    E = eng.store.num_experts
+    for r in (1.0, 0.37, 0.0):
+        sets = resident_sets(eng.store.layers, E, {r: round(r * E)}, 0)[r]
+        eng.cache.set_residency(sets)
+        prompt = torch.randint(3, 150000, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
+        eng.generate(prompt, 8)
+        eng.cache.reset()
+        res = eng.generate(prompt, 65)
+        st = res.stats
+        print(json.dumps({"layers": L, "graphs": graphs, "residency": r, "decode_tok_s": res.decode_tok_s,
+                          "ttft_s": res.ttft_s, "hit_rate": st["hit_rate"], "declined": st["declined"],
+                          "compute": st["compute"], "bytes": st["total"]["bytes"]}), flush=True)
+    eng.close()
+PY
+fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
 has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1
 tar czf "$OUT/results.tgz" -C "$RES" .

@@ -156,3 +156,57 @@ def test_the_shipped_decode_tuning_table_loads_and_covers_decode_sizes():
     table = load_tuning(DECODE_TUNING_PATH)
     cfg = decode_config_for(torch.device("cpu"), 2048, 768, 64 * 8)
     assert cfg.block_m == 16 and table.lookup("NVIDIA H200", 2560, 640, 10).block_m >= 16
+
+
+_COMPILE_SM90 = r'''
+import json, re
+import triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from moe_offload.kernels import decode_miss as dm, decode_moe as dmoe, fused_moe as fm
+
+def build(fn, sig, consts, attrs=None, **options):
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs or {})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+i32 = dict.fromkeys
+out = {}
+build(dm._plan_kernel, {**i32(["slot_ptr", "need_ptr", "scratch_of_ptr", "miss_ptr", "count_ptr", "rows_ptr"], "*i32"),
+      "ids_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")}, {"BLOCK": 1024}, num_warps=4)
+ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),
+            **i32(["row_words", "src_stride_v", "dst_stride_v", "scratch_base", "chunks"], "i32")},
+            {"BLOCK": 4096, "VEC": 4}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, num_warps=4)
+out["copy_v4_loads"] = len(re.findall(r"ld\.global[.a-z0-9]*\.v4\.b32", ptx))
+build(dmoe._align_kernel, {"rows_ptr": "*i64", **i32(["counts_ptr", "cursor_ptr", "sorted_ids_ptr", "block_row_ptr",
+      "num_padded_ptr"], "*i32"), **i32(["M", "N", "P", "NB"], "i32")}, {"BLOCK_M": 16, "BLOCK": 1024}, num_warps=4)
+gemm = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_row_ptr": "*i32",
+        "num_padded_ptr": "*i32", **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "M", "H", "I",
+        "num_blocks_m", "stride_am"], "i32")}
+cfg = dmoe.load_tuning(dmoe.DECODE_TUNING_PATH).lookup("default", 2048, 768, 8)
+for fn, sig, tiles in ((fm._gate_up_silu_kernel, {**gemm, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*bf16",
+                        "TOPK": "i32"}, cfg.gate_up),
+                       (fm._down_kernel, {**gemm, "act_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
+                        "stride_om": "i32"}, cfg.down)):
+    build(fn, sig, {"BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
+          "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},
+          num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+print(json.dumps(out))
+'''
+
+
+def test_decode_kernels_compile_for_sm90_with_16_byte_copies():
+    """The interpreter runs kernels as Python; this compiles them for an H200 (sm_90) with Triton's own
+    ptxas, no GPU needed, in a process without TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    # 4096 int32 words per item over 128 threads: 8 vector loads of 16 bytes per thread
+    assert result["copy_v4_loads"] == 8

@@ -313,6 +313,7 @@ def markdown(report: dict) -> str:
         f"{' (dirty)' if v['git_dirty'] else ''}, {v['date']}.",
         f"Copy engine H2D {f['h2d_GBps']:.1f} GB/s (1 GiB pinned, non_blocking); D2D {f['d2d_rw_GBps']:.0f} GB/s "
         "(read + write counted; the HBM floor's denominator).", "",
+        *[f"Error: {e}" for e in report.get("errors", [])],
         "## (i) Missing experts read over UVA by serve_misses vs the copy engine", "",
         "| layout | n missing | path | launch | ms | GB/s | x copy-engine floor |", "|---|---:|---|---|---:|---:|---:|",
     ]
@@ -361,15 +362,27 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     report = {"versions": versions(device, args.git_sha), "args": {k: str(v) for k, v in vars(args).items()}}
     report["floors"] = floors(device, args.reps)
+    report["uva"], report["layer"], report["step"], report["errors"] = [], [], [], []
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode_kernels-{report['versions']['git_sha'][:12]}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M')}"
+
+    def save() -> None:  # after every section: a run cut short by a timeout keeps what it measured
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (args.out / f"{stem}.md").write_text(markdown(report))
+
     print(f"floors: {report['floors']}", flush=True)
-    report["uva"] = bench_uva(device, args.reps, report["floors"]["h2d_GBps"])
+    try:
+        report["uva"] = bench_uva(device, args.reps, report["floors"]["h2d_GBps"])
+    except Exception as exc:  # noqa: BLE001 - reported, and the other sections still run
+        report["errors"].append(f"uva: {type(exc).__name__}: {exc}")
+    save()
     print("uva done", flush=True)
-    report["layer"], report["step"] = [], []
     for name in args.shapes:
         layers, specs = make_layers(name, args.layers, device)
         for T in args.tokens:
             report["layer"] += bench_layer(name, layers, specs, T, device, report["floors"]["d2d_rw_GBps"], args.reps)
             print(f"{name} T={T} done", flush=True)
+        save()
         del layers
         torch.cuda.empty_cache()
         for T in (1, 16, 64):
@@ -377,10 +390,7 @@ def main(argv=None) -> int:
                 report["step"].append(bench_step(name, T, device, args.reps))
             except Exception as exc:  # noqa: BLE001 - reported in the table, not hidden
                 report["step"].append({"shape": name, "T": T, "skipped": f"{type(exc).__name__}: {exc}"})
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"decode_kernels-{report['versions']['git_sha'][:12]}-{dt.datetime.now(dt.timezone.utc).strftime('%Y%m%d-%H%M')}"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(markdown(report))
+        save()
     print(json.dumps(report, indent=2) if args.json else markdown(report))
     return 0
 

@@ -244,9 +244,9 @@ class OffloadMoeCache:
     def stats(self) -> dict:
         """Counters since the last ``reset`` (HOST SYNC: reads the decode step's device counters)."""
         R = self.store.bytes_per_expert
-        for layer, (routed, missed) in self.decode.counts().items():
+        for layer, (pairs, missed, distinct) in self.decode.counts().items():
             c = self.counters.layer(layer)
-            c.hits, c.misses, c.bytes["decode_uva"] = routed - missed, missed, missed * R
+            c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
         snap = self.counters.snapshot()
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots

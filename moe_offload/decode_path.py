@@ -8,8 +8,9 @@ In the step (every tensor op on the compute stream, nothing read back; capturabl
   missing expert is copied by SMs straight from mapped pinned host memory (UVA) into one of X scratch
   rows (``kernels/decode_miss.py``), so the compute reads every routed expert in place from the pool
   (rows 0..S-1 slots, S..S+X-1 scratch). On the CPU the same rows come from the torch reference.
-- device counters per layer (distinct routed experts, distinct misses) and one record of the routed
-  ids, written into mapped pinned host memory (a device-side write: capturable, no D2H call).
+- device counters per layer (routed pairs, missed pairs, distinct missed experts) and one record of
+  the routed ids, written into mapped pinned host memory (one kernel, ``kernels/decode_stats.py``: a
+  device-side write, capturable, no D2H call).
 
 Between steps (``boundary``, host; the engine calls it before each step and the first MoE layer of
 an eager forward calls it too), deterministic so TP ranks stay in agreement:
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from moe_offload.copy_paths import RowCopy
+from moe_offload.kernels.decode_stats import decode_stats
 from moe_offload.uva import mapped_device_view, pin_mapped, unpin
 
 
@@ -41,7 +43,8 @@ class DecodeResidency:
         K, E, L = store.geometry.top_k, store.num_experts, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
         self.scratch_base = pool.num_slots
-        self.counts_L2 = torch.zeros((L, 2), dtype=torch.int64, device=self.device)  # routed, missed (distinct)
+        # per layer: routed pairs, missed pairs, distinct missed experts (kernels/decode_stats.py)
+        self.counts_L3 = torch.zeros((L, 3), dtype=torch.int64, device=self.device)
         self._record_host = torch.zeros((L, max_tokens, K), dtype=torch.int32)
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
@@ -72,10 +75,7 @@ class DecodeResidency:
 
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
                                              self.scratch_base)
-        seen_E = torch.zeros(self.store.num_experts, dtype=torch.bool, device=self.device)
-        seen_E.index_fill_(0, ids_TK.reshape(-1).long(), True)
-        self.counts_L2[lp] += torch.stack([seen_E.sum(), (seen_E & (table_E < 0)).sum()])
-        self._record_dev[lp, :T].copy_(ids_TK)
+        decode_stats(ids_TK, rows_TK, self.counts_L3[lp], self._record_dev[lp], self.scratch_base)
         self._record_T[lp] = T
         return rows_TK
 
@@ -158,13 +158,13 @@ class DecodeResidency:
         self._record_ready = False
 
     # ------------------------------------------------------------------ stats and teardown
-    def counts(self) -> dict[int, tuple[int, int]]:
-        """HOST SYNC (stats only): per MoE layer (distinct routed, distinct missed) over all steps."""
-        c = self.counts_L2.cpu().numpy()
-        return {self.store.layers[lp]: (int(c[lp, 0]), int(c[lp, 1])) for lp in range(c.shape[0])}
+    def counts(self) -> dict[int, tuple[int, int, int]]:
+        """HOST SYNC (stats only): per MoE layer (routed pairs, missed pairs, distinct missed experts)."""
+        c = self.counts_L3.cpu().numpy()
+        return {self.store.layers[lp]: tuple(int(v) for v in c[lp]) for lp in range(c.shape[0])}
 
     def reset_counts(self) -> None:
-        self.counts_L2.zero_()
+        self.counts_L3.zero_()
 
     def close(self) -> None:
         if self._record_pinned:

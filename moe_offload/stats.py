@@ -12,6 +12,9 @@ PATHS = ("decode_uva", "decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "pr
 
 @dataclass
 class LayerCounters:
+    """``hits``/``misses``: decode lookups, one per routed (token, expert) pair; ``prefill_*``: experts of
+    the staged layers compute used; ``evictions``: experts dropped from slots."""
+
     hits: int = 0
     misses: int = 0
     evictions: int = 0

@@ -70,7 +70,8 @@ def test_decode_rows_hold_the_routed_experts_bytes_under_random_routing(tiny_ckp
         _check_invariants(cache)
     st = cache.stats()["total"]
     assert st["misses"] >= 24 and st["hits"] > 0  # the pool is smaller than the routed set
-    assert st["bytes"]["decode_uva"] == st["misses"] * store.bytes_per_expert
+    # a miss read from host memory once per step per distinct expert, however many pairs route it
+    assert 0 < st["bytes"]["decode_uva"] <= st["misses"] * store.bytes_per_expert
     assert st["bytes"]["decode_h2d"] > 0 and st["evictions"] > 0  # admissions replaced residents
     assert cache.stats()["decode_steps"] == 200
 

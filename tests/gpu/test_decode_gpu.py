@@ -60,7 +60,8 @@ def test_a_steady_state_decode_step_makes_no_host_sync(tiny_ckpt):
         if dec._positions:
             dec.pos_1.fill_(dec.length)
             dec.pos_B1.fill_(dec.length)
-        eng.model(**dec._step_kwargs())  # one eager step: every layer, misses from host memory
+        with torch.inference_mode():
+            eng.model(**dec._step_kwargs())  # one eager step: every layer, misses from host memory
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

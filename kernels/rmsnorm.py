@@ -1,0 +1,81 @@
+"""RMSNorm in one Triton kernel, with the exact rounding steps of the transformers modules it replaces.
+
+Legend: N rows (tokens), H hidden (the normalized dim).
+
+Two flavours, as the model families define them:
+- ``scale="weight"`` (Qwen3-MoE, Mixtral): ``w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)``;
+- ``scale="one_plus_weight"`` (Qwen3-Next): ``(x * rsqrt(mean(x^2) + eps) * (1 + w)).to(x.dtype)``;
+statistics in fp32. In a decode step the module form is ~6 kernels per norm (cast, pow, mean, add+rsqrt,
+mul, cast, mul) and a Qwen3-MoE layer has four norms; this is one. The fp32 sum runs in another order
+than torch's mean, so outputs may differ from the module in the last bit of the stored dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # importing triton touches no CUDA
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+SCALES = ("weight", "one_plus_weight")
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, out_stride, eps,
+                         ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        if ONE_PLUS:
+            y = (x * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+        else:
+            y = (w.to(tl.float32) * (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * out_stride + offs, y, mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:
+    """``x [..., H]`` normalized over H -> same shape and dtype as ``x`` (see the module docstring).
+
+    ``weight`` ``[H]``; its dtype is the model's (the product with the weight is rounded to ``x.dtype``,
+    as the modules do when weight and activations share a dtype)."""
+    if scale not in SCALES:
+        raise ValueError(f"scale={scale!r}; accepted: {SCALES}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
+        raise ValueError(f"x must be a floating tensor [..., H], got {getattr(x, 'dtype', type(x).__name__)}")
+    H = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != H:
+        raise ValueError(f"weight must be [H={H}], got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight on {weight.device}, x on {x.device}")
+    if H > 65536:
+        raise ValueError(f"H={H} exceeds one program's row (65536); use the module's forward")
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], H), dtype=x.dtype, device=x.device)
+    if x2.shape[0] == 0:
+        return out.view(x.shape)
+    from moe_offload.kernels.nvfp4 import device_guard
+
+    block = triton.next_power_of_2(H)
+    with device_guard(x.device):
+            _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, H, x2.stride(0), out.stride(0), float(eps),
+                                         ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
+                                         num_warps=4 if block <= 4096 else 8)
+    return out.view(x.shape)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:
+    """The transformers modules' arithmetic, in torch."""
+    xf = x.to(torch.float32)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if scale == "one_plus_weight":
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return weight * normed.to(x.dtype)

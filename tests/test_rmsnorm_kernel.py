@@ -1,0 +1,56 @@
+"""The fused RMSNorm kernel (Triton, interpreted on CPU) against the transformers modules it replaces."""
+
+import pytest
+import torch
+
+from moe_offload.integrations.fused_norms import FLAVOURS, fuse_rms_norms
+from moe_offload.kernels.rmsnorm import rms_norm, rms_norm_reference
+
+
+def _modules():
+    from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    return [Qwen3MoeRMSNorm(48, eps=1e-6), MixtralRMSNorm(48, eps=1e-5), Qwen3NextRMSNorm(48, eps=1e-6)]
+
+
+@pytest.mark.parametrize("shape", [(1, 48), (3, 5, 48), (7, 48)])
+def test_the_reference_is_each_listed_modules_own_arithmetic(shape):
+    gen = torch.Generator().manual_seed(0)
+    for m in _modules():
+        with torch.no_grad():
+            m.weight.copy_(torch.randn(48, generator=gen))
+        x = torch.randn(shape, generator=gen)
+        want = m(x)
+        got = rms_norm_reference(x, m.weight, m.variance_epsilon if hasattr(m, "variance_epsilon") else m.eps,
+                                 FLAVOURS[type(m).__name__])
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("H", [1, 48, 100])
+@pytest.mark.parametrize("scale", ["weight", "one_plus_weight"])
+def test_the_kernel_matches_the_reference_over_awkward_shapes(H, scale):
+    gen = torch.Generator().manual_seed(H)
+    x = torch.randn(3, 2, H, generator=gen) * 3
+    w = torch.randn(H, generator=gen)
+    # fp32 in and out: only the order of the fp32 sum differs (a few ulp)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6, scale), rms_norm_reference(x, w, 1e-6, scale), atol=1e-5, rtol=1e-5)
+
+
+def test_a_model_with_fused_norms_gives_the_same_logits(tiny_ckpt):
+    from moe_offload.integrations.reference import build_reference_model
+
+    path = tiny_ckpt("tiny-qwen3-moe", "bf16")
+    ref = build_reference_model(path, torch.float32, "cpu")
+    ids = torch.arange(3, 20)[None]
+    want = ref(ids).logits
+    assert fuse_rms_norms(ref) == 4 * 4 + 1  # 4 layers x (input, post-attention, q, k) + the final norm
+    torch.testing.assert_close(ref(ids).logits, want, atol=1e-4, rtol=0)  # fp32 sum order only
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="weight must be"):
+        rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(ValueError, match="scale="):
+        rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6, "nope")

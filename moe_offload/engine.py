@@ -123,6 +123,10 @@ class Engine:
                                                                  graphed, decode))
         model.to(device).eval()
         check_no_meta(model)
+        if cfg.compute.fused_norms and device.type == "cuda":
+            from moe_offload.integrations.fused_norms import fuse_rms_norms
+
+            fuse_rms_norms(model)
         tokenizer = None
         try:
             from moe_offload.tokenizer import load_tokenizer

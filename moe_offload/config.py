@@ -196,7 +196,8 @@ class ComputeConfig(_Strict):
     cuda_graphs: bool = Field(True, description="replay the prefill expert compute of a seen prompt-chunk length "
                               "as a CUDA graph (CUDA only; cuts ~40 launches per layer to one)")
     fused_norms: bool = Field(True, description="on CUDA, each RMSNorm of the model runs as one fused kernel "
-                              "(kernels/rmsnorm.py; a decode step is launch-bound)")
+                              "(kernels/rmsnorm.py) and so does rotary (kernels/rotary.py, qwen3_moe and mixtral); "
+                              "a decode step is launch-bound")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

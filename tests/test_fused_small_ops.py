@@ -54,3 +54,19 @@ def test_bad_arguments_are_refused():
         rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
     with pytest.raises(ValueError, match="scale="):
         rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6, "nope")
+
+
+@pytest.mark.parametrize("B,Hq,Hk,T,D", [(1, 4, 2, 1, 16), (2, 3, 1, 5, 8), (1, 2, 2, 3, 6)])
+def test_the_rotary_kernel_matches_transformers_arithmetic(B, Hq, Hk, T, D):
+    from moe_offload.kernels.rotary import _rotate, apply_rotary_reference
+
+    gen = torch.Generator().manual_seed(D)
+    q = torch.randn(B, T, Hq, D, generator=gen).transpose(1, 2)  # the strided layout attention passes
+    k = torch.randn(B, T, Hk, D, generator=gen).transpose(1, 2)
+    ang = torch.randn(B, T, D, generator=gen)
+    cos, sin = ang.cos(), ang.sin()
+    want_q, want_k = apply_rotary_reference(q, k, cos, sin)
+    # interpreted kernel on CPU tensors (the CUDA wrapper adds only the device guard); fp32 products
+    # and sum: the same roundings as torch's elementwise ops
+    torch.testing.assert_close(_rotate(q, cos, sin), want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(_rotate(k, cos, sin), want_k, atol=1e-6, rtol=1e-6)

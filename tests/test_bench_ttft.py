@@ -1,4 +1,4 @@
-"""CPU smoke test of ``moe-offload bench ttft`` on the embedded tiny model (the CI run of issue 5).
+"""CPU smoke test of ``moe-offload bench ttft`` on the embedded tiny model (the CI run of the benchmark).
 
 One bench run (module fixture, ~10 s on 2 cores) with the smallest sweep that still shows the
 behaviours: residency 0, 0.5 and 1 (the tiny model has 16 experts per layer, so these are exactly

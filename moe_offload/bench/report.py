@@ -1,5 +1,5 @@
 """The TTFT benchmark's report: environment (git SHA, versions, GPU), floors and ratios per cell,
-issue 5's targets, the markdown table and the files under ``--out``.
+the TTFT targets, the markdown table and the files under ``--out``.
 
 Ratios: ``ratio_to_floor = TTFT / max(PCIe floor, compute floor)`` where the PCIe floor of a cell is
 its missed bytes (``(1 - measured hit fraction) * all expert bytes``) over the H2D bandwidth measured
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 FULL_LAYER = "full_layer_copy"
-TARGET_PROMPT_LEN = 1024  # issue 5 states its targets for a 1024-token prompt; other lengths are reported too
+TARGET_PROMPT_LEN = 1024  # the TTFT targets are stated for a 1024-token prompt; other lengths are reported too
 TARGET_RESIDENCY_MAX = 0.75
 TTFT_OVER_FLOOR_MAX = 1.10
 ALL_RESIDENT_OVER_BF16_MAX = 1.5

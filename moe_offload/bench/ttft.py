@@ -19,7 +19,7 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
    path come from ``cache.stats()`` of the pass; host time per layer from forward hooks (no sync);
 4. floors and ratios (``report.derive``): PCIe floor = missed bytes / H2D bandwidth, compute floor =
    the fastest hit-D2D mode at residency 1 (added to the sweep when absent);
-5. peers (CUDA only; the engine is torn down first so they get the GPU), then issue 5's targets.
+5. peers (CUDA only; the engine is torn down first so they get the GPU), then the TTFT targets (``report.targets``).
 
 Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks through
 ``moe_offload.launch.run_on_ranks`` (spawned, or one rank per process under torchrun); every rank

@@ -167,6 +167,12 @@ def cmd_bench_ttft(a) -> int:
     return bench_main(a)
 
 
+def cmd_bench_decode(a) -> int:
+    from moe_offload.bench.decode import main as bench_decode_main
+
+    return bench_decode_main(a)
+
+
 def cmd_serve(a) -> int:
     from moe_offload.serve.cli import main as serve_main
 
@@ -242,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(t)
     t.set_defaults(fn=cmd_bench_ttft)
+    from moe_offload.bench.decode import add_arguments as add_bench_decode_arguments
+
+    dc = bsub.add_parser("decode", help="decode tok/s vs residency and batch, with HBM/PCIe floors and peers")
+    add_bench_decode_arguments(dc)
+    dc.set_defaults(fn=cmd_bench_decode)
 
     from moe_offload.serve.bench import add_arguments as add_bench_serve_arguments
 

@@ -1,0 +1,351 @@
+"""``moe-offload bench decode``: decode throughput vs residency and batch size, against HBM and PCIe
+floors measured in the same run and against transformers fully on the GPU (issue 12, Build 1).
+
+    moe-offload bench decode                    # embedded tiny model on the CPU: the CI smoke test
+    moe-offload bench decode --config configs/qwen3-30b-a3b-nvfp4.yaml
+    python benchmarks/decode.py ...             # the same main()
+
+One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` under ``--out``):
+1. bandwidths: pinned H2D (``timing.measure_h2d``: 1 GiB, CUDA events, median of 10) and HBM
+   (``measure_hbm``: a 1 GiB device-to-device copy, median of 10, counted as read + write: 2 x bytes /
+   time); on a CPU both are host memcpys of 64 MiB, so the smoke test has the same fields;
+2. one engine (one pinned store) with ``decode.max_tokens`` = the largest batch and
+   ``decode.max_cache_len`` = prompt + steps + 1, greedy, no stop ids (every sequence runs every step);
+3. per residency (largest first) and batch: the resident set (``sweep.resident_sets``: nested, seeded)
+   is made resident, then one untimed ``Engine.generate_batch(prompts, steps + 1)`` (new shapes; on
+   CUDA the step graph is captured on its 2nd step), then ``--reps`` timed ones, each after
+   ``set_residency`` + ``reset``: a prefill of ``--prompt-len`` seeded random ids per sequence, then
+   ``--steps`` decode steps. Per-step times are the gaps between ``on_token(0, id)`` calls (each fires
+   once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``;
+4. peers (CUDA only; the engine is closed first): ``decode_peers.py``; then the floors, ratios and
+   issue 12's targets (``decode_report.py``).
+
+Budget (``--budget``): ``residency`` (default) sizes the slot pool to exactly the resident experts of
+each residency (``sweep.pool_slots``; a fresh cache per residency through ``sweep.use_cache``), so the
+pool is full when prefill starts and the residency is the budget, as in a server at steady state.
+``max`` keeps one pool sized for the largest residency: prefill then admits staged experts into the
+free slots, so after a long prompt a low residency is no longer low (the measured hit rate says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from moe_offload import log
+from moe_offload.bench.sweep import cell_config, free_memory, pool_slots, resident_sets, use_cache
+from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d
+from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
+from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
+
+PEERS = ("eager", "compiled")
+# The embedded default is the CI smoke test: seconds on a CPU, so shorter prompts and fewer steps.
+DEFAULTS = {"smoke": {"batches": "1,2", "prompt_len": 32, "steps": 4, "reps": 1},
+            "model": {"batches": "1,4,16,64", "prompt_len": 1024, "steps": 64, "reps": 3}}
+
+
+@dataclass(frozen=True)
+class Plan:
+    residencies: tuple[float, ...]  # largest first: the engine is built with the largest pool
+    batches: tuple[int, ...]
+    prompt_len: int
+    steps: int
+    reps: int
+    peers: tuple[str, ...]
+    peer_batches: tuple[int, ...]
+    compiled_batches: tuple[int, ...]
+    peer_layers: int | None
+    peer_reps: int
+    seed: int
+    budget: str
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d, s = DEFAULTS["model"], DEFAULTS["smoke"]
+    p.add_argument("--config", help="YAML config (default: the embedded tiny model, the CI smoke test)")
+    p.add_argument("--preset", choices=PRESETS, help="override model.preset")
+    p.add_argument("--format", choices=FORMATS, help="override model.format")
+    p.add_argument("--layers", type=int, help="truncate the preset to N layers (the tok/s targets are then "
+                   "checked on figures scaled to the preset's full depth)")
+    p.add_argument("--residency", default="0,0.37,0.5,1",
+                   help="comma-separated fractions of each layer's experts resident (default %(default)s)")
+    p.add_argument("--batch", help=f"comma-separated batch sizes, sequences decoded together (default "
+                   f"{d['batches']}; {s['batches']} for the tiny presets)")
+    p.add_argument("--prompt-len", type=int, help=f"prompt tokens per sequence, prefilled before decoding "
+                   f"(default {d['prompt_len']}; {s['prompt_len']} for the tiny presets)")
+    p.add_argument("--steps", type=int, help=f"timed decode steps per run (default {d['steps']}; "
+                   f"{s['steps']} for the tiny presets)")
+    p.add_argument("--reps", type=int, help=f"timed runs per cell (default {d['reps']}; {s['reps']} for the tiny "
+                   "presets); one untimed run per cell first")
+    p.add_argument("--budget", choices=BUDGETS, default="residency",
+                   help="slot pool per residency (residency: exactly the resident experts) or once for the largest "
+                   "(max: prefill fills the free slots, so low residencies warm up)")
+    p.add_argument("--peers", default="eager,compiled", help=f"comma-separated transformers bf16 full-GPU peers "
+                   f"({', '.join(PEERS)}: DynamicCache eager; StaticCache + torch.compile reduce-overhead) or "
+                   "'none'; CUDA only")
+    p.add_argument("--peer-batches", help="batch sizes of the eager peer (default: --batch; those that do not fit "
+                   "are reported as not measured)")
+    p.add_argument("--compiled-batches", default="1", help="batch sizes of the compiled peer (default %(default)s: "
+                   "every batch size is its own compile, minutes at 48 layers)")
+    p.add_argument("--peer-layers", type=int, help="run the peers on the first N layers and scale ms/step linearly "
+                   "(default: as many layers as the engine)")
+    p.add_argument("--peer-reps", type=int, default=2, help="timed runs per peer and batch (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the resident sets")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
+                   "(default %(default)s)")
+    p.add_argument("--git-sha", help="record this commit when the tree has no .git (e.g. a copied checkout)")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    return tuple(sorted(_csv(text, option, int, lambda n: n >= 1, "positive integers, e.g. 1,4,16")))
+
+
+def make_plan(a: argparse.Namespace, cfg: OffloadConfig) -> Plan:
+    """The sweep from the options; a tiny preset (the embedded default) gets the smoke-test defaults."""
+    d = DEFAULTS["smoke" if cfg.model.checkpoint is None and cfg.model.preset.startswith("tiny-") else "model"]
+    res = _csv(a.residency, "--residency", float, lambda r: 0.0 <= r <= 1.0, "fractions in [0, 1], e.g. 0,0.37,1")
+    batches = _ints(a.batch or d["batches"], "--batch")
+    peers = () if str(a.peers).strip().lower() == "none" else _csv(
+        a.peers, "--peers", str, lambda m: m in PEERS, f"a comma-separated subset of {', '.join(PEERS)}, or none")
+    prompt_len, steps = a.prompt_len or d["prompt_len"], a.steps or d["steps"]
+    reps = d["reps"] if a.reps is None else a.reps
+    for name, value in (("--prompt-len", prompt_len), ("--steps", steps), ("--reps", reps),
+                        ("--peer-reps", a.peer_reps), ("--peer-layers", a.peer_layers), ("--layers", a.layers)):
+        if value is not None and value < 1:
+            raise BenchError(f"{name} must be >= 1, got {value}")
+    return Plan(tuple(sorted(res, reverse=True)), batches, prompt_len, steps, reps, peers,
+                _ints(a.peer_batches, "--peer-batches") if a.peer_batches else batches,
+                _ints(a.compiled_batches, "--compiled-batches"), a.peer_layers, a.peer_reps, a.seed, a.budget)
+
+
+def bench_config(a: argparse.Namespace) -> tuple[OffloadConfig, Plan, list[str]]:
+    """Config file (or embedded default) < --preset/--format/--layers < --set; then what the bench
+    needs whatever --set says: decode.max_tokens = the largest batch, decode.max_cache_len = prompt +
+    steps + 1, greedy with no stop ids (every run decodes exactly --steps steps)."""
+    base = [f"model.preset={a.preset}"] if a.preset else []
+    base += [f"model.format={a.format}"] if a.format else []
+    base += [f"model.layers={a.layers}"] if a.layers else []
+    cfg = load_config(a.config, [*base, *a.set])
+    plan = make_plan(a, cfg)
+    if cfg.parallel.tp > 1:
+        raise BenchError("bench decode runs at parallel.tp=1 (the TP decode step is not benchmarked yet)")
+    notes = []
+    forced = {"decode.max_tokens": max(plan.batches), "decode.max_cache_len": max(plan.prompt_len + plan.steps + 1, 16),
+              "decode.temperature": 0.0, "decode.stop_token_ids": []}
+    overridden = {s.split("=", 1)[0].strip() for s in a.set} & {*forced, "cache.budget"}
+    for key in sorted(overridden):
+        notes.append(f"--set {key} is replaced: the bench sets it itself")
+    for key, value in forced.items():
+        setattr(cfg.decode, key.split(".")[1], value)  # validated on assignment
+    return cfg, plan, notes
+
+
+# ---------------------------------------------------------------------------------------- floors
+def measure_hbm(device: torch.device) -> dict:
+    """Device memory bandwidth from one large device-to-device copy (median of ``H2D_REPS``), counting
+    read + write: ``GBps = 2 * bytes / time`` (1e9 bytes). CPU: a host memcpy of the H2D smoke size."""
+    nbytes = H2D_BYTES[device.type]
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for rep in range(H2D_REPS + 1):  # rep 0 warms up
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            t = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t = time.perf_counter() - t0
+        if rep:
+            times.append(t)
+    del src, dst
+    med = statistics.median(times)
+    method = ("device -> device copy, CUDA events; read + write counted" if device.type == "cuda"
+              else "cpu device: host memcpy, perf_counter; read + write counted")
+    return {"bytes": nbytes, "reps": H2D_REPS, "median_s": med, "GBps": 2 * nbytes / med / 1e9, "method": method}
+
+
+def model_bytes(engine) -> dict:
+    """What every decode step reads besides the experts: the non-expert weights (the input embedding
+    only for B rows, so it is left out unless tied to the LM head) and the KV bytes per position."""
+    model = engine.model
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = 0 if embed.data_ptr() == head.data_ptr() else embed.numel() * embed.element_size()
+    c = model.config
+    types = getattr(c, "layer_types", None)
+    attn_layers = sum(t == "full_attention" for t in types) if isinstance(types, list) else c.num_hidden_layers
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = attn_layers * 2 * c.num_key_value_heads * head_dim * torch.empty((), dtype=engine.dtype).element_size()
+    return {"non_expert_bytes": params - embed_bytes, "embedding_bytes_left_out": embed_bytes,
+            "kv_bytes_per_position": kv, "attention_layers": attn_layers}
+
+
+# ---------------------------------------------------------------------------------------- cells
+def _prompts(vocab: int, plan: Plan) -> list[list[int]]:
+    """Seeded random ids ``[max batch][prompt_len]``; batch B takes the first B rows."""
+    gen = torch.Generator().manual_seed(plan.seed)
+    return torch.randint(3, vocab, (max(plan.batches), plan.prompt_len), generator=gen).tolist()
+
+
+def _run(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[float], dict]:
+    """One ``generate_batch`` of ``steps`` decode steps -> (decode s, per-step s, cache stats)."""
+    stamps = []
+
+    def on_token(b: int, _tok: int) -> None:
+        if b == 0:
+            stamps.append(time.perf_counter())
+
+    res = engine.generate_batch(prompts, steps + 1, on_token=on_token)
+    per_step = [t1 - t0 for t0, t1 in zip(stamps, stamps[1:])]
+    if len(per_step) != steps or not res[0].decode_tok_s:
+        raise RuntimeError(f"a bench run decoded {len(per_step)} steps, expected {steps}")
+    return steps / res[0].decode_tok_s, per_step, res[0].stats
+
+
+def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -> dict:
+    """One (residency, batch) cell: an untimed run, then ``plan.reps`` timed runs from ``resident``."""
+    engine.cache.set_residency(resident)
+    _run(engine, prompts, plan.steps)
+    B, tok_s, per_step = len(prompts), [], []
+    hits = misses = uva = h2d = 0
+    per_layer: dict = {}
+    for _ in range(plan.reps):
+        engine.cache.set_residency(resident)
+        engine.cache.reset()
+        decode_s, steps_s, stats = _run(engine, prompts, plan.steps)
+        tok_s.append(B * plan.steps / decode_s)
+        per_step += steps_s
+        t = stats["total"]
+        hits, misses = hits + t["hits"], misses + t["misses"]
+        uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
+        for layer, c in stats["per_layer"].items():
+            per_layer[str(layer)] = per_layer.get(str(layer), 0) + c["hits"] + c["misses"]
+    n = plan.reps * plan.steps
+    q = sorted(per_step)
+    return {
+        "tok_s": {"median": statistics.median(tok_s), "reps": tok_s},
+        "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
+                        * 1e3, "mean": statistics.fmean(q) * 1e3},
+        "hit_rate": hits / (hits + misses) if hits + misses else None,
+        "routed_experts_per_step": (hits + misses) / n, "missed_experts_per_step": misses / n,
+        "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
+        "pcie_bytes_per_step": {"total": (uva + h2d) / n, "decode_uva": uva / n, "decode_h2d": h2d / n},
+        "graph": {"captures": stats["compute"].get("decode_graph_captures", 0), "declined": stats["declined"]},
+    }
+
+
+def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict) -> list[dict]:
+    """Every cell, residency-major (largest pool first, so the engine's first pool is used first)."""
+    prompts = _prompts(engine.reader.geometry.vocab, plan)
+    sets = resident_sets(engine.store.layers, engine.store.num_experts, counts, plan.seed)
+    cells = []
+    bar = tqdm(total=len(plan.residencies) * len(plan.batches), desc="decode cells", unit="cell")
+    for r in plan.residencies:
+        if slots[r] != engine.cache.num_slots:
+            # the decoders' CUDA graphs hold the old cache's addresses (pool, table, counters): drop
+            # them before the cache goes; Engine.replace_cache does not (reported on issue 12)
+            engine._decoders.clear()
+            use_cache(engine, cell_config(cfg, cfg.prefill.hit_copy, slots[r]))
+        for B in plan.batches:
+            bar.set_postfix(residency=r, batch=B)
+            cells.append({"residency": r, "batch": B, "resident_per_layer": counts[r],
+                          "slots": engine.cache.num_slots, **measure_cell(engine, prompts[:B], sets[r], plan)})
+            bar.update(1)
+    bar.close()
+    return cells
+
+
+# ---------------------------------------------------------------------------------------- main
+def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
+    from moe_offload.bench.decode_peers import run_peers
+    from moe_offload.checkpoint.reader import CheckpointReader
+    from moe_offload.engine import Engine, ensure_checkpoint, resolve_device
+
+    path = ensure_checkpoint(cfg.model)
+    reader = CheckpointReader(path)
+    geo, max_pos = reader.geometry, reader.config.get("max_position_embeddings")
+    if max_pos and plan.prompt_len + plan.steps + 1 > max_pos:
+        raise BenchError(f"--prompt-len + --steps + 1 = {plan.prompt_len + plan.steps + 1} exceeds the model's "
+                         f"max_position_embeddings={max_pos}")
+    counts = {r: math.floor(r * geo.num_experts + 0.5) for r in plan.residencies}
+    slots = pool_slots(plan.budget, counts, len(geo.moe_layers), geo.top_k)
+    device = resolve_device(cfg.device)
+    floors = {"h2d": measure_h2d(device), "hbm": measure_hbm(device)}
+    engine = Engine.from_config(cell_config(cfg, cfg.prefill.hit_copy, slots[plan.residencies[0]]))
+    cells = sweep_decode(engine, cfg, plan, counts, slots)
+    part = {"path": path, "geometry": geo, "store": engine.store.describe(), "bytes": model_bytes(engine),
+            "counts": counts, "slots": slots, "floors": floors, "cells": cells}
+    engine._decoders.clear()  # their graphs and static KV caches go with the engine, before the peers
+    engine.close()
+    del engine
+    free_memory()
+    part["peers"] = run_peers(path, plan, _prompts(geo.vocab, plan), device, notes)
+    return part
+
+
+def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, notes: list[str],
+             started: str) -> dict:
+    from moe_offload.bench import report
+    from moe_offload.config import config_to_dict
+    from moe_offload.engine import resolve_device
+
+    geo, store = part["geometry"], part["store"]
+    return {
+        "schema": "moe-offload/bench-decode/1",
+        "created": started,
+        **report.environment(resolve_device(cfg.device), a.git_sha),
+        "model": {"label": report.model_label(cfg), "preset": None if cfg.model.checkpoint else cfg.model.preset,
+                  "checkpoint": str(part["path"]), "format": store["format"], "model_type": geo.model_type,
+                  "layers": geo.num_layers, "moe_layers": len(geo.moe_layers),
+                  "full_layers": report.full_layers(cfg, geo.num_layers), "experts": geo.num_experts,
+                  "top_k": geo.top_k, "hidden": geo.hidden, "intermediate": geo.inter,
+                  "bytes_per_expert": store["bytes_per_expert"], "all_expert_bytes": store["total_bytes"],
+                  **part["bytes"]},
+        "config": config_to_dict(cfg),
+        "config_note": "cache.budget is set per residency (see settings.slots)",
+        "settings": {"residencies": sorted(plan.residencies), "batches": list(plan.batches),
+                     "prompt_len": plan.prompt_len, "steps": plan.steps, "reps": plan.reps, "seed": plan.seed,
+                     "budget": plan.budget, "resident_per_layer": {str(r): n for r, n in part["counts"].items()},
+                     "slots": {str(r): n for r, n in part["slots"].items()},
+                     "residency_sets": "first round(r*E) experts of a seeded per-layer permutation (nested)",
+                     "prompts": "seeded random ids, equal length; batch B takes the first B of the largest batch",
+                     "cuda_graphs": cfg.decode.cuda_graphs, "peers": list(plan.peers),
+                     "peer_batches": list(plan.peer_batches), "compiled_batches": list(plan.compiled_batches),
+                     "peer_layers": plan.peer_layers, "peer_reps": plan.peer_reps},
+        "floors": part["floors"],
+        "cells": part["cells"],
+        "peers": part["peers"],
+        "notes": notes,
+    }
+
+
+def main(a: argparse.Namespace) -> int:
+    from moe_offload.bench import decode_report
+
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    cfg, plan, notes = bench_config(a)
+    log.configure(cfg.logging.level, cfg.logging.format)
+    part = run(cfg, plan, notes)
+    result = assemble(a, cfg, plan, part, notes, started)
+    decode_report.derive(result)
+    paths = decode_report.write(result, Path(a.out))
+    print(json.dumps(result, indent=2, default=str) if a.json else paths["markdown_text"])
+    log.info_rank0("bench_decode_written", json=str(paths["json"]), markdown=str(paths["md"]),
+                   png=str(paths["png"]) if paths["png"] else None)
+    return 0

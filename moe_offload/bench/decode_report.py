@@ -1,0 +1,227 @@
+"""The decode benchmark's report: per-step floors and ratios per cell, issue 12's targets, the markdown
+table, the PNG and the files under ``--out``.
+
+Floors of one decode step, from figures of the same run:
+- HBM: the bytes the step must read / the measured HBM bandwidth (a device copy, read + write counted).
+  Bytes = the distinct routed experts of the step (``cache.stats()`` hits + misses per step, times the
+  expert row bytes: every routed expert is read once, from its slot or from the scratch row its miss
+  went to) + every non-expert weight (the LM head included, the input embedding left out: a step reads
+  B of its rows) + the KV cache of the batch (attention layers x K and V x the mean filled positions of
+  the run, ``prompt_len + (steps + 1) / 2``; linear-attention states are not counted);
+- PCIe: the missed bytes the step reads from host memory (``decode_uva`` per step) / the measured H2D
+  bandwidth. Admissions between steps (``decode_h2d``) cross PCIe too, off the critical path: reported,
+  not in the floor.
+``ratio_to_floor = median ms/step / max(HBM floor, PCIe floor)``; issue 12 wants >= 0.8 x floor speed
+at batch 16 and 64, i.e. a ratio <= 1.25.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from moe_offload import log
+from moe_offload.bench.report import on_cuda
+
+CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not HBM or PCIe floors"
+TOK_S_TARGETS = ((1.0, 150.0), (0.37, 120.0))  # batch 1: (residency, tok/s at least)
+FLOOR_BATCHES, FLOOR_SPEED_MIN = (16, 64), 0.8  # ms/step <= floor / 0.8 at these batch sizes
+TARGET_PRESET, TARGET_PROMPT_LEN = "qwen3-30b-a3b", 1024
+_POOL = {"residency": "exactly the resident experts", "max": "sized for the largest residency"}
+
+
+def derive(result: dict) -> None:
+    """Add floors, ratios and floor-implied tok/s to every cell, then the targets."""
+    m, s, f = result["model"], result["settings"], result["floors"]
+    hbm, h2d = f["hbm"]["GBps"] * 1e9, f["h2d"]["GBps"] * 1e9
+    positions = s["prompt_len"] + (s["steps"] + 1) / 2
+    f["hbm_definition"] = ("(routed distinct experts x expert bytes + non-expert weights without the input "
+                           "embedding + batch x KV bytes per position x mean positions) / HBM bandwidth")
+    f["pcie_definition"] = "decode_uva bytes per step (misses read from host memory) / H2D bandwidth"
+    for c in result["cells"]:
+        expert = c["routed_experts_per_step"] * m["bytes_per_expert"]
+        kv = c["batch"] * m["kv_bytes_per_position"] * positions
+        read = expert + m["non_expert_bytes"] + kv
+        c["hbm_bytes_per_step"] = {"total": read, "experts": expert, "non_expert": m["non_expert_bytes"], "kv": kv}
+        c["hbm_floor_ms"] = read / hbm * 1e3
+        c["pcie_floor_ms"] = c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3
+        c["floor_ms"] = max(c["hbm_floor_ms"], c["pcie_floor_ms"])
+        c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
+        c["ratio_to_floor"] = c["ms_per_step"]["median"] / c["floor_ms"] if c["floor_ms"] > 0 else None
+        c["floor_tok_s"] = c["batch"] * 1e3 / c["floor_ms"] if c["floor_ms"] > 0 else None
+    result["targets"] = targets(result)
+    if not on_cuda(result):
+        for t in result["targets"]:  # measured, but a CPU run cannot meet or miss an HBM/PCIe target
+            t.update(met=None, detail=f"{CPU_NOTE} (value measured: {t['value']})")
+
+
+def _cell(result: dict, r: float, batch: int) -> dict | None:
+    return next((c for c in result["cells"] if c["batch"] == batch and abs(c["residency"] - r) < 1e-9), None)
+
+
+def targets(result: dict) -> list[dict]:
+    """Issue 12's decode targets. ``primary``: the conditions they are stated for (the qwen3-30b-a3b
+    preset, 1024-token prompts); tok/s of a truncated model is scaled to the preset's full depth."""
+    m, s = result["model"], result["settings"]
+    primary = m["preset"] == TARGET_PRESET and s["prompt_len"] == TARGET_PROMPT_LEN
+    depth = m["full_layers"] / m["layers"]
+    out = []
+    for r, need in TOK_S_TARGETS:
+        c = _cell(result, r, 1)
+        value = None if c is None else c["tok_s"]["median"] / depth
+        detail = "needs a batch-1 cell at this residency" if c is None else (
+            f"scaled from {m['layers']} to {m['full_layers']} layers" if depth != 1 else "measured")
+        out.append({"id": f"batch1_tok_s_at_residency_{r:g}", "residency": r, "batch": 1, "value": value,
+                    "threshold": need, "comparison": ">=", "primary": primary, "detail": detail,
+                    "met": None if value is None else value >= need})
+    for B in FLOOR_BATCHES:
+        for r in s["residencies"]:
+            c = _cell(result, r, B)
+            if c is None:
+                continue
+            value = c["ratio_to_floor"]
+            out.append({"id": f"batch{B}_within_floor", "residency": r, "batch": B, "value": value,
+                        "threshold": 1 / FLOOR_SPEED_MIN, "comparison": "<=", "primary": primary,
+                        "detail": f"ms/step / max(HBM, PCIe floor); {c['floor_bound']}-bound",
+                        "met": None if value is None else value <= 1 / FLOOR_SPEED_MIN})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- markdown
+def _num(x, digits: int = 2) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _header(result: dict) -> list[str]:
+    m, s, f, v, git = result["model"], result["settings"], result["floors"], result["versions"], result["git"]
+    lines = [
+        f"# Decode: {m['label']} ({m['layers']} layers, {m['format']}) on {result['device']['name']}", "",
+        f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
+        f"{v['transformers']} · triton {v['triton']} · CUDA runtime {v['cuda_runtime']} · {result['created']}", "",
+        f"Prompt {s['prompt_len']} tokens per sequence (seeded random ids), then {s['steps']} greedy decode steps; "
+        f"{s['reps']} timed runs per cell after one untimed; "
+        f"{('CUDA graph steps ' + ('on' if s['cuda_graphs'] else 'off')) if on_cuda(result) else 'eager steps (CPU)'}; "
+        f"slot pool: {_POOL[s['budget']]}. "
+        f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}). "
+        f"Experts {m['bytes_per_expert'] / 1e6:.3g} MB each; non-expert weights read per step "
+        f"{m['non_expert_bytes'] / 1e6:.4g} MB; KV {m['kv_bytes_per_position'] / 1e3:.4g} kB per position per "
+        "sequence.",
+        "", "HBM floor = bytes the step must read / HBM bandwidth; PCIe floor = missed bytes read from host memory "
+        "per step / H2D bandwidth; ×floor = median ms/step / max of the two.",
+    ]
+    if not on_cuda(result):
+        lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
+    return lines
+
+
+def _cells_table(result: dict) -> list[str]:
+    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d) | HBM floor ms "
+            "| PCIe floor ms | ×floor | graph |")
+    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 11) + " |"]
+    for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
+        p = c["pcie_bytes_per_step"]
+        hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
+        graph = "captured" if c["graph"]["captures"] else ("declined" if c["graph"]["declined"] else "eager")
+        lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
+                     f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
+                     f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}) | "
+                     f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
+                     f"{graph} |")
+    return lines
+
+
+def _peer_table(result: dict) -> list[str]:
+    lines = ["", "## Peers (transformers bf16 fully on the GPU, same prompts and steps)", ""]
+    if not result["peers"]:
+        return lines + ["none requested"]
+    batches = result["settings"]["batches"]
+    lines += ["| peer | " + " | ".join(f"batch {B} tok/s (ms/step)" for B in batches) + " | note |",
+              "| " + " | ".join(["---"] * (len(batches) + 2)) + " |"]
+    for name, p in result["peers"].items():
+        cols = []
+        for B in batches:
+            b = p.get("per_batch", {}).get(str(B))
+            if b is None or b["status"] != "ok":
+                cols.append(f"not measured: {b['reason']}" if b else p["status"])
+            else:
+                cols.append(f"{b['tok_s']['median']:.1f} ({b['ms_per_step']['median']:.2f})")
+        note = p.get("reason") or p.get("cache", "")
+        if p.get("layers") and p["layers"] != p["engine_layers"]:
+            note += f"; {p['layers']} layers scaled to {p['engine_layers']}"
+        lines.append(f"| {name} | " + " | ".join(cols) + f" | {note} |")
+    return lines
+
+
+def _target_table(result: dict) -> list[str]:
+    lines = ["", "## Targets (issue 12)", ""]
+    if not on_cuda(result):
+        return lines + [f"No verdicts: {CPU_NOTE}. The values stay in the JSON (targets[*].value)."]
+    lines += ["| target | residency | value | threshold | met | note |", "| --- | --- | --- | --- | --- | --- |"]
+    for t in result["targets"]:
+        met = {True: "yes", False: "NO", None: "n/a"}[t["met"]]
+        note = t["detail"] + ("" if t["primary"] else "; not the stated conditions (qwen3-30b-a3b, 1024 tokens)")
+        lines.append(f"| {t['id']} | {t['residency']:g} | {_num(t['value'])} | {t['comparison']} "
+                     f"{t['threshold']:g} | {met} | {note} |")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    lines = _header(result) + _cells_table(result) + _peer_table(result) + _target_table(result)
+    if result["notes"]:
+        lines += ["", "## Notes", ""] + [f"- {x}" for x in result["notes"]]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------- files
+def plot(result: dict, path: Path) -> None:
+    """tok/s vs batch, one line per residency, its floor-implied tok/s dashed; peers as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, r in enumerate(result["settings"]["residencies"]):
+        cells = sorted((c for c in result["cells"] if abs(c["residency"] - r) < 1e-9), key=lambda c: c["batch"])
+        x = [c["batch"] for c in cells]
+        col = colors[i % len(colors)]
+        ax.plot(x, [c["tok_s"]["median"] for c in cells], "o-", color=col, label=f"residency {r:g}")
+        ax.plot(x, [c["floor_tok_s"] or float("nan") for c in cells], "--", color=col, alpha=0.7,
+                label=f"floor, residency {r:g}")
+    for name, marker in (("eager", "x"), ("compiled", "^")):
+        per = result["peers"].get(name, {}).get("per_batch", {})
+        pts = [(int(B), b["tok_s"]["median"]) for B, b in per.items() if b["status"] == "ok"]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker, color="black", linestyle=":", label=f"transformers bf16 {name}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (sequences decoded together)")
+    ax.set_ylabel("decode tok/s (all sequences)")
+    m = result["model"]
+    ax.set_title(f"decode {m['label']} · {result['device']['name']} · {result['git']['sha'][:12]}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(result: dict, out: Path) -> dict:
+    """Write ``decode-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
+    Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"decode-{result['model']['label']}-{result['git']['sha'][:12]}"
+    png = stem.with_suffix(".png")
+    try:
+        plot(result, png)
+    except ImportError as exc:
+        png = None
+        result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
+        log.event("bench_decode_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
+    text = markdown(result)
+    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"), "png": png, "markdown_text": text}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["md"].write_text(text)
+    return paths

@@ -1,0 +1,113 @@
+"""CPU smoke test of ``moe-offload bench decode`` on the embedded tiny model (issue 12, Build 1).
+
+One bench run through the CLI (module fixture, ~20 s on 2 cores): residency 0 and 1 (the tiny model
+has 16 experts per layer: 0 and 16 resident), batch 1 and 2, 8-token prompts, 3 steps, 1 rep. Timings
+on a CPU are not checked: only the report's structure and the accounting, which is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from moe_offload.cli import main as cli_main
+
+STEPS, PROMPT_LEN = 3, 8
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """``(rc, printed JSON, written JSON, out dir)`` of one smoke run."""
+    out, cache = tmp_path_factory.mktemp("results"), tmp_path_factory.mktemp("presets")
+    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0,1", "--batch", "1,2",
+            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1",
+            "--set", "device=cpu", "--set", f"model.cache_dir={cache}", "--set", "logging.level=WARNING"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli_main(argv)
+    written = sorted(out.glob("decode-*.json"))
+    return rc, stdout.getvalue(), json.loads(written[0].read_text()) if written else None, out
+
+
+def _cell(result, residency, batch):
+    (cell,) = [c for c in result["cells"] if c["residency"] == residency and c["batch"] == batch]
+    return cell
+
+
+def test_the_smoke_run_exits_zero_and_prints_the_json_it_writes(bench):
+    rc, printed, written, _ = bench
+    assert rc == 0
+    assert json.loads(printed) == written
+
+
+def test_json_markdown_and_png_are_named_for_the_model_and_the_git_sha(bench):
+    _, _, result, out = bench
+    stem = f"decode-tiny-qwen3-moe-{result['git']['sha'][:12]}"
+    assert (out / f"{stem}.json").is_file()
+    assert "| residency | batch | tok/s |" in (out / f"{stem}.md").read_text()
+    assert (out / f"{stem}.png").stat().st_size > 0
+
+
+def test_every_residency_and_batch_gets_a_cell_with_speed_and_pcie_bytes(bench):
+    _, _, result, _ = bench
+    assert sorted((c["residency"], c["batch"]) for c in result["cells"]) == [(0.0, 1), (0.0, 2), (1.0, 1), (1.0, 2)]
+    for c in result["cells"]:
+        assert c["tok_s"]["median"] > 0 and c["ms_per_step"]["p90"] >= c["ms_per_step"]["median"] > 0
+        p = c["pcie_bytes_per_step"]
+        assert p["total"] == p["decode_uva"] + p["decode_h2d"]
+
+
+def test_all_resident_cells_hit_every_lookup_and_read_nothing_from_host(bench):
+    _, _, result, _ = bench
+    for batch in (1, 2):
+        c = _cell(result, 1.0, batch)
+        assert c["hit_rate"] == 1.0 and c["pcie_bytes_per_step"]["total"] == 0 and c["pcie_floor_ms"] == 0
+
+
+def test_with_nothing_resident_the_pcie_floor_counts_the_misses_of_each_step(bench):
+    _, _, result, _ = bench
+    c, m, h2d = _cell(result, 0.0, 1), result["model"], result["floors"]["h2d"]["GBps"] * 1e9
+    assert c["hit_rate"] < 1.0 and c["missed_experts_per_step"] > 0
+    # decode_uva bytes are whole expert rows: misses per step x row bytes, exactly
+    assert c["pcie_bytes_per_step"]["decode_uva"] == pytest.approx(c["missed_experts_per_step"] * m["bytes_per_expert"])
+    assert c["pcie_floor_ms"] == pytest.approx(c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3)
+
+
+def test_the_hbm_floor_reads_routed_experts_non_expert_weights_and_the_kv_cache(bench):
+    _, _, result, _ = bench
+    m, s = result["model"], result["settings"]
+    c = _cell(result, 1.0, 2)
+    kv = 2 * m["kv_bytes_per_position"] * (PROMPT_LEN + (STEPS + 1) / 2)
+    expected = c["routed_experts_per_step"] * m["bytes_per_expert"] + m["non_expert_bytes"] + kv
+    assert s["steps"] == STEPS and m["non_expert_bytes"] > 0
+    assert c["hbm_bytes_per_step"]["total"] == pytest.approx(expected)
+    assert c["hbm_floor_ms"] == pytest.approx(expected / (result["floors"]["hbm"]["GBps"] * 1e9) * 1e3)
+
+
+def test_each_cell_has_its_ratio_to_the_larger_floor(bench):
+    _, _, result, _ = bench
+    for c in result["cells"]:
+        assert c["floor_ms"] == max(c["hbm_floor_ms"], c["pcie_floor_ms"]) > 0
+        assert c["ratio_to_floor"] == pytest.approx(c["ms_per_step"]["median"] / c["floor_ms"])
+
+
+def test_a_cpu_run_gives_no_target_verdict_and_says_targets_apply_on_cuda(bench):
+    _, _, result, out = bench
+    assert result["targets"] and all(t["met"] is None for t in result["targets"])
+    assert "targets apply on CUDA" in (out / f"decode-tiny-qwen3-moe-{result['git']['sha'][:12]}.md").read_text()
+
+
+def test_peers_are_skipped_on_a_cpu_with_a_note(bench):
+    _, _, result, _ = bench
+    assert {p["status"] for p in result["peers"].values()} == {"skipped"}
+    assert any("peers skipped" in n for n in result["notes"])
+
+
+def test_the_env_header_records_git_versions_and_device(bench):
+    _, _, result, _ = bench
+    assert result["git"]["sha"] and result["versions"]["torch"] and result["device"]["type"] == "cpu"
+    assert result["config"]["decode"]["max_tokens"] == 2  # the largest batch takes the decode path
+    assert result["config"]["decode"]["max_cache_len"] >= PROMPT_LEN + STEPS + 1

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from moe_offload.kernels import batch_memcpy as bm
+from moe_offload.kernels import batch_memcpy_probe as bmp
 from moe_offload.kernels.copy import gather_rows
 
 SMALL_ENTRY = 256 << 10  # entries below this are "small" in the mixed-size measurement
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.init()
     gpu = torch.cuda.get_device_name(device)
-    probe = bm.probe(device)
+    probe = bmp.probe(device)
     copier = bm.load_batch_memcpy(device) if probe["ok"] else None
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     stem = f"copy_paths_{stamp}"

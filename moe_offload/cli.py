@@ -154,7 +154,7 @@ def cmd_inspect(a) -> int:
 
 
 def cmd_probe(a) -> int:
-    from moe_offload.kernels.batch_memcpy import probe
+    from moe_offload.kernels.batch_memcpy_probe import probe
 
     result = probe()
     print_result(result, a.json)

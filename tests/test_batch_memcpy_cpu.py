@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moe_offload.kernels import batch_memcpy as bm
+from moe_offload.kernels import batch_memcpy_probe as bmp
 from moe_offload import hit_copy as hc
 from moe_offload.kernels import copy as kc
 
@@ -25,7 +26,7 @@ def test_loader_raises_no_cuda_on_cpu_only_torch():
 
 @cpu_only
 def test_probe_reports_no_cuda_as_a_json_able_dict():
-    result = bm.probe()
+    result = bmp.probe()
     assert (result["ok"], result["reason"]) == (False, "no_cuda")
     assert json.loads(json.dumps(result)) == result
 

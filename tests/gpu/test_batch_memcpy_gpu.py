@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from moe_offload.kernels import batch_memcpy as bm
+from moe_offload.kernels import batch_memcpy_probe as bmp
 from moe_offload.kernels import copy as kc
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -28,7 +29,7 @@ def warmed(copier):
     a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
         a @ a
-    bm._run_probe(None, joined=True)
+    bmp._run_probe(None, joined=True)
     torch.cuda.synchronize()
     return a
 
@@ -41,7 +42,7 @@ def test_unjoined_probe_reads_wrong_bytes_behind_a_busy_current_stream(warmed):
     for _ in range(20):
         torch.cuda._sleep(int(1e7))
         try:
-            bm._probe_unjoined()
+            bmp._probe_unjoined()
         except bm.BatchMemcpyUnavailable as exc:
             failures += exc.reason == "wrong_bytes"
         torch.cuda.synchronize()
@@ -53,7 +54,7 @@ def test_joined_probe_passes_behind_a_backlog_of_matmuls(warmed, backlog):
     for _ in range(10):
         for _ in range(backlog):
             warmed @ warmed
-        bm._run_probe(None, joined=True)  # the loader's probe, uncached; raises on wrong bytes
+        bmp._run_probe(None, joined=True)  # the loader's probe, uncached; raises on wrong bytes
     torch.cuda.synchronize()
 
 
@@ -61,7 +62,7 @@ def test_joined_probe_passes_behind_a_backlog_of_matmuls(warmed, backlog):
 def test_joined_probe_passes_behind_a_spinning_kernel(warmed, cycles):
     for _ in range(10):
         torch.cuda._sleep(cycles)
-        bm._run_probe(None, joined=True)
+        bmp._run_probe(None, joined=True)
     torch.cuda.synchronize()
 
 

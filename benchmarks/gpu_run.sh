@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: probe ttft profile tests copy fused kernels decode_smoke decode
+#   stages: probe ttft profile tests copy fused kernels decode_smoke decode profile_decode
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -48,6 +48,14 @@ for graphs in (True, False):
                           "compute": st["compute"], "bytes": st["total"]["bytes"]}), flush=True)
     eng.close()
 PY
+fi
+has profile_decode && timeout ${PROFILE_DECODE_TIMEOUT:-300} python3 benchmarks/profile_decode.py \
+  --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} --set model.cache_dir=/tmp/moe-cache ${PROFILE_DECODE_ARGS:---layers 8} \
+  --out "$RES" > "$RES/profile_decode.log" 2>&1
+if has decode; then
+  timeout ${DECODE_TIMEOUT:-400} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --set model.cache_dir=/tmp/moe-cache ${DECODE_ARGS:-} --out "$RES" --json > "$RES/decode.json" 2> "$RES/decode.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
 has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1

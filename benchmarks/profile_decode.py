@@ -1,0 +1,87 @@
+"""Where a decode step's time goes: kernels per step and GPU time per kernel (torch profiler over eager
+steps), and the GPU time of one graph replay against the wall time per step.
+
+    python benchmarks/profile_decode.py --config configs/qwen3-30b-a3b-nvfp4.yaml --layers 48 --out DIR
+
+Writes ``profile-decode-<label>.json`` and ``.txt`` (the profiler's table) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moe_offload.bench.sweep import resident_sets
+from moe_offload.config import load_config
+from moe_offload.decode_graph import StaticDecoder
+from moe_offload.engine import Engine
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--residency", type=float, default=1.0)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    sets = [f"model.layers={a.layers}"] if a.layers else []
+    cfg = load_config(a.config, [*sets, f"decode.max_cache_len={a.prompt_len + 4 * a.steps + 8}", *a.set])
+    eng = Engine.from_config(cfg, progress=False)
+    E = eng.store.num_experts
+    n = round(a.residency * E)
+    eng.cache.set_residency(resident_sets(eng.store.layers, E, {a.residency: n}, 0)[a.residency])
+    prompt = torch.randint(3, eng.reader.geometry.vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
+    out: dict = {"layers": len(eng.store.layers), "residency": a.residency, "prompt_len": a.prompt_len}
+
+    def run(dec: StaticDecoder, steps: int, timed: bool = False):
+        dec.reset()
+        logits = dec.prefill(prompt.to(eng.device))
+        walls, gpus = [], []
+        for _ in range(steps):
+            tok = logits.argmax(-1)
+            t0 = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = dec.step(tok)
+            end.record()
+            int(logits.argmax(-1)[0])  # the token reaches the host, as in generation
+            walls.append(time.perf_counter() - t0)
+            gpus.append(start.elapsed_time(end) / 1e3)
+        return walls, gpus
+
+    eager = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=False)
+    run(eager, 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run(eager, 4)
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sorted(events, key=lambda e: -e.device_time_total)
+    launches = sum(e.count for e in kernels)
+    out["eager"] = {"kernels_per_step": launches / 4,
+                    "gpu_ms_per_step": sum(e.device_time_total for e in kernels) / 4 / 1e3,
+                    "top": [{"name": e.key[:90], "count_per_step": e.count / 4,
+                             "gpu_us_per_step": e.device_time_total / 4} for e in kernels[:25]]}
+    graphed = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=True)
+    run(graphed, 4)
+    walls, gpus = run(graphed, a.steps)
+    out["graph"] = {"wall_ms_median": statistics.median(walls) * 1e3, "gpu_ms_median": statistics.median(gpus) * 1e3,
+                    "tok_s": 1 / statistics.median(walls), "declined": eng.cache.stats()["declined"]}
+    dest = Path(a.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    label = f"l{out['layers']}-r{a.residency}"
+    (dest / f"profile-decode-{label}.json").write_text(json.dumps(out, indent=2))
+    (dest / f"profile-decode-{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    print(json.dumps({k: v for k, v in out.items() if k != "eager"} | {"eager_kernels_per_step": launches / 4}))
+    eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,7 +33,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     sets = [f"model.layers={a.layers}"] if a.layers else []
-    cfg = load_config(a.config, [*sets, f"decode.max_cache_len={a.prompt_len + 4 * a.steps + 8}", *a.set])
+    budget = f"cache.budget={max(a.residency, 0.01)}"  # the pool holds exactly the resident experts
+    cfg = load_config(a.config, [*sets, budget, f"decode.max_cache_len={a.prompt_len + 4 * a.steps + 8}", *a.set])
     eng = Engine.from_config(cfg, progress=False)
     E = eng.store.num_experts
     n = round(a.residency * E)

@@ -26,9 +26,13 @@ an eager forward calls it too), deterministic so TP ranks stay in agreement:
 
 from __future__ import annotations
 
+import logging
+import weakref
+
 import numpy as np
 import torch
 
+from moe_offload import log
 from moe_offload.copy_paths import RowCopy
 from moe_offload.kernels.decode_stats import decode_stats
 from moe_offload.uva import mapped_device_view, pin_mapped, unpin
@@ -40,14 +44,17 @@ class DecodeResidency:
     def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int):
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
-        K, E, L = store.geometry.top_k, store.num_experts, len(store.layers)
+        K, L = store.geometry.top_k, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
         self.scratch_base = pool.num_slots
         # per layer: routed pairs, missed pairs, distinct missed experts (kernels/decode_stats.py)
         self.counts_L3 = torch.zeros((L, 3), dtype=torch.int64, device=self.device)
-        self._record_host = torch.zeros((L, max_tokens, K), dtype=torch.int32)
+        self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
+        # a cache dropped without close() must not leave its pages registered: a later allocation at the
+        # same address could not be registered again (cudaErrorHostMemoryAlreadyRegistered)
+        self._unpin = weakref.finalize(self, _unpin_quietly, self._record_host) if self._record_pinned else None
         self._record_T: dict[int, int] = {}  # lp -> tokens recorded by the step in flight
         self._record_event = streams.event()
         self._record_ready = False
@@ -169,5 +176,27 @@ class DecodeResidency:
     def close(self) -> None:
         if self._record_pinned:
             self._record_dev = self._record_host
-            unpin([self._record_host.data_ptr()])
+            self._unpin()
             self._record_pinned = False
+
+
+_PAGE = 4096
+
+
+def _page_aligned_int32(shape: tuple[int, ...]) -> torch.Tensor:
+    """A zeroed int32 CPU tensor that starts on a page and owns whole pages: host registration works on
+    pages, and two small buffers sharing a page could not both be registered."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = -(-n * 4 // _PAGE) * _PAGE
+    raw = torch.zeros(nbytes + _PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % _PAGE
+    return raw[off:off + nbytes].view(torch.int32)[:n].view(shape)
+
+
+def _unpin_quietly(host: torch.Tensor) -> None:
+    try:
+        unpin([host.data_ptr()])
+    except Exception as exc:  # at interpreter exit the runtime may be gone; nothing left to protect
+        log.event("decode_record_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")

@@ -6,8 +6,10 @@ Legend: B batch (1 here), T prompt tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +97,7 @@ class Engine:
         experts = offloaded_experts(model)
         self._first_experts = next((m for m in experts if m.layer_idx == store.layers[0]), None)
         self._decoders: dict = {}
+        self._owner_lock, self._owner = threading.Lock(), None
         self._computes = list({id(c): c for m in experts
                                for c in (m.compute, m.prefill_compute, m.decode_compute)}.values())
         for c in self._computes:
@@ -164,24 +167,45 @@ class Engine:
         """The model forward's KV-cache argument (transformers 5.24 renamed past_key_values -> cache)."""
         return self._kv_name
 
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One thread at a time: the cache holds per-pass state (staging, the decode record). A second
+        thread gets a clear error instead of corrupting it; re-entry from the same thread is fine."""
+        me = threading.get_ident()
+        with self._owner_lock:
+            if self._owner not in (None, me):
+                raise RuntimeError("Engine is already running a forward on another thread; it is not thread-safe. "
+                                   "Serve concurrent requests through moe_offload.serve (one loop owns the engine)")
+            outer = self._owner is None
+            self._owner = me
+        try:
+            yield
+        finally:
+            if outer:
+                with self._owner_lock:
+                    self._owner = None
+
     def run_model(self, kwargs: dict, num_tokens: int):
         """``model(**kwargs).logits``; a forward on the prefill path is one announced prefill pass (layer
         0's copy then overlaps the embedding and the first attention)."""
         first = self._first_experts
-        if first is not None and first.cache is self.cache and not first.uses_decode_path(num_tokens):
-            with self.cache.prefill_pass():
-                return self.model(**kwargs).logits
-        return self.model(**kwargs).logits
+        with self._exclusive():
+            if first is not None and first.cache is self.cache and not first.uses_decode_path(num_tokens):
+                with self.cache.prefill_pass():
+                    return self.model(**kwargs).logits
+            return self.model(**kwargs).logits
 
     @torch.inference_mode()
-    def forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0):
+    def forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0, **model_kwargs):
         """One model forward of ``ids_BT [B, T]`` on the KV cache ``past`` -> (logits, past).
-        ``logits_to_keep=1``: the LM head runs on the last position only (what sampling needs)."""
+        ``logits_to_keep=1``: the LM head runs on the last position only (what sampling needs);
+        ``model_kwargs`` (``attention_mask``, ``position_ids``) go to the model as they are."""
         if past is None:
             from transformers import DynamicCache
 
             past = DynamicCache(config=self.model.config)
-        kwargs = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past})
+        kwargs = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=logits_to_keep, **{self._kv_name: past},
+                      **model_kwargs)
         return self.run_model(kwargs, ids_BT.numel()), past
 
     def decoder(self, batch: int):
@@ -211,6 +235,7 @@ class Engine:
         """Serve from ``cache`` (a new OffloadMoeCache over the same store) from now on; the old one is
         closed (its streams synchronized, its device memory dropped)."""
         old = self.cache
+        self._decoders.clear()  # their graphs hold the old cache's addresses (pool, table, counters)
         for m in offloaded_experts(self.model, old):
             m.cache = cache
         for c in self._computes:
@@ -220,6 +245,7 @@ class Engine:
 
     def close(self) -> None:
         """Synchronize and free the device cache, then unpin the host store (idempotent)."""
+        self._decoders.clear()
         self.cache.close()
         self.store.close()
 
@@ -278,6 +304,10 @@ class Engine:
         On CUDA with ``decode.cuda_graphs`` each step is one CUDA graph replay over a static KV cache
         (``decode_graph.py``); otherwise eager steps over a DynamicCache. ``on_token(b, id)`` streams.
         A sequence that stopped keeps its batch row until all stop (its later tokens are dropped)."""
+        with self._exclusive():
+            return self._generate_batch(prompts, max_new_tokens, seed, on_token)
+
+    def _generate_batch(self, prompts, max_new_tokens, seed, on_token) -> list[GenerateResult]:
         if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
             raise ValueError(f"generate_batch needs non-empty prompts of one length, got lengths "
                              f"{[len(p) for p in prompts]}; batch prompts of different lengths through the server")

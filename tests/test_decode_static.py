@@ -69,3 +69,25 @@ def test_the_stats_kernel_counts_and_records_like_the_torch_path():
     got_c, got_r = torch.zeros(3, dtype=torch.int64), torch.zeros((4, 3), dtype=torch.int32)
     ds._stats_kernel[(1,)](ids, rows, got_c, got_r, 6, 20, BLOCK=8)
     assert got_c.tolist() == want_c.tolist() and torch.equal(got_r, want_r)
+
+
+def test_a_second_thread_gets_a_clear_error_instead_of_sharing_the_engine(tiny_ckpt):
+    import threading
+
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"))
+    started, release = threading.Event(), threading.Event()
+
+    def hold(t):  # streaming callback: keeps the first thread inside generate
+        started.set()
+        release.wait(30)
+
+    t = threading.Thread(target=lambda: eng.generate(list(range(5, 15)), 3, on_token=hold))
+    t.start()
+    assert started.wait(60)
+    try:
+        with pytest.raises(RuntimeError, match="another thread"):
+            eng.generate(list(range(5, 15)), 2)
+    finally:
+        release.set()
+        t.join(60)
+    assert eng.generate(list(range(5, 15)), 2).token_ids  # free again once the first call returned

@@ -258,9 +258,6 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
     bar = tqdm(total=len(plan.residencies) * len(plan.batches), desc="decode cells", unit="cell")
     for r in plan.residencies:
         if slots[r] != engine.cache.num_slots:
-            # the decoders' CUDA graphs hold the old cache's addresses (pool, table, counters): drop
-            # them before the cache goes; Engine.replace_cache does not (reported on issue 12)
-            engine._decoders.clear()
             use_cache(engine, cell_config(cfg, cfg.prefill.hit_copy, slots[r]))
         for B in plan.batches:
             bar.set_postfix(residency=r, batch=B)
@@ -291,8 +288,7 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     cells = sweep_decode(engine, cfg, plan, counts, slots)
     part = {"path": path, "geometry": geo, "store": engine.store.describe(), "bytes": model_bytes(engine),
             "counts": counts, "slots": slots, "floors": floors, "cells": cells}
-    engine._decoders.clear()  # their graphs and static KV caches go with the engine, before the peers
-    engine.close()
+    engine.close()  # the decoders' graphs and static KV caches go with it, before the peers
     del engine
     free_memory()
     part["peers"] = run_peers(path, plan, _prompts(geo.vocab, plan), device, notes)

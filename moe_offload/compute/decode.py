@@ -1,37 +1,57 @@
 """The decode step's expert compute: routed experts read in place from the slot pool by row index.
 
-Legend: T tokens, K top-k, H hidden, N rows of the pool views (slots + scratch rows).
+Legend: T tokens, K top-k, H hidden, I intermediate, N rows of the pool views (slots + scratch rows).
 
-NVFP4 on CUDA: the fused W4A16 decode kernel (``kernels/decode_moe.py``: codes, block scales and
-global scales read straight from the pool rows, fp32 accumulation, no bf16 copy of any weight). Other
-formats and devices: the T*K routed rows are gathered (one ``index_select`` per bank, no host sync) and
-the configured compute runs on them. Either way nothing is read back to the host.
+NVFP4 on CUDA: a fused W4A16 decode kernel reads codes, block scales and global scales straight from
+the pool rows (fp32 accumulation, no bf16 copy of any weight), chosen by ``kernel``:
+- ``"gemv"``: ``kernels/decode_gemv.py`` (no tensor-core dot; for few tokens per expert);
+- ``"tiles"``: ``kernels/decode_moe.py`` (16-row tensor-core tiles);
+- ``"auto"``: gemv when T*K <= ``gemv_max_pairs`` of ``decode_gemv_tuning.json`` for the device and
+  shape (T and K are host-known shapes, so the choice is fixed per captured graph), else tiles.
+Other formats and devices: the T*K routed rows are gathered (one ``index_select`` per bank, no host
+sync) and the configured compute runs on them. Either way nothing is read back to the host.
 """
 
 from __future__ import annotations
 
 import torch
 
+KERNELS = ("auto", "gemv", "tiles")
+
 
 class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
-    def __init__(self, fmt, inner, device: torch.device, fused: bool):
+    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto"):
+        if kernel not in KERNELS:
+            raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
+        self.kernel = kernel
         self.fused = fused and fmt.is_quantized and device.type == "cuda"
         self.name = "triton_decode" if self.fused else f"{inner.name}+row_gather"
         if self.fused:
+            from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
             from moe_offload.kernels.decode_moe import decode_moe_nvfp4
 
-            self._fn = decode_moe_nvfp4
+            self._gemv, self._tiles = decode_gemv_nvfp4, decode_moe_nvfp4
 
     def bind(self, stats) -> None:
         self.inner.bind(stats)
 
+    def pick(self, device: torch.device, T: int, K: int, H: int, I: int) -> str:
+        """``"gemv"`` or ``"tiles"`` for a call of T tokens, top-K, layer shape (H, I) on ``device``."""
+        if self.kernel != "auto":
+            return self.kernel
+        from moe_offload.kernels.decode_gemv import gemv_entry
+
+        return "gemv" if T * K <= gemv_entry(device, H, I).gemv_max_pairs else "tiles"
+
     def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
-        if self.fused:
-            return self._fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
         T, K = rows_TK.shape
+        if self.fused:
+            H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
+            fn = self._gemv if self.pick(hidden_TH.device, T, K, H, I) == "gemv" else self._tiles
+            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)

@@ -1,0 +1,353 @@
+"""NVFP4 W4A16 MoE for few tokens per expert (decode): GEMV kernels with no tensor-core dot, meant to run
+near the HBM floor. Drop-in for ``decode_moe.decode_moe_nvfp4`` (same signature and output contract).
+
+Legend: T tokens, K top-k (KP = next power of two), M = T*K routed pairs, N bank rows (slots + scratch),
+H hidden, I expert intermediate, BM pairs per program of kernel 1 (1 = one pair, no alignment).
+
+    y[t] = sum_k w[t,k] * down_r @ (silu(gate_r @ x_t) * (up_r @ x_t)),   r = rows[t, k]
+
+Why: at decode one expert serves ~1 token, so a 16-row tensor-core tile is mostly padding and the
+layer time is set by launches and by how many weight bytes are in flight, not by FLOPs.
+Launches (nothing is read back to the host; grids come from T, K, N, H, I only: graph-capturable):
+0. only when BM > 1: ``decode_moe.decode_align`` (one program) groups the pairs by row into blocks
+   of BM, so an expert's weight tile is read once for all its tokens (loop over them in registers).
+1. ``_gate_up_kernel``, program = (BM pairs of one row, BLOCK_N of the I outputs): loads
+   ``[BLOCK_N, BLOCK_K/2]`` bytes of gate and of up (contiguous along K: 16-byte loads), splits
+   nibbles into even/odd K columns, scales them, multiplies by x's even/odd columns into an fp32
+   ``[BM, BLOCK_N, BLOCK_K/2]`` accumulator, reduces over K once at the end; ``act [M, I]`` fp32 =
+   silu(gate * g0) * (up * g1).
+2. ``_down_sum_kernel``, program = (token, BLOCK_N of the H outputs): all KP pairs of the token at
+   once, a ``[KP, BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
+   reduction inside the program: deterministic, no atomics, no separate sum kernel) of w * g2 * down @ act.
+Pairs whose row is outside [0, N) (e.g. -1) contribute nothing (masked loads, weight 0).
+
+Numerics: ``code * block_scale`` is exact in fp32; products and sums in fp32; the intermediate
+activation stays fp32; one rounding to ``out_dtype`` at the end.
+Tiles come from ``decode_gemv_tuning.json`` (keyed by GPU name, shape (H, I) and T*K), as does the
+largest T*K for which ``compute/decode.py``'s "auto" picks this kernel over ``decode_moe``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.decode_moe import decode_align
+from moe_offload.kernels.fused_moe import _HIDDEN_DTYPES, _check_inputs
+from moe_offload.kernels.fused_moe_tuning import device_name, shape_key
+from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_guard, e2m1_to_f32
+
+GEMV_TUNING_PATH = Path(__file__).with_name("decode_gemv_tuning.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiles (data: decode_gemv_tuning.json)
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and not x & (x - 1)
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Tiles of one GEMV kernel: output rows and K columns per step of a program, warps."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+
+    def __post_init__(self):
+        if not _pow2(self.block_n) or not _pow2(self.block_k) or self.block_k < 32 or self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"invalid tiles {self}: block_n a power of two, block_k a power of two >= 32 "
+                             "(whole scale blocks of 16), num_warps a power of two <= 16")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``block_m`` pairs of one row per gate_up program (1: one pair each, no alignment launch),
+    plus the tiles of the two kernels."""
+
+    block_m: int
+    gate_up: GemvTiles
+    down: GemvTiles
+
+    def __post_init__(self):
+        if not _pow2(self.block_m) or self.block_m > 16:
+            raise ValueError(f"block_m={self.block_m}: must be a power of two in [1, 16] (registers per program)")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "GemvConfig":
+        try:
+            return cls(int(d["block_m"]), GemvTiles(**d["gate_up"]), GemvTiles(**d["down"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: bad decode-gemv config {d!r} ({exc}); expected "
+                             '{"block_m": int, "gate_up": {"block_n", "block_k", "num_warps"}, "down": {...}}') from exc
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GemvShapeEntry:
+    """One (device, shape) entry: the largest T*K for which "auto" picks this kernel, and tiles
+    by T*K bucket (the smallest bucket >= T*K, else the largest)."""
+
+    gemv_max_pairs: int
+    buckets: dict
+
+    def config(self, pairs: int) -> GemvConfig:
+        for m, cfg in self.buckets.items():
+            if pairs <= m:
+                return cfg
+        return next(reversed(self.buckets.values()))
+
+
+@functools.lru_cache(maxsize=4)
+def load_gemv_tuning(path: str | Path = GEMV_TUNING_PATH) -> dict:
+    """``{device: {shape key or "default": GemvShapeEntry}}``; raises ValueError naming a bad key."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if data.get("schema") != 1 or not isinstance(data.get("devices"), dict):
+        raise ValueError(f"{path}: expected {{'schema': 1, 'devices': {{...}}}}, got keys {sorted(data)}")
+    table = {}
+    for dev, shapes in data["devices"].items():
+        table[dev] = {}
+        for shape, entry in shapes.items():
+            where = f"{path}: devices[{dev!r}][{shape!r}]"
+            if not isinstance(entry.get("gemv_max_pairs"), int) or not entry.get("buckets"):
+                raise ValueError(f"{where}: needs an int 'gemv_max_pairs' and non-empty 'buckets'")
+            buckets = {}
+            for m, cfg in entry["buckets"].items():
+                if not str(m).isdigit():
+                    raise ValueError(f"{where}['buckets'][{m!r}]: bucket keys are max routed pairs (T*K) as integers")
+                buckets[int(m)] = GemvConfig.from_dict(cfg, f"{where}['buckets'][{m!r}]")
+            table[dev][shape] = GemvShapeEntry(entry["gemv_max_pairs"], dict(sorted(buckets.items())))
+    if "default" not in table.get("default", {}):
+        raise ValueError(f"{path}: needs devices['default']['default'] (the fallback entry)")
+    return table
+
+
+def gemv_entry(device: torch.device, hidden: int, inter: int) -> GemvShapeEntry:
+    """The tuning entry of ``device`` and shape (H, I): the device's, else "default"; the shape's, else
+    that device's "default", else the global default."""
+    table = load_gemv_tuning()
+    shapes = table.get(device_name(device), table["default"])
+    return shapes.get(shape_key(hidden, inter)) or shapes.get("default") or table["default"]["default"]
+
+
+def gemv_config_for(device: torch.device, hidden: int, inter: int, pairs: int) -> GemvConfig:
+    """Tiles for a call with layer shape (H, I) and ``pairs`` = T*K routed pairs."""
+    return gemv_entry(device, hidden, inter).config(pairs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _nvfp4_halves(q_ptrs, s_ptrs, mask):
+    """Even/odd K columns (fp32, ``code * block_scale``, exact) of the bytes at ``q_ptrs``; the byte
+    at K offset b uses the scale at ``s_ptrs`` (b // 8: repeated addresses, served by L1)."""
+    packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    return e2m1_to_f32(packed & 15) * scale, e2m1_to_f32(packed >> 4) * scale
+
+
+@triton.jit
+def _k_columns_left(offs_kb, k_left, EVEN_K: tl.constexpr):
+    """Mask of the bytes of one K step (``k_left`` K columns remain). With EVEN_K the mask is all true
+    and constant along K, which keeps the weight loads 16-byte vectors."""
+    if EVEN_K:
+        return offs_kb >= 0
+    return offs_kb < k_left // 2
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, stride_xt,  # hidden [T, H]
+    q_ptr, stride_qn, stride_qr,  # w13_q [N, 2I, H/2] u8
+    s_ptr, stride_sn, stride_sr,  # w13_s [N, 2I, H/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32: gate, up, down globals
+    rows_ptr,  # [M] bank row of each pair (BLOCK_M == 1)
+    sorted_ids_ptr, block_row_ptr, num_padded_ptr,  # decode_align output (BLOCK_M > 1)
+    act_ptr,  # [M, I] f32
+    M, N, H, I, TOPK,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    if BLOCK_M == 1:
+        row = tl.load(rows_ptr + pid_m)
+        if (row < 0) | (row >= N):
+            return
+        pair = pid_m + tl.arange(0, 1)
+    else:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        row = tl.load(block_row_ptr + pid_m)
+        pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row = row.to(tl.int64)
+    valid_m = pair < M
+    token = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kb = tl.arange(0, BLOCK_K // 2)  # byte b holds K columns 2b (low nibble) and 2b+1
+
+    # [BN, BK/2] weight tiles (gate rows n, up rows I + n), [BM, 1, BK/2] activations
+    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
+    x_ptrs = x_ptr + token[:, None, None] * stride_xt + 2 * offs_kb[None, None, :]
+    up_q, up_s = I * stride_qr, I * stride_sr
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
+        w_mask = (offs_n[:, None] < I) & k_ok[None, :]
+        x_mask = valid_m[:, None, None] & k_ok[None, None, :]
+        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
+        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask)
+        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask)
+        acc_g += x_even * g_lo[None, :, :] + x_odd * g_hi[None, :, :]
+        acc_u += x_even * u_lo[None, :, :] + x_odd * u_hi[None, :, :]
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+        x_ptrs += BLOCK_K
+
+    gate = tl.sum(acc_g, axis=2) * tl.load(g_ptr + row * stride_gn)
+    up = tl.sum(acc_u, axis=2) * tl.load(g_ptr + row * stride_gn + 1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + offs_n[None, :]
+    tl.store(act_ptrs, act, mask=valid_m[:, None] & (offs_n[None, :] < I))
+
+
+@triton.jit
+def _down_sum_kernel(
+    act_ptr,  # [M, I] f32
+    q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
+    s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32
+    rows_ptr, w_ptr,  # [M] bank rows, [M] f32 routing weights
+    out_ptr, stride_ot,  # [T, H]
+    N, H, I, TOPK,
+    KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1).to(tl.int64)
+    offs_k = tl.arange(0, KP)
+    pair = t * TOPK + offs_k
+    row = tl.load(rows_ptr + pair, mask=offs_k < TOPK, other=-1).to(tl.int64)
+    ok = (offs_k < TOPK) & (row >= 0) & (row < N)
+    row = tl.where(ok, row, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+
+    # [KP, BN, BK/2] weight tiles of the token's pairs, [KP, 1, BK/2] activations
+    base = (row * stride_qn)[:, None, None] + (offs_n * stride_qr)[None, :, None]
+    q_ptrs = q_ptr + base + offs_kb[None, None, :]
+    s_ptrs = (s_ptr + (row * stride_sn)[:, None, None] + (offs_n * stride_sr)[None, :, None]
+              + (offs_kb // BYTES_PER_SCALE)[None, None, :])
+    a_ptrs = act_ptr + (pair * I)[:, None, None] + 2 * offs_kb[None, None, :]
+    rows_ok = ok[:, None, None] & (offs_n < H)[None, :, None]
+
+    acc = tl.zeros((KP, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = _k_columns_left(offs_kb, I - k0, EVEN_K)[None, None, :]
+        a_mask = ok[:, None, None] & k_ok
+        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
+        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, rows_ok & k_ok)
+        acc += a_even * lo + a_odd * hi
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+        a_ptrs += BLOCK_K
+
+    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * tl.load(w_ptr + pair, mask=ok, other=0.0)
+    y = tl.sum(tl.sum(acc, axis=2) * scale[:, None], axis=0)  # [BN]
+    tl.store(out_ptr + t * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def decode_gemv_nvfp4(
+    hidden_TH: torch.Tensor,
+    rows_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    views: dict,
+    out_dtype: torch.dtype | None = None,
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """SwiGLU MoE over NVFP4 bank rows for few tokens per expert; no host sync, no bf16 weight copy.
+
+    Args (as ``decode_moe.decode_moe_nvfp4``):
+        hidden_TH: ``[T, H]`` bf16/fp16/fp32 activations.
+        rows_TK: ``[T, K]`` int32/int64 bank row of each routed pair; pairs outside [0, N) (e.g. -1)
+            are left out (they contribute nothing). Not range-checked on the host (that would sync).
+        weights_TK: ``[T, K]`` float routing weights (used in fp32).
+        views: NVFP4 bank views ``w13_q [N, 2I, H/2] u8``, ``w13_s [N, 2I, H/16] e4m3``,
+            ``w2_q [N, H, I/2] u8``, ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32``; rows contiguous.
+        out_dtype: output dtype (default ``hidden_TH.dtype``).
+        config: tiles; default ``gemv_config_for(device, H, I, T*K)``.
+
+    Returns:
+        ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1).
+    """
+    N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
+    out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _HIDDEN_DTYPES:
+        raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
+    T, K = rows_TK.shape
+    M = T * K
+    dev = hidden_TH.device
+    if M == 0:
+        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+    if N == 0:
+        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
+    if T > 65535:
+        raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
+    config = gemv_config_for(dev, H, I, M) if config is None else config
+    if config.block_m == 1 and M > 65535:
+        raise ValueError(f"T*K={M} pairs: with block_m=1 the grid holds at most 65535; use block_m > 1")
+    if hidden_TH.stride(1) != 1:
+        hidden_TH = hidden_TH.contiguous()
+    rows_M = rows_TK.reshape(-1).contiguous()
+    weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
+    act_MI = torch.empty((M, I), dtype=torch.float32, device=dev)
+    out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
+    q1, s1, q2, s2, gs = (views[k] for k in ("w13_q", "w13_s", "w2_q", "w2_s", "gs"))
+    gu, dn = config.gate_up, config.down
+    if config.block_m == 1:
+        align_args, num_blocks = (rows_M, rows_M, rows_M), M  # unused by the kernel when BLOCK_M == 1
+    else:
+        align = decode_align(rows_TK, N, config.block_m)
+        align_args = (align.sorted_ids_P, align.block_row_B, align.num_padded_1)
+        num_blocks = align.sorted_ids_P.numel() // config.block_m
+    with device_guard(dev):
+        _gate_up_kernel[(triton.cdiv(I, gu.block_n), num_blocks)](
+            hidden_TH, hidden_TH.stride(0),
+            q1, q1.stride(0), q1.stride(1),
+            s1, s1.stride(0), s1.stride(1),
+            gs, gs.stride(0),
+            rows_M, *align_args, act_MI,
+            M, N, H, I, K,
+            BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,
+        )
+        _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
+            act_MI,
+            q2, q2.stride(0), q2.stride(1),
+            s2, s2.stride(0), s2.stride(1),
+            gs, gs.stride(0),
+            rows_M, weights_M,
+            out_TH, out_TH.stride(0),
+            N, H, I, K,
+            KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,
+        )
+    return out_TH

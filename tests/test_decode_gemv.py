@@ -1,0 +1,140 @@
+"""decode_gemv_nvfp4 (kernels/decode_gemv.py) against the plain-torch reference (dequant + matmul in fp32)
+on awkward decode shapes, one pair per program and pairs grouped by row.
+
+Legend: T tokens, K top-k, N bank rows, H hidden, I intermediate.
+Without CUDA the kernels run in the Triton interpreter on CPU tensors (small shapes only).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat  # noqa: E402
+from moe_offload.kernels.decode_gemv import (  # noqa: E402
+    GemvConfig,
+    GemvTiles,
+    decode_gemv_nvfp4,
+    gemv_config_for,
+    gemv_entry,
+)
+from moe_offload.kernels.fused_moe import moe_reference  # noqa: E402
+from test_decode_moe import DEVICE, assert_close_to_scale, make_pool, routing  # noqa: E402
+
+FMT = Nvfp4ModelOptFormat()
+
+PER_PAIR = GemvConfig(1, GemvTiles(8, 32), GemvTiles(4, 32))  # many N tiles and K steps
+WIDE_K = GemvConfig(1, GemvTiles(16, 128), GemvTiles(16, 128))  # BLOCK_K > H, I: masked K tail
+GROUPED = GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64))  # align launch, 4 pairs per program
+CONFIGS = {"per-pair": PER_PAIR, "wide-k": WIDE_K, "grouped": GROUPED, "table": None}
+
+CASES = {  # T, K, N, H, I, routing (H, I multiples of 16 as NVFP4 needs; 48 and 80 are not powers of two)
+    "one-token-top1": (1, 1, 3, 32, 16, "random"),
+    "one-token-top8": (1, 8, 12, 48, 32, "random"),
+    "all-pairs-one-row": (9, 2, 4, 32, 16, "all-row-2"),
+    "duplicate-row-in-a-token": (3, 3, 5, 64, 16, "dup"),
+    "five-tokens-odd-K-odd-sizes": (5, 3, 6, 80, 48, "random"),
+}
+
+
+def run(case, dtype, config, seed=0, drop=()):
+    """(out, ref); ``drop`` lists (t, k) pairs routed to row -1, which the reference gets as weight 0."""
+    T, K, N, H, I, kind = CASES[case]
+    _, views = make_pool(N, H, I, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, dtype)
+    rows, weights = routing(T, K, N, kind, gen)
+    ref_weights = weights.clone()
+    for t, k in drop:
+        rows[t, k] = -1
+        ref_weights[t, k] = 0.0
+    out = decode_gemv_nvfp4(hidden, rows, weights, views, config=config)
+    ref_rows = rows.clamp(min=0)  # weight 0 makes the row irrelevant to the reference
+    ref = moe_reference(hidden.float(), ref_rows, ref_weights, *FMT.dequantize(views, torch.float32))
+    return out, ref
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+@pytest.mark.parametrize("case", CASES.keys())
+def test_decode_gemv_matches_the_fp32_reference(case, config):
+    out, ref = run(case, torch.float32, config)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    # Same exact NVFP4 weights, fp32 activations and fp32 accumulation; only summation order (<= 80
+    # terms per dot) and exp() differ: a few fp32 ulps (~1e-7). 1e-5 leaves two orders of margin,
+    # while a wrong nibble, scale, global, row or routing weight moves results by >= 1e-2.
+    assert_close_to_scale(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("config", [PER_PAIR, GROUPED], ids=["per-pair", "grouped"])
+def test_decode_gemv_leaves_out_pairs_routed_to_row_minus_one(config):
+    out, ref = run("five-tokens-odd-K-odd-sizes", torch.float32, config, drop=[(0, 1), (3, 0), (3, 2)])
+    assert_close_to_scale(out, ref, 1e-5)  # fp32: as above; a dropped pair that counted moves it by ~0.3
+
+
+@pytest.mark.parametrize("case", ["one-token-top8", "five-tokens-odd-K-odd-sizes"])
+def test_decode_gemv_matches_the_reference_in_bf16(case):
+    out, ref = run(case, torch.bfloat16, PER_PAIR)
+    assert out.dtype == torch.bfloat16
+    # bf16 input x is exact in both; the activation and sums stay fp32, so the only extra error is the
+    # final rounding to bf16, <= 2^-8 relative (2^-7 where the interpreter truncates); 1e-2 is ~1.3x that
+    # bound at the scale of max|ref|, and far below a wrong-weight error.
+    assert_close_to_scale(out, ref, 1e-2)
+
+
+def test_decode_gemv_reads_slot_rows_of_a_larger_pool_in_place():
+    _, views = make_pool(10, 32, 16, seed=4)  # rows 7 and 9, like scratch rows past the slots
+    hidden = torch.randn(1, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    rows = torch.tensor([[9, 7]], device=DEVICE, dtype=torch.int32)
+    weights = torch.tensor([[0.25, 0.75]], device=DEVICE)
+    out = decode_gemv_nvfp4(hidden, rows, weights, views, config=PER_PAIR)
+    ref = moe_reference(hidden, rows.long(), weights, *FMT.dequantize(views, torch.float32))
+    assert_close_to_scale(out, ref, 1e-5)  # fp32: as above
+
+
+def test_decode_gemv_with_no_tokens_returns_an_empty_output():
+    _, views = make_pool(2, 32, 16)
+    out = decode_gemv_nvfp4(torch.zeros(0, 32, device=DEVICE), torch.zeros(0, 8, dtype=torch.int64, device=DEVICE),
+                            torch.zeros(0, 8, device=DEVICE), views)
+    assert out.shape == (0, 32)
+
+
+def test_decode_gemv_names_the_mismatched_input():
+    _, views = make_pool(2, 32, 16)
+    rows = torch.zeros(3, 1, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="hidden_TH"):
+        decode_gemv_nvfp4(torch.zeros(3, 64, device=DEVICE), rows, torch.ones(3, 1, device=DEVICE), views)
+    with pytest.raises(ValueError, match="out_dtype"):
+        decode_gemv_nvfp4(torch.zeros(3, 32, device=DEVICE), rows, torch.ones(3, 1, device=DEVICE), views,
+                          out_dtype=torch.int32)
+
+
+def test_gemv_tiles_reject_a_block_k_that_splits_a_scale_block():
+    with pytest.raises(ValueError, match="block_k"):
+        GemvTiles(8, 16)
+
+
+def test_the_shipped_gemv_tuning_table_covers_decode_sizes_and_sets_the_auto_threshold():
+    cpu = torch.device("cpu")
+    assert gemv_config_for(cpu, 2048, 768, 8).block_m == 1  # T = 1: one pair per program, no align launch
+    assert gemv_config_for(cpu, 2048, 768, 64 * 8).block_m > 1  # many tokens per expert: grouped
+    assert gemv_entry(cpu, 2560, 640).gemv_max_pairs >= 16 * 10  # auto picks gemv up to T = 16 at K <= 10
+
+
+def test_decode_compute_auto_picks_gemv_up_to_the_table_threshold_and_tiles_past_it():
+    from types import SimpleNamespace
+
+    from moe_offload.compute.decode import DecodeCompute
+
+    cpu = torch.device("cpu")
+    compute = DecodeCompute(SimpleNamespace(is_quantized=True), SimpleNamespace(name="x"), cpu, fused=True)
+    limit = gemv_entry(cpu, 2048, 768).gemv_max_pairs
+    assert compute.pick(cpu, limit // 8, 8, 2048, 768) == "gemv"
+    assert compute.pick(cpu, limit // 8 + 1, 8, 2048, 768) == "tiles"
+    forced = DecodeCompute(SimpleNamespace(is_quantized=True), SimpleNamespace(name="x"), cpu, fused=True, kernel="tiles")
+    assert forced.pick(cpu, 1, 8, 2048, 768) == "tiles"
+    with pytest.raises(ValueError, match="kernel"):
+        DecodeCompute(SimpleNamespace(is_quantized=True), SimpleNamespace(name="x"), cpu, fused=True, kernel="fast")

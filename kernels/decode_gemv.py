@@ -17,7 +17,7 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
    ``[BM, BLOCK_N, BLOCK_K/2]`` accumulator, reduces over K once at the end; ``act [M, I]`` fp32 =
    silu(gate * g0) * (up * g1).
 2. ``_down_sum_kernel``, program = (token, BLOCK_N of the H outputs): all KP pairs of the token at
-   once, a ``[KP, BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
+   once, a ``[KP * BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
    reduction inside the program: deterministic, no atomics, no separate sum kernel) of w * g2 * down @ act.
 Pairs whose row is outside [0, N) (e.g. -1) contribute nothing (masked loads, weight 0).
 
@@ -151,11 +151,15 @@ def gemv_config_for(device: torch.device, hidden: int, inter: int, pairs: int) -
 
 
 @triton.jit
-def _nvfp4_halves(q_ptrs, s_ptrs, mask):
-    """Even/odd K columns (fp32, ``code * block_scale``, exact) of the bytes at ``q_ptrs``; the byte
-    at K offset b uses the scale at ``s_ptrs`` (b // 8: repeated addresses, served by L1)."""
+def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask):
+    """Even/odd K columns (fp32, ``code * block_scale``, exact) of the ``[R, BK/2]`` bytes at ``q_ptrs``;
+    ``s_ptrs`` address the ``[R, BK/16]`` block scales, one per 8 bytes, broadcast here (one load per
+    scale rather than one per byte)."""
     packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    R: tl.constexpr = scale.shape[0]
+    S: tl.constexpr = scale.shape[1]
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
     return e2m1_to_f32(packed & 15) * scale, e2m1_to_f32(packed >> 4) * scale
 
 
@@ -166,6 +170,27 @@ def _k_columns_left(offs_kb, k_left, EVEN_K: tl.constexpr):
     if EVEN_K:
         return offs_kb >= 0
     return offs_kb < k_left // 2
+
+
+@triton.jit
+def _gate_up_one_pair(x_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """(gate, up) ``[1, BN]`` sums over K (before the globals) for one token's ``x_ptr`` row."""
+    acc_g = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
+    acc_u = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
+        w_mask = (offs_n[:, None] < I) & k_ok[None, :]
+        s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
+        x_even = tl.load(x_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        x_odd = tl.load(x_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
+        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
+        acc_g += x_even * g_lo + x_odd * g_hi
+        acc_u += x_even * u_lo + x_odd * u_hi
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
 
 
 @triton.jit
@@ -200,28 +225,34 @@ def _gate_up_kernel(
 
     # [BN, BK/2] weight tiles (gate rows n, up rows I + n), [BM, 1, BK/2] activations
     q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
-    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + (offs_kb // BYTES_PER_SCALE)[None, :]
+    offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)  # [BN, BK/16] scales
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_sb[None, :]
     x_ptrs = x_ptr + token[:, None, None] * stride_xt + 2 * offs_kb[None, None, :]
     up_q, up_s = I * stride_qr, I * stride_sr
 
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
-        w_mask = (offs_n[:, None] < I) & k_ok[None, :]
-        x_mask = valid_m[:, None, None] & k_ok[None, None, :]
-        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
-        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask)
-        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask)
-        acc_g += x_even * g_lo[None, :, :] + x_odd * g_hi[None, :, :]
-        acc_u += x_even * u_lo[None, :, :] + x_odd * u_hi[None, :, :]
-        q_ptrs += BLOCK_K // 2
-        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
-        x_ptrs += BLOCK_K
-
-    gate = tl.sum(acc_g, axis=2) * tl.load(g_ptr + row * stride_gn)
-    up = tl.sum(acc_u, axis=2) * tl.load(g_ptr + row * stride_gn + 1)
+    if BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
+        gate, up = _gate_up_one_pair(x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt, q_ptrs, s_ptrs, up_q, up_s,
+                                     offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
+            w_mask = (offs_n[:, None] < I) & k_ok[None, :]
+            s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
+            x_mask = valid_m[:, None, None] & k_ok[None, None, :]
+            x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+            x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
+            g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
+            u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
+            acc_g += x_even * g_lo[None, :, :] + x_odd * g_hi[None, :, :]
+            acc_u += x_even * u_lo[None, :, :] + x_odd * u_hi[None, :, :]
+            q_ptrs += BLOCK_K // 2
+            s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+            x_ptrs += BLOCK_K
+        gate, up = tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2)
+    gate = gate * tl.load(g_ptr + row * stride_gn)
+    up = up * tl.load(g_ptr + row * stride_gn + 1)
     act = gate / (1.0 + tl.exp(-gate)) * up
     act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + offs_n[None, :]
     tl.store(act_ptrs, act, mask=valid_m[:, None] & (offs_n[None, :] < I))
@@ -240,37 +271,39 @@ def _down_sum_kernel(
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
-    offs_k = tl.arange(0, KP)
-    pair = t * TOPK + offs_k
-    row = tl.load(rows_ptr + pair, mask=offs_k < TOPK, other=-1).to(tl.int64)
-    ok = (offs_k < TOPK) & (row >= 0) & (row < N)
+    # R = KP * BLOCK_N tile rows: row r is output n = r % BLOCK_N of the token's pair k = r // BLOCK_N
+    offs_r = tl.arange(0, KP * BLOCK_N)
+    k = offs_r // BLOCK_N
+    offs_n = pid_n * BLOCK_N + offs_r % BLOCK_N
+    pair = t * TOPK + k
+    row = tl.load(rows_ptr + pair, mask=k < TOPK, other=-1).to(tl.int64)
+    ok = (k < TOPK) & (row >= 0) & (row < N)
     row = tl.where(ok, row, 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = ok & (offs_n < H)
     offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)
 
-    # [KP, BN, BK/2] weight tiles of the token's pairs, [KP, 1, BK/2] activations
-    base = (row * stride_qn)[:, None, None] + (offs_n * stride_qr)[None, :, None]
-    q_ptrs = q_ptr + base + offs_kb[None, None, :]
-    s_ptrs = (s_ptr + (row * stride_sn)[:, None, None] + (offs_n * stride_sr)[None, :, None]
-              + (offs_kb // BYTES_PER_SCALE)[None, None, :])
-    a_ptrs = act_ptr + (pair * I)[:, None, None] + 2 * offs_kb[None, None, :]
-    rows_ok = ok[:, None, None] & (offs_n < H)[None, :, None]
+    # [R, BK/2] weight bytes, [R, BK/16] scales, [R, BK/2] even activations (repeated over n: L1)
+    q_ptrs = q_ptr + (row * stride_qn + offs_n * stride_qr)[:, None] + offs_kb[None, :]
+    s_ptrs = s_ptr + (row * stride_sn + offs_n * stride_sr)[:, None] + offs_sb[None, :]
+    a_ptrs = act_ptr + (pair * I)[:, None] + 2 * offs_kb[None, :]
 
-    acc = tl.zeros((KP, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    acc = tl.zeros((KP * BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k_ok = _k_columns_left(offs_kb, I - k0, EVEN_K)[None, None, :]
-        a_mask = ok[:, None, None] & k_ok
-        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_ptrs + 1, mask=a_mask, other=0.0)
-        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, rows_ok & k_ok)
+        k_ok = _k_columns_left(offs_kb, I - k0, EVEN_K)[None, :]
+        s_ok = _k_columns_left(offs_sb * BYTES_PER_SCALE, I - k0, EVEN_K)[None, :]
+        a_even = tl.load(a_ptrs, mask=ok[:, None] & k_ok, other=0.0)
+        a_odd = tl.load(a_ptrs + 1, mask=ok[:, None] & k_ok, other=0.0)
+        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, rows_ok[:, None] & k_ok, rows_ok[:, None] & s_ok)
         acc += a_even * lo + a_odd * hi
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
         a_ptrs += BLOCK_K
 
     scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * tl.load(w_ptr + pair, mask=ok, other=0.0)
-    y = tl.sum(tl.sum(acc, axis=2) * scale[:, None], axis=0)  # [BN]
-    tl.store(out_ptr + t * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=offs_n < H)
+    y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * scale, (KP, BLOCK_N)), axis=0)  # fixed-order sum over pairs
+    offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + t * stride_ot + offs_y, y.to(out_ptr.dtype.element_ty), mask=offs_y < H)
 
 
 # ---------------------------------------------------------------------------------------------

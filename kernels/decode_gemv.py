@@ -13,8 +13,9 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
    of BM, so an expert's weight tile is read once for all its tokens (loop over them in registers).
 1. ``_gate_up_kernel``, program = (BM pairs of one row, BLOCK_N of the I outputs): loads
    ``[BLOCK_N, BLOCK_K/2]`` bytes of gate and of up (contiguous along K: 16-byte loads), splits
-   nibbles into even/odd K columns, scales them, multiplies by x's even/odd columns into an fp32
-   ``[BM, BLOCK_N, BLOCK_K/2]`` accumulator, reduces over K once at the end; ``act [M, I]`` fp32 =
+   nibbles into even/odd K columns, scales them (one load per block scale, broadcast in registers),
+   multiplies by x's even/odd columns into an fp32 ``[BLOCK_N, BLOCK_K/2]`` accumulator (BM = 1; else
+   ``[BM, BLOCK_N, BLOCK_K/2]``), reduces over K once at the end; ``act [M, I]`` fp32 =
    silu(gate * g0) * (up * g1).
 2. ``_down_sum_kernel``, program = (token, BLOCK_N of the H outputs): all KP pairs of the token at
    once, a ``[KP * BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
@@ -371,7 +372,8 @@ def decode_gemv_nvfp4(
             gs, gs.stride(0),
             rows_M, *align_args, act_MI,
             M, N, H, I, K,
-            BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0, num_warps=gu.num_warps,
+            BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
+            num_warps=gu.num_warps,
         )
         _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
             act_MI,
@@ -381,6 +383,7 @@ def decode_gemv_nvfp4(
             rows_M, weights_M,
             out_TH, out_TH.stride(0),
             N, H, I, K,
-            KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, num_warps=dn.num_warps,
+            KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
+            num_warps=dn.num_warps,
         )
     return out_TH

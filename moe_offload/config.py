@@ -195,6 +195,9 @@ class ComputeConfig(_Strict):
     backend: Literal["auto", "torch", "triton"] = "auto"
     cuda_graphs: bool = Field(True, description="replay the prefill expert compute of a seen prompt-chunk length "
                               "as a CUDA graph (CUDA only; cuts ~40 launches per layer to one)")
+    decode_kernel: Literal["auto", "gemv", "tiles"] = Field(
+        "auto", description="NVFP4 decode kernel on CUDA: gemv (kernels/decode_gemv.py), tiles "
+        "(kernels/decode_moe.py), auto = gemv up to the routed-pair count in decode_gemv_tuning.json")
     fused_norms: bool = Field(True, description="on CUDA, each RMSNorm of the model runs as one fused kernel "
                               "(kernels/rmsnorm.py) and so does rotary (kernels/rotary.py, qwen3_moe and mixtral); "
                               "a decode step is launch-bound")

@@ -143,10 +143,7 @@ class PrefillConfig(_Strict):
             old = data.pop("hit_d2d")
             if not isinstance(old, bool):
                 raise ValueError(f"prefill.hit_d2d (deprecated) must be a boolean, got {old!r}; use prefill.hit_copy")
-            if old is False:
-                if data.get("hit_copy", "off") != "off":
-                    raise ValueError("prefill.hit_d2d=false contradicts prefill.hit_copy; drop hit_d2d (deprecated) "
-                                     "and set prefill.hit_copy: off")
+            if old is False:  # the old switch wins over a hit_copy from the file it overrides
                 data["hit_copy"] = "off"
             _deprecated("prefill.hit_d2d", "prefill.hit_copy (off | auto | batch_memcpy | gather)")
         if "hit_d2d_on_unavailable" in data:
@@ -166,7 +163,7 @@ class PrefillConfig(_Strict):
 def _deprecated(old: str, new: str) -> None:
     from moe_offload import log
 
-    log.log_once(f"config_key_deprecated:{old}", "config_key_deprecated", 30, key=old, use=new,
+    log.log_once(f"config_key_deprecated:{old}", "config_key_deprecated", 30, old_key=old, use=new,
                  detail="accepted in this release only")
 
 

@@ -78,3 +78,17 @@ def test_config_and_the_checkpoint_writer_share_one_preset_table():
     from moe_offload.checkpoint import synthetic
 
     assert config.PRESETS == tuple(presets.PRESETS) and synthetic.PRESETS is presets.PRESETS
+
+
+def test_the_deprecated_hit_d2d_switch_still_turns_the_hit_copy_off_with_one_event():
+    import io
+    import json
+
+    from moe_offload import log
+
+    buf = io.StringIO()
+    log.configure("INFO", "json", stream=buf)
+    cfg = load_config(None, ["prefill.hit_d2d=false"])  # the embedded file says hit_copy: auto
+    assert cfg.prefill.hit_copy == "off"
+    events = [json.loads(line) for line in buf.getvalue().splitlines()]
+    assert [e["old_key"] for e in events if e["event"] == "config_key_deprecated"] == ["prefill.hit_d2d"]

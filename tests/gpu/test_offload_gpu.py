@@ -68,7 +68,7 @@ def test_outputs_identical_with_hit_d2d_on_both_kinds_and_off(real_rows_ckpt, re
     ids = torch.randint(3, 150000, (1, 512), generator=torch.Generator().manual_seed(0))
     outs = {}
     for mode in ("batch_memcpy", "gather", "off"):
-        extra = ["prefill.hit_d2d=false"] if mode == "off" else [f"prefill.hit_copy={mode}"]
+        extra = ["prefill.hit_copy=off"] if mode == "off" else [f"prefill.hit_copy={mode}"]
         eng = _engine(real_rows_ckpt, "cache.budget=1.0", *extra)
         _set_residency(eng, residency)
         eng.cache.reset()
@@ -93,4 +93,4 @@ def test_no_fallback_event_after_a_warmed_up_prefill(real_rows_ckpt):
     eng.prefill(torch.randint(3, 150000, (1, 256)))
     events = [json.loads(x)["event"] for x in buf.getvalue().splitlines()]
     assert "prefill_hit_d2d_unavailable" not in events
-    assert eng.cache.hit_mode == "batch_memcpy" and eng.cache.stats()["hit_d2d_fallbacks"] == {}
+    assert eng.cache.hit_path == "batch_memcpy" and eng.cache.stats()["hit_d2d_fallbacks"] == {}

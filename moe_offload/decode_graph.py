@@ -101,6 +101,7 @@ class StaticDecoder:
             cache.step_boundary()
             self.graph.replay()
             cache.decode_step_enqueued()
+            cache.counters.compute["decode_graph_replays"] += 1
             return self.logits_BV
         if self.graphs and self._declined is None and self._eager_steps >= 1:
             cache.step_boundary()

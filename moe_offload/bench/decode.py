@@ -246,7 +246,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "routed_experts_per_step": (hits + misses) / n, "missed_experts_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
         "pcie_bytes_per_step": {"total": (uva + h2d) / n, "decode_uva": uva / n, "decode_h2d": h2d / n},
-        "graph": {"captures": stats["compute"].get("decode_graph_captures", 0), "declined": stats["declined"]},
+        "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
+                  "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
     }
 
 

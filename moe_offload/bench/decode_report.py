@@ -122,7 +122,8 @@ def _cells_table(result: dict) -> list[str]:
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
-        graph = "captured" if c["graph"]["captures"] else ("declined" if c["graph"]["declined"] else "eager")
+        g = c["graph"]
+        graph = "replayed" if g.get("replays") else ("declined" if g["declined"] else "eager")
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
                      f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}) | "

@@ -26,6 +26,7 @@ from moe_offload.compute.decode import DecodeCompute
 from moe_offload.experts import OffloadedExperts, offloaded_experts
 from moe_offload.formats import get_format
 from moe_offload.guards import finite_logits
+from moe_offload.sampling import sample_tokens
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
 
@@ -271,19 +272,7 @@ class Engine:
 
     def _sample(self, logits_BV: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         d = self.cfg.decode
-        if d.temperature == 0:
-            return logits_BV.argmax(-1)
-        scores = logits_BV.float() / d.temperature
-        if d.top_k:
-            kth = torch.topk(scores, min(d.top_k, scores.shape[-1])).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if d.top_p < 1.0:
-            sorted_s, idx = torch.sort(scores, descending=True)
-            cum = sorted_s.softmax(-1).cumsum(-1)
-            drop = cum - sorted_s.softmax(-1) > d.top_p
-            scores = scores.scatter(-1, idx, sorted_s.masked_fill(drop, float("-inf")))
-        probs = scores.softmax(-1)
-        return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits_BV.device)
+        return sample_tokens(logits_BV, d.temperature, d.top_k, d.top_p, gen)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -1,5 +1,5 @@
-"""Per-request sampling parameters and the sampler (the same math as ``Engine._sample``, one row at a
-time so every request keeps its own parameters and seeded generator).
+"""Per-request sampling parameters and the sampler (``moe_offload.sampling``, one row at a time so every
+request keeps its own parameters and seeded generator).
 
 Legend: B rows in the decode batch, V vocab.
 """
@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+from moe_offload.sampling import sample_tokens
 
 
 class RequestError(ValueError):
@@ -51,18 +53,8 @@ class SamplingParams:
 
 
 def sample_row(logits_1V: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> torch.Tensor:
-    """One sampled id ``[1]`` from ``logits_1V [1, V]`` (top-k, then top-p, then a seeded multinomial)."""
-    scores = logits_1V.float() / p.temperature
-    if p.top_k:
-        kth = torch.topk(scores, min(p.top_k, scores.shape[-1])).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_s, idx = torch.sort(scores, descending=True)
-        cum = sorted_s.softmax(-1).cumsum(-1)
-        drop = cum - sorted_s.softmax(-1) > p.top_p
-        scores = scores.scatter(-1, idx, sorted_s.masked_fill(drop, float("-inf")))
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1)
+    """One sampled id ``[1]`` (on the host) from ``logits_1V [1, V]`` (top-k, then top-p, then a seeded multinomial)."""
+    return sample_tokens(logits_1V, p.temperature, p.top_k, p.top_p, gen).cpu()
 
 
 def sample(logits_BV: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator]) -> list[int]:

@@ -29,14 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.fused_moe import (
-    _HIDDEN_DTYPES,
-    MoeAlignment,
-    _check_inputs,
-    down_weighted,
-    gate_up_silu,
-    max_padded_pairs,
-)
+from moe_offload.kernels.fused_moe import run_fused
+from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
 from moe_offload.kernels.nvfp4 import device_guard
 
@@ -131,27 +125,4 @@ def decode_moe_nvfp4(
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
-    N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
-    out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
-    if out_dtype not in _HIDDEN_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
-    T, K = rows_TK.shape
-    M = T * K
-    dev = hidden_TH.device
-    if M == 0:
-        return torch.zeros((T, H), dtype=out_dtype, device=dev)
-    if N == 0:
-        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
-    if config is None:
-        config = decode_config_for(dev, H, I, M)
-    if hidden_TH.stride(1) != 1:
-        hidden_TH = hidden_TH.contiguous()
-    align = decode_align(rows_TK, N, config.block_m)
-    weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
-    act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
-    terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    gate_up_silu(hidden_TH, views, align, act_MI, K, config)
-    down_weighted(act_MI, views, weights_M, align, terms_MH, config)
-    if K == 1:
-        return terms_MH
-    return terms_MH.view(T, K, H).sum(dim=1)
+    return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align)

@@ -256,6 +256,13 @@ def fused_moe_nvfp4(
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` in the compute dtype, plus
         ``terms [T*K, H]`` in ``out_dtype`` when K > 1.
     """
+    return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, config_for, moe_align)
+
+
+def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align) -> torch.Tensor:
+    """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
+    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K.
+    ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
     N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
     out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
     if out_dtype not in _HIDDEN_DTYPES:
@@ -268,17 +275,16 @@ def fused_moe_nvfp4(
     if N == 0:
         raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
     if config is None:
-        config = config_for(dev, H, I, M)
+        config = default_config(dev, H, I, M)
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
-
-    align = moe_align(rows_TK, N, config.block_m)
+    alignment = align(rows_TK, N, config.block_m)
     weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
     act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
-    # K == 1: pair id == token id, so the down kernel can write the output rows directly.
+    # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    gate_up_silu(hidden_TH, views, align, act_MI, K, config)
-    down_weighted(act_MI, views, weights_M, align, terms_MH, config)
+    gate_up_silu(hidden_TH, views, alignment, act_MI, K, config)
+    down_weighted(act_MI, views, weights_M, alignment, terms_MH, config)
     if K == 1:
         return terms_MH
     return terms_MH.view(T, K, H).sum(dim=1)

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from moe_offload import log
-from moe_offload.config import ConfigError, OffloadConfig
+from moe_offload.config import ConfigError, OffloadConfig, parse_bytes
 from moe_offload.parallel import (
-    ResidencyMonitor, TpGroup, check_residency, close_tp, gather_hit_paths, gather_per_rank_bytes, init_tp,
-    make_reducer, rank_device, torchrun_identity,
+    ResidencyMonitor, TpGroup, agreed_auto_budget, check_residency, close_tp, gather_hit_paths,
+    gather_per_rank_bytes, init_tp, make_reducer, rank_device, torchrun_identity,
 )
 
 
@@ -56,6 +56,9 @@ def build_tp_engine(cfg: OffloadConfig, tp: TpGroup, progress: bool = True) -> T
     rcfg = cfg.model_copy(deep=True)
     rcfg.model.checkpoint = str(ensure_checkpoint(cfg.model, False))
     rcfg.device = str(tp.device)
+    if cfg.cache.budget.kind == "auto" and tp.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(tp.device)
+        rcfg.cache.budget = agreed_auto_budget(free, parse_bytes(cfg.cache.auto_reserve), tp.group)
     engine = Engine.from_config(rcfg, tp_rank=tp.rank, tp_size=tp.world_size,
                                 reduce=make_reducer(tp.group, "runtime"), progress=progress)
     check_residency(engine.cache, tp.group)

@@ -315,3 +315,18 @@ def gather_per_rank_bytes(cache, group: ProcessGroup | None = None) -> list[dict
     out: list[dict | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, per_rank_bytes(cache), group=group)
     return out
+
+
+# ---------------------------------------------------------------------------------------- budgets
+def agreed_auto_budget(free_bytes: int, reserve_bytes: int, group: ProcessGroup | None = None):
+    """``cache.budget: auto`` under TP: every rank sizes its pool from the SMALLEST free memory of the
+    group (a collective), so all ranks get the same slot count and stay in residency agreement.
+    Returns the byte budget (staging included, as ``auto`` is) every rank then uses."""
+    from moe_offload.config import Budget
+
+    mine = torch.tensor([int(free_bytes)], dtype=torch.int64, device=_comm_device(group))
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+    agreed = max(0, int(mine.item()) - int(reserve_bytes))  # HOST SYNC: once, at start-up
+    log.info_rank0("tp_budget_agreed", free_bytes_min=int(mine.item()), budget_bytes=agreed)
+    return Budget(kind="bytes", value=float(agreed))

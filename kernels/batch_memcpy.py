@@ -286,6 +286,17 @@ def _bind(path: str) -> _CudaRuntime:
                         lib.cudaGetLastError, get_error_name)
 
 
+def runtime_versions() -> tuple[str, str]:
+    """``("13.0", "13.2")``: the CUDA runtime torch loaded and the driver's CUDA version, as text
+    (raises ``BatchMemcpyUnavailable`` when the runtime cannot be bound)."""
+    rt = _resolve_runtime()
+
+    def text(v: int) -> str:
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    return text(rt.runtime_version), text(rt.driver_version)
+
+
 def _resolve_runtime() -> _CudaRuntime:
     """Bind the loaded CUDA runtime once per process; the outcome (or its failure) is cached."""
     global _runtime

@@ -272,3 +272,10 @@ def test_largest_threshold_below_the_row_size_wins(monkeypatch):
     monkeypatch.setattr(hc, "_hit_copy_table", lambda: table)
     assert [hc.choose_hit_copy("X", b) for b in (4096, 1 << 20, 1 << 24)] == ["gather", "batch_memcpy",
                                                                               "batch_memcpy"]
+
+
+def test_runtime_versions_are_reported_as_major_dot_minor(monkeypatch):
+    """The benchmarks' header reads them (it printed 'CUDA runtime unknown (ImportError)' when this was missing)."""
+    fake = bm._CudaRuntime("libcudart.so.13", 13000, 13020, "13.x", None, None, None, None)
+    monkeypatch.setattr(bm, "_resolve_runtime", lambda: fake)
+    assert bm.runtime_versions() == ("13.0", "13.2")

@@ -119,8 +119,8 @@ def bench_uva(device, reps: int, h2d_GBps: float) -> list[dict]:
     try:
         layouts = {f"exact rows (B mod 16 = {B % 16})": (buf[: E * B].view(E, B), B),
                    "rows padded to 16 B": (buf.view(E, B16), B16)}
-        for layout, (host_EB, row) in layouts.items():
-            host_dev = uva.mapped_device_view(host_EB, device)
+        for layout, (host_ER, row) in layouts.items():
+            host_dev = uva.mapped_device_view(host_ER, device)
             slot_of_E = torch.full((E,), -1, dtype=torch.int32, device=device)
             for n in MISSES:
                 pool = torch.empty(n, row, dtype=torch.uint8, device=device)
@@ -137,10 +137,10 @@ def bench_uva(device, reps: int, h2d_GBps: float) -> list[dict]:
                 # correctness of the copies (outside the timing): scratch row j holds the j-th missing id
                 rows = serve_misses(slot_of_E, ids, host_dev, pool, 0)
                 order = torch.sort(ids.view(-1)).values
-                ok = all(torch.equal(pool[j].cpu(), host_EB[int(order[j])]) for j in {0, n - 1})
+                ok = all(torch.equal(pool[j].cpu(), host_ER[int(order[j])]) for j in {0, n - 1})
                 results[-1]["bytes_equal"] = ok and bool((rows.view(-1) >= 0).all())
                 dst = torch.empty(n, row, dtype=torch.uint8, device=device)
-                ms = events_ms(lambda: dst.copy_(host_EB[:n], non_blocking=True), reps)
+                ms = events_ms(lambda: dst.copy_(host_ER[:n], non_blocking=True), reps)
                 results.append({"layout": layout, "row_bytes": row, "missing": n, "path": "copy engine (copy_ of n rows)",
                                 "ms": ms, "GBps": n * row / ms / 1e6})
                 del pool, dst
@@ -159,7 +159,7 @@ def pool_rows(views: dict, H: int, I: int) -> torch.Tensor:
 
 
 def make_layers(name: str, L: int, device):
-    """L layers of distinct random weights: ``([(pool_EB, views)], bank specs)``."""
+    """L layers of distinct random weights: ``([(pool_ER, views)], bank specs)``."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
 
     H, I, E, K = SHAPES[name]
@@ -188,8 +188,8 @@ def bench_layer(name: str, layers, specs, T: int, device, d2d_GBps: float, reps:
     floor_ms = U * row_bytes / d2d_GBps / 1e6
     offsets = bank_offsets(specs)
 
-    def dequant_grouped(pool_EB):
-        sub_UB = pool_EB.index_select(0, unique_U)
+    def dequant_grouped(pool_ER):
+        sub_UB = pool_ER.index_select(0, unique_U)
         sub_views = bank_views(specs, offsets, sub_UB)
 
         def dequant_rows(r0, r1):
@@ -255,26 +255,26 @@ def bench_step(name: str, T: int, device, reps: int) -> dict:
 
     H, I, E, K = SHAPES[name]
     B = nvfp4_row_bytes(H, I)
-    host_EB = pool_rows(random_banks(H, I, E, device), H, I).cpu()
-    if not uva.pin_mapped(host_EB):
+    host_ER = pool_rows(random_banks(H, I, E, device), H, I).cpu()
+    if not uva.pin_mapped(host_ER):
         raise RuntimeError("could not pin the host rows")
     try:
-        host_dev = uva.mapped_device_view(host_EB, device)
+        host_dev = uva.mapped_device_view(host_ER, device)
         S, X = int(E * RESIDENCY), min(T * K, E)
         gen = torch.Generator().manual_seed(0)
         resident = torch.randperm(E, generator=gen)[:S]
         slot_of_E = torch.full((E,), -1, dtype=torch.int32)
         slot_of_E[resident] = torch.arange(S, dtype=torch.int32)
         slot_of_E = slot_of_E.to(device)
-        pool_RB = torch.empty(S + X, B, dtype=torch.uint8, device=device)
-        pool_RB[:S] = host_dev[resident.to(device)]
+        pool_NR = torch.empty(S + X, B, dtype=torch.uint8, device=device)
+        pool_NR[:S] = host_dev[resident.to(device)]
         specs = Nvfp4ModelOptFormat().banks(H, I)
-        views = bank_views(specs, bank_offsets(specs), pool_RB)
+        views = bank_views(specs, bank_offsets(specs), pool_NR)
         ids_TK, weights_TK = random_routing(T, E, K, device, seed=3)
         hidden_TH = torch.randn(T, H, device=device).bfloat16()
 
         def step():
-            rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_RB, S)
+            rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_NR, S)
             return decode_moe_nvfp4(hidden_TH, rows_TK, weights_TK, views), rows_TK
 
         eager_out, eager_rows = step()
@@ -289,7 +289,7 @@ def bench_step(name: str, T: int, device, reps: int) -> dict:
         if hit is not None and miss is not None:
             s = int(slot_of_E[hit])
             slot_of_E[hit] = -1
-            pool_RB[s] = host_dev[miss]
+            pool_NR[s] = host_dev[miss]
             slot_of_E[miss] = s
         graph.replay()
         eager_out2, eager_rows2 = step()
@@ -310,7 +310,7 @@ def bench_step(name: str, T: int, device, reps: int) -> dict:
                 "table_changed": hit is not None and miss is not None, "sync_debug_error": sync_error,
                 "graph_ms": replay_ms, "eager_ms": eager_ms}
     finally:
-        uva.unpin([host_EB.data_ptr()])
+        uva.unpin([host_ER.data_ptr()])
 
 
 # --- report ----------------------------------------------------------------------------------------------

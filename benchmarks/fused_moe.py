@@ -44,8 +44,8 @@ def random_banks(H: int, I: int, E: int, device, seed: int = 0) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = Nvfp4ModelOptFormat().banks(H, I)
-    raw_EB = torch.randint(0, 256, (E, sum(s.nbytes for s in specs)), dtype=torch.uint8, device=device, generator=gen)
-    views = bank_views(specs, bank_offsets(specs), raw_EB)
+    raw_ER = torch.randint(0, 256, (E, sum(s.nbytes for s in specs)), dtype=torch.uint8, device=device, generator=gen)
+    views = bank_views(specs, bank_offsets(specs), raw_ER)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
         s.copy_((64.0 * (0.5 + 1.5 * torch.rand(s.shape, device=device, generator=gen))).to(torch.float8_e4m3fn))

@@ -1,14 +1,14 @@
 """Decode miss server (Triton): routed pair -> pool row, copying missing experts from mapped host memory.
 
-Legend: T tokens, K top-k, M = T*K routed pairs, E experts of the layer, B bytes of one expert row,
-R rows of the slot pool (S slots + scratch rows), X = min(M, E) scratch rows a step may need,
-W row words (B / word bytes), C chunks of a row.
+Legend: T tokens, K top-k, M = T*K routed pairs, E experts of the layer, R bytes of one expert row,
+N rows of the slot pool (S slots + scratch rows), X = min(M, E) scratch rows a step may need,
+W row words (R / word bytes), C chunks of a row.
 
 For every routed pair (t, k) with expert ``e = topk_ids_TK[t, k]``:
 - resident (``slot_of_E[e] >= 0``): ``rows_TK[t, k] = slot_of_E[e]``; nothing is copied;
 - missing: each distinct missing expert gets one scratch row ``scratch_base + j``, j its rank among the
   step's distinct missing experts in ascending expert id (deterministic), and SMs copy its host row
-  ``host_rows_EB[e]`` there; ``rows_TK[t, k] = scratch_base + j``. So ``rows_TK >= scratch_base``
+  ``host_rows_ER[e]`` there; ``rows_TK[t, k] = scratch_base + j``. So ``rows_TK >= scratch_base``
   marks exactly the missed pairs (free miss info for stats, no extra output);
 - an id outside [0, E) gets row -1 (the fused MoE kernels leave such pairs out) and copies nothing.
 
@@ -20,12 +20,12 @@ and the ids are read at replay time):
 2. ``_copy_kernel``, persistent: (missing expert, chunk of its row) work items, ``count * C`` of them,
    spread over a fixed grid (``ctas_per_sm`` x SMs), so one miss still uses many SMs. Rows are copied
    as int32 words where the rows allow it, with the alignment of the row starts passed as a constexpr so
-   Triton emits 16-byte vector loads when rows start on 16-byte boundaries (B % 16 == 0). The NVFP4
+   Triton emits 16-byte vector loads when rows start on 16-byte boundaries (R % 16 == 0). The NVFP4
    rows of Qwen3-30B-A3B (B = 2,654,220) and Flash-Next are only 4-byte aligned: padding the row
    stride of the host store and the pool to a multiple of 16 would give 16-byte vectors
    (``benchmarks/decode_kernels.py`` measures both).
 
-On CUDA, ``host_rows_EB`` must be a device tensor aliasing pinned, mapped host memory
+On CUDA, ``host_rows_ER`` must be a device tensor aliasing pinned, mapped host memory
 (``ExpertStore.device_rows(layer, device)``); the copy then reads it over PCIe (UVA). Under
 ``TRITON_INTERPRET=1`` every tensor is a CPU tensor and the same kernels run in the interpreter (CI).
 """
@@ -136,21 +136,21 @@ def _copy_kernel(src_ptr, dst_ptr, miss_ptr, count_ptr, row_words, src_stride_v,
             tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
 
 
-def _check(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base) -> None:
-    dev = pool_rows_RB.device if isinstance(pool_rows_RB, torch.Tensor) else None
-    for name, t in (("host_rows_EB", host_rows_EB), ("pool_rows_RB", pool_rows_RB)):
+def _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base) -> None:
+    dev = pool_rows_NR.device if isinstance(pool_rows_NR, torch.Tensor) else None
+    for name, t in (("host_rows_ER", host_rows_ER), ("pool_rows_NR", pool_rows_NR)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D uint8 tensor [rows, B], got "
+            raise ValueError(f"{name} must be a 2-D uint8 tensor [rows, R], got "
                              f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{name} rows must be contiguous (stride(1) == 1), got strides {tuple(t.stride())}")
-    if host_rows_EB.shape[1] != pool_rows_RB.shape[1]:
-        raise ValueError(f"row bytes differ: host_rows_EB {tuple(host_rows_EB.shape)} vs pool_rows_RB "
-                         f"{tuple(pool_rows_RB.shape)}")
-    if host_rows_EB.device != dev:
-        raise ValueError(f"host_rows_EB is on {host_rows_EB.device} but pool_rows_RB on {dev}; on CUDA pass the "
+    if host_rows_ER.shape[1] != pool_rows_NR.shape[1]:
+        raise ValueError(f"row bytes differ: host_rows_ER {tuple(host_rows_ER.shape)} vs pool_rows_NR "
+                         f"{tuple(pool_rows_NR.shape)}")
+    if host_rows_ER.device != dev:
+        raise ValueError(f"host_rows_ER is on {host_rows_ER.device} but pool_rows_NR on {dev}; on CUDA pass the "
                          "mapped device view of the host rows (ExpertStore.device_rows(layer, device))")
-    E = host_rows_EB.shape[0]
+    E = host_rows_ER.shape[0]
     if not isinstance(slot_of_E, torch.Tensor) or slot_of_E.dtype not in _INDEX_DTYPES or tuple(slot_of_E.shape) != (E,):
         raise ValueError(f"slot_of_E must be int32/int64 [E={E}], got {getattr(slot_of_E, 'dtype', None)} "
                          f"{tuple(getattr(slot_of_E, 'shape', ()))}")
@@ -159,22 +159,22 @@ def _check(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base) -> 
                          f"{tuple(getattr(topk_ids_TK, 'shape', ()))}")
     for name, t in (("slot_of_E", slot_of_E), ("topk_ids_TK", topk_ids_TK)):
         if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but pool_rows_RB on {dev}")
+            raise ValueError(f"{name} is on {t.device} but pool_rows_NR on {dev}")
     X = min(topk_ids_TK.numel(), E)
-    if not isinstance(scratch_base, int) or scratch_base < 0 or scratch_base + X > pool_rows_RB.shape[0]:
+    if not isinstance(scratch_base, int) or scratch_base < 0 or scratch_base + X > pool_rows_NR.shape[0]:
         raise ValueError(f"scratch_base={scratch_base!r}: rows scratch_base .. scratch_base + min(T*K, E) - 1 = "
-                         f"{scratch_base} .. {scratch_base + X - 1} must lie in pool_rows_RB's {pool_rows_RB.shape[0]} "
+                         f"{scratch_base} .. {scratch_base + X - 1} must lie in pool_rows_NR's {pool_rows_NR.shape[0]} "
                          "rows (size the pool as S slots + min(T*K, E) scratch rows for the largest T)")
 
 
-def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
-                pool_rows_RB: torch.Tensor, scratch_base: int) -> MissPlan:
+def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                pool_rows_NR: torch.Tensor, scratch_base: int) -> MissPlan:
     """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
     Arguments as for :func:`serve_misses`."""
-    _check(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base)
-    dev = pool_rows_RB.device
+    _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
+    dev = pool_rows_NR.device
     T, K = topk_ids_TK.shape
-    E = host_rows_EB.shape[0]
+    E = host_rows_ER.shape[0]
     M = T * K
     rows_TK = torch.empty((T, K), dtype=torch.int32, device=dev)
     miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
@@ -189,34 +189,34 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB
     return MissPlan(rows_TK, miss_experts_X, num_missing_1)
 
 
-def _word_layout(host_rows_EB: torch.Tensor, pool_rows_RB: torch.Tensor) -> tuple[torch.dtype, int, int]:
+def _word_layout(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor) -> tuple[torch.dtype, int, int]:
     """(word dtype, word bytes, VEC words of alignment shared by every row start of both tensors)."""
-    B = host_rows_EB.shape[1]
-    ptrs = [t.data_ptr() for t in (host_rows_EB, pool_rows_RB)]
-    strides = [t.stride(0) for t in (host_rows_EB, pool_rows_RB)]
+    R = host_rows_ER.shape[1]
+    ptrs = [t.data_ptr() for t in (host_rows_ER, pool_rows_NR)]
+    strides = [t.stride(0) for t in (host_rows_ER, pool_rows_NR)]
 
     def aligned(n: int) -> bool:
-        return B % n == 0 and all(p % n == 0 for p in ptrs) and all(s % n == 0 for s in strides)
+        return R % n == 0 and all(p % n == 0 for p in ptrs) and all(s % n == 0 for s in strides)
 
     word, dtype = (4, torch.int32) if aligned(4) else (1, torch.uint8)
     vec = next(v for v in (16 // word, 8 // word, 4 // word, 2 // word, 1) if v >= 1 and aligned(v * word))
     return dtype, word, vec
 
 
-def copy_misses(plan: MissPlan, host_rows_EB: torch.Tensor, pool_rows_RB: torch.Tensor, scratch_base: int,
+def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int,
                 config: MissCopyConfig | None = None) -> None:
     """Kernel 2 only (enqueue): copy the planned missing experts' host rows into their scratch rows."""
     config = config or MissCopyConfig()
-    B = host_rows_EB.shape[1]
-    X = min(plan.rows_TK.numel(), host_rows_EB.shape[0])
-    if X == 0 or B == 0:
+    R = host_rows_ER.shape[1]
+    X = min(plan.rows_TK.numel(), host_rows_ER.shape[0])
+    if X == 0 or R == 0:
         return
-    dtype, word, vec = _word_layout(host_rows_EB, pool_rows_RB)
-    src, dst = host_rows_EB.view(dtype), pool_rows_RB.view(dtype)
-    row_words = B // word
+    dtype, word, vec = _word_layout(host_rows_ER, pool_rows_NR)
+    src, dst = host_rows_ER.view(dtype), pool_rows_NR.view(dtype)
+    row_words = R // word
     block = min(config.chunk_bytes // word, triton.next_power_of_2(row_words))
     chunks = triton.cdiv(row_words, block)
-    dev = pool_rows_RB.device
+    dev = pool_rows_NR.device
     if dev.type == "cuda":
         sms = torch.cuda.get_device_properties(dev).multi_processor_count  # host-side property, no sync
     else:
@@ -228,16 +228,16 @@ def copy_misses(plan: MissPlan, host_rows_EB: torch.Tensor, pool_rows_RB: torch.
                            BLOCK=block, VEC=vec, num_warps=config.num_warps)
 
 
-def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
-                 pool_rows_RB: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None) -> torch.Tensor:
+def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                 pool_rows_NR: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None) -> torch.Tensor:
     """Pool row of every routed pair, with missing experts copied into scratch rows (no host sync).
 
     Args:
         slot_of_E: ``[E]`` int32/int64 slot of each expert of the layer, -1 = not resident.
         topk_ids_TK: ``[T, K]`` int32/int64 routed expert ids.
-        host_rows_EB: ``[E, B]`` uint8 host rows of the layer; on CUDA their mapped device view
+        host_rows_ER: ``[E, R]`` uint8 host rows of the layer; on CUDA their mapped device view
             (``ExpertStore.device_rows``), on CPU the rows themselves.
-        pool_rows_RB: ``[R, B]`` uint8 device pool; rows ``scratch_base .. scratch_base + min(T*K, E) - 1``
+        pool_rows_NR: ``[N, R]`` uint8 device pool; rows ``scratch_base .. scratch_base + min(T*K, E) - 1``
             are scratch (overwritten); resident slots are only read through ``rows_TK``.
         scratch_base: first scratch row.
         config: copy launch shape (default :class:`MissCopyConfig`).
@@ -247,15 +247,15 @@ def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_E
         j-th distinct missing expert (ascending id), -1 for ids outside [0, E). ``rows_TK >= scratch_base``
         is the step's miss mask. Ids are not range-checked on the host (that would sync).
     """
-    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_EB, pool_rows_RB, scratch_base)
-    copy_misses(plan, host_rows_EB, pool_rows_RB, scratch_base, config)
+    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
+    copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan.rows_TK
 
 
-def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_EB: torch.Tensor,
-                           pool_rows_RB: torch.Tensor, scratch_base: int) -> torch.Tensor:
+def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                           pool_rows_NR: torch.Tensor, scratch_base: int) -> torch.Tensor:
     """Plain-torch oracle of :func:`serve_misses` (syncs; tests only): same rows, same scratch contents."""
-    E = host_rows_EB.shape[0]
+    E = host_rows_ER.shape[0]
     ids = topk_ids_TK.long()
     valid = (ids >= 0) & (ids < E)
     slot = torch.where(valid, slot_of_E.long()[ids.clamp(0, max(E - 1, 0))], torch.zeros_like(ids))
@@ -263,5 +263,5 @@ def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, h
     pos = torch.searchsorted(missing, ids.clamp(0, max(E - 1, 0)))
     rows = torch.where(slot >= 0, slot, scratch_base + pos)
     for j, e in enumerate(missing.tolist()):
-        pool_rows_RB[scratch_base + j].copy_(host_rows_EB[e])
+        pool_rows_NR[scratch_base + j].copy_(host_rows_ER[e])
     return torch.where(valid, rows, -1).to(torch.int32)

@@ -54,9 +54,9 @@ def bank_offsets(specs: list[BankSpec]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def bank_views(specs: list[BankSpec], offsets: dict[str, tuple[int, int]], rows_NB: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Typed views ``[N, *shape]`` of every bank of ``rows_NB [N, bytes_per_expert]`` (no copy)."""
-    return {s.name: s.view(rows_NB[:, offsets[s.name][0]:offsets[s.name][0] + s.nbytes]) for s in specs}
+def bank_views(specs: list[BankSpec], offsets: dict[str, tuple[int, int]], rows_NR: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Typed views ``[N, *shape]`` of every bank of ``rows_NR [N, bytes_per_expert]`` (no copy)."""
+    return {s.name: s.view(rows_NR[:, offsets[s.name][0]:offsets[s.name][0] + s.nbytes]) for s in specs}
 
 
 class ExpertStore:
@@ -80,11 +80,15 @@ class ExpertStore:
         self._device_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         pinned_ptrs: list[int] = []
         E = self.num_experts
-        for layer in self.layers:
-            t = torch.empty((E, self.bytes_per_expert), dtype=torch.uint8)
-            if pin and _pin(t):
-                pinned_ptrs.append(t.data_ptr())
-            self._rows[layer] = t
+        try:
+            for layer in self.layers:
+                t = torch.empty((E, self.bytes_per_expert), dtype=torch.uint8)
+                if pin and _pin(t):
+                    pinned_ptrs.append(t.data_ptr())
+                self._rows[layer] = t
+        except BaseException:  # a layer failed to pin: unregister the ones before it, or their pages stay registered
+            _unpin(pinned_ptrs)
+            raise
         self.pinned = bool(pinned_ptrs)
         self._finalizer = weakref.finalize(self, _unpin, pinned_ptrs)
         if pin and not self.pinned and log.rank_info()[0] == 0:  # informational: rank 0 speaks for all

@@ -32,27 +32,27 @@ def setup(T, K, E, B, resident, seed=0, ids=None, S=None):
     """Random host rows, a pool of S slots + min(T*K, E) scratch rows filled with POISON, a table where
     the experts in ``resident`` sit in shuffled slots, and routed ids (random distinct per token)."""
     gen = torch.Generator().manual_seed(seed)
-    host_EB = torch.randint(0, 256, (E, B), dtype=torch.uint8, generator=gen)
+    host_ER = torch.randint(0, 256, (E, B), dtype=torch.uint8, generator=gen)
     S = max(len(resident), 1) if S is None else S
     X = min(T * K, E)
-    pool_RB = torch.full((S + X, B), POISON, dtype=torch.uint8)
+    pool_NR = torch.full((S + X, B), POISON, dtype=torch.uint8)
     slot_of_E = torch.full((E,), -1, dtype=torch.int32)
     slots = torch.randperm(S, generator=gen)[: len(resident)]
     for e, s in zip(resident, slots.tolist()):
         slot_of_E[e] = s
-        pool_RB[s] = host_EB[e]
+        pool_NR[s] = host_ER[e]
     if ids is None:
         ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
-    return (slot_of_E.to(DEVICE), ids.to(DEVICE), host_EB.to(DEVICE), pool_RB.to(DEVICE), S)
+    return (slot_of_E.to(DEVICE), ids.to(DEVICE), host_ER.to(DEVICE), pool_NR.to(DEVICE), S)
 
 
-def check_against_reference(slot_of_E, ids, host_EB, pool_RB, S, config=None):
-    ref_pool = pool_RB.clone()
-    want = serve_misses_reference(slot_of_E, ids, host_EB, ref_pool, S)
-    got = serve_misses(slot_of_E, ids, host_EB, pool_RB, S, config)
+def check_against_reference(slot_of_E, ids, host_ER, pool_NR, S, config=None):
+    ref_pool = pool_NR.clone()
+    want = serve_misses_reference(slot_of_E, ids, host_ER, ref_pool, S)
+    got = serve_misses(slot_of_E, ids, host_ER, pool_NR, S, config)
     assert got.dtype == torch.int32 and got.shape == ids.shape
     assert torch.equal(got, want)
-    assert torch.equal(pool_RB, ref_pool)  # scratch rows hold exactly the host rows; nothing else written
+    assert torch.equal(pool_NR, ref_pool)  # scratch rows hold exactly the host rows; nothing else written
     return got
 
 
@@ -75,37 +75,37 @@ def test_serve_misses_matches_the_reference(case, config):
 def test_all_pairs_to_one_missing_expert_copy_it_once_into_the_first_scratch_row():
     T, K, E, B = 6, 3, 5, 72
     ids = torch.full((T, K), 3)
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, [0, 1], ids=ids)
-    got = check_against_reference(slot_of_E, ids, host_EB, pool_RB, S, SMALL_CHUNKS)
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, [0, 1], ids=ids)
+    got = check_against_reference(slot_of_E, ids, host_ER, pool_NR, S, SMALL_CHUNKS)
     assert (got == S).all()
-    assert (pool_RB[S + 1:] == POISON).all()  # the other scratch rows are untouched
+    assert (pool_NR[S + 1:] == POISON).all()  # the other scratch rows are untouched
 
 
 def test_all_misses_take_one_scratch_row_per_distinct_expert_in_ascending_id():
     T, K, E, B = 3, 2, 6, 24
     ids = torch.tensor([[5, 1], [1, 4], [0, 5]])
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, [], ids=ids)
-    got = check_against_reference(slot_of_E, ids, host_EB, pool_RB, S)
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, [], ids=ids)
+    got = check_against_reference(slot_of_E, ids, host_ER, pool_NR, S)
     # distinct missing experts 0, 1, 4, 5 -> scratch rows S+0 .. S+3
     assert got.cpu().tolist() == [[S + 3, S + 1], [S + 1, S + 2], [S + 0, S + 3]]
 
 
 def test_all_hits_never_touch_scratch():
     T, K, E, B = 4, 2, 8, 40
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, list(range(E)))
-    before = pool_RB.clone()
-    got = serve_misses(slot_of_E, ids, host_EB, pool_RB, S, SMALL_CHUNKS)
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, list(range(E)))
+    before = pool_NR.clone()
+    got = serve_misses(slot_of_E, ids, host_ER, pool_NR, S, SMALL_CHUNKS)
     assert torch.equal(got, slot_of_E[ids.long()].to(torch.int32))
-    assert torch.equal(pool_RB, before)
-    assert (pool_RB[S:] == POISON).all()
+    assert torch.equal(pool_NR, before)
+    assert (pool_NR[S:] == POISON).all()
 
 
 def test_duplicates_across_tokens_share_one_scratch_row():
     T, K, E, B = 5, 2, 6, 32
     ids = torch.tensor([[2, 4], [4, 2], [2, 0], [4, 5], [0, 2]])
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, [5], ids=ids)
-    got = check_against_reference(slot_of_E, ids, host_EB, pool_RB, S)
-    plan = plan_misses(slot_of_E, ids, host_EB, pool_RB, S)
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, [5], ids=ids)
+    got = check_against_reference(slot_of_E, ids, host_ER, pool_NR, S)
+    plan = plan_misses(slot_of_E, ids, host_ER, pool_NR, S)
     assert int(plan.num_missing_1) == 3  # experts 0, 2, 4
     assert plan.miss_experts_X[:3].cpu().tolist() == [0, 2, 4]
     assert ((got >= S) == (ids != 5)).all()  # the miss mask
@@ -121,38 +121,38 @@ def test_qwen3_routing_shape_t64_k8_e128():
 def test_ids_outside_the_layer_get_row_minus_one_and_copy_nothing():
     T, K, E, B = 2, 2, 4, 16
     ids = torch.tensor([[0, 7], [-1, 2]])
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, [0], ids=ids)
-    got = check_against_reference(slot_of_E, ids, host_EB, pool_RB, S)
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, [0], ids=ids)
+    got = check_against_reference(slot_of_E, ids, host_ER, pool_NR, S)
     assert got.cpu().tolist()[0][1] == -1 and got.cpu().tolist()[1][0] == -1
 
 
 def test_a_table_change_is_read_at_the_next_call():
     T, K, E, B = 2, 2, 4, 16
-    slot_of_E, ids, host_EB, pool_RB, S = setup(T, K, E, B, [], ids=torch.tensor([[0, 1], [1, 2]]))
-    assert (serve_misses(slot_of_E, ids, host_EB, pool_RB, S) >= S).all()
+    slot_of_E, ids, host_ER, pool_NR, S = setup(T, K, E, B, [], ids=torch.tensor([[0, 1], [1, 2]]))
+    assert (serve_misses(slot_of_E, ids, host_ER, pool_NR, S) >= S).all()
     slot_of_E[1] = 0
-    got = serve_misses(slot_of_E, ids, host_EB, pool_RB, S)
+    got = serve_misses(slot_of_E, ids, host_ER, pool_NR, S)
     assert got.cpu().tolist() == [[S, 0], [0, S + 1]]
 
 
 def test_no_tokens_return_an_empty_row_table():
-    slot_of_E, _, host_EB, pool_RB, S = setup(1, 1, 3, 8, [0])
+    slot_of_E, _, host_ER, pool_NR, S = setup(1, 1, 3, 8, [0])
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
-    assert serve_misses(slot_of_E, ids, host_EB, pool_RB, S).shape == (0, 2)
+    assert serve_misses(slot_of_E, ids, host_ER, pool_NR, S).shape == (0, 2)
 
 
 def test_serve_misses_names_the_bad_input():
-    slot_of_E, ids, host_EB, pool_RB, S = setup(2, 2, 4, 16, [0])
+    slot_of_E, ids, host_ER, pool_NR, S = setup(2, 2, 4, 16, [0])
     with pytest.raises(ValueError, match="slot_of_E"):
-        serve_misses(slot_of_E[:3], ids, host_EB, pool_RB, S)
+        serve_misses(slot_of_E[:3], ids, host_ER, pool_NR, S)
     with pytest.raises(ValueError, match="topk_ids_TK"):
-        serve_misses(slot_of_E, ids.float(), host_EB, pool_RB, S)
+        serve_misses(slot_of_E, ids.float(), host_ER, pool_NR, S)
     with pytest.raises(ValueError, match="row bytes differ"):
-        serve_misses(slot_of_E, ids, host_EB[:, :8], pool_RB, S)
-    with pytest.raises(ValueError, match="host_rows_EB"):
-        serve_misses(slot_of_E, ids, host_EB.view(torch.int8), pool_RB, S)
+        serve_misses(slot_of_E, ids, host_ER[:, :8], pool_NR, S)
+    with pytest.raises(ValueError, match="host_rows_ER"):
+        serve_misses(slot_of_E, ids, host_ER.view(torch.int8), pool_NR, S)
     with pytest.raises(ValueError, match="scratch_base"):
-        serve_misses(slot_of_E, ids, host_EB, pool_RB, S + 1)  # 4 pairs need 4 scratch rows past S
+        serve_misses(slot_of_E, ids, host_ER, pool_NR, S + 1)  # 4 pairs need 4 scratch rows past S
     with pytest.raises(ValueError, match="chunk_bytes"):
         MissCopyConfig(chunk_bytes=100)
 

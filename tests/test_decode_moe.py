@@ -30,20 +30,20 @@ FMT = Nvfp4ModelOptFormat()
 
 
 def make_pool(N: int, H: int, I: int, seed: int = 0):
-    """``(pool_NB, views)``: N random NVFP4 experts as rows of one byte pool (4 spare bytes per row, so
+    """``(pool_NR, views)``: N random NVFP4 experts as rows of one byte pool (4 spare bytes per row, so
     dim 0 of every bank view is strided), weight std ~ 1/sqrt(fan_in) so SiLU sees both signs."""
     gen = torch.Generator().manual_seed(seed)
     specs = FMT.banks(H, I)
-    pool_NB = torch.zeros(N, sum(s.nbytes for s in specs) + 4, dtype=torch.uint8)
-    views = bank_views(specs, bank_offsets(specs), pool_NB)
+    pool_NR = torch.zeros(N, sum(s.nbytes for s in specs) + 4, dtype=torch.uint8)
+    views = bank_views(specs, bank_offsets(specs), pool_NR)
     for e in range(N):
         views["w13_q"][e], views["w13_s"][e], _ = random_nvfp4(2 * I, H, gen)
         views["w2_q"][e], views["w2_s"][e], _ = random_nvfp4(H, I, gen)
     g0 = 0.02 / (2.93 * 80.0)  # random_nvfp4 weights have std 0.02 at this global
     fan_in = torch.tensor([H, H, I], dtype=torch.float32)
     views["gs"].copy_(g0 / 0.02 / fan_in.sqrt() * (0.5 + torch.rand(N, 3, generator=gen)))
-    pool_NB = pool_NB.to(DEVICE)
-    return pool_NB, bank_views(specs, bank_offsets(specs), pool_NB)
+    pool_NR = pool_NR.to(DEVICE)
+    return pool_NR, bank_views(specs, bank_offsets(specs), pool_NR)
 
 
 SMALL = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1), KernelTiles(16, 32, group_m=1))  # many N tiles, K steps

@@ -36,8 +36,8 @@ def make_banks(N: int, H: int, I: int, seed: int = 0) -> dict:
     ``[N, row_bytes]`` byte tensor (plus 8 spare bytes per row), so dim 0 is not contiguous."""
     gen = torch.Generator().manual_seed(seed)
     specs = FMT.banks(H, I)
-    raw_NB = torch.zeros(N, sum(s.nbytes for s in specs) + 8, dtype=torch.uint8)
-    views = bank_views(specs, bank_offsets(specs), raw_NB)
+    raw_NR = torch.zeros(N, sum(s.nbytes for s in specs) + 8, dtype=torch.uint8)
+    views = bank_views(specs, bank_offsets(specs), raw_NR)
     for e in range(N):
         q, s, _ = random_nvfp4(2 * I, H, gen)
         views["w13_q"][e], views["w13_s"][e] = q, s
@@ -49,8 +49,8 @@ def make_banks(N: int, H: int, I: int, seed: int = 0) -> dict:
     g0 = 0.02 / (2.93 * 80.0)
     fan_in = torch.tensor([H, H, I], dtype=torch.float32)
     views["gs"].copy_(g0 / 0.02 / fan_in.sqrt() * (0.5 + torch.rand(N, 3, generator=gen)))
-    raw_NB = raw_NB.to(DEVICE)
-    out = bank_views(specs, bank_offsets(specs), raw_NB)
+    raw_NR = raw_NR.to(DEVICE)
+    out = bank_views(specs, bank_offsets(specs), raw_NR)
     return out
 
 

@@ -16,8 +16,8 @@ from moe_offload.host_store import ExpertStore
 
 
 def test_array_interface_describes_the_host_tensor_at_the_device_address():
-    host_EB = torch.zeros(6, 40, dtype=torch.uint8)
-    cols = host_EB[:, 8:24]  # a strided column slice, like a bank view
+    host_ER = torch.zeros(6, 40, dtype=torch.uint8)
+    cols = host_ER[:, 8:24]  # a strided column slice, like a bank view
     arr = uva.MappedHostArray(cols, device_ptr=0x7F0000001000, device=torch.device("cuda", 0))
     cai = arr.__cuda_array_interface__
     assert cai["shape"] == (6, 16) and cai["strides"] == (40, 1) and cai["typestr"] == "|u1"

@@ -1,6 +1,7 @@
 """The format seam: how one expert's weights are laid out in banks, read from a checkpoint and dequantized.
 
-Legend: N rows of a bank (experts or slots), H hidden, I expert intermediate (per TP rank), R/C rows/cols.
+Legend: N rows of a bank (experts or slots), H hidden, I expert intermediate (per TP rank), R bytes of a
+row; a matrix's own rows/cols are named in words.
 An expert is a set of banks; bank ``b`` of a layer is one tensor ``[E, row_bytes(b)]`` of raw bytes in
 the host store, the slot pool and the staging buffers. ``BankSpec`` says how to view a row.
 """
@@ -50,10 +51,10 @@ class BankSpec:
     def nbytes(self) -> int:
         return prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
-    def view(self, raw_NB: torch.Tensor) -> torch.Tensor:
+    def view(self, raw_NR: torch.Tensor) -> torch.Tensor:
         """``[N, nbytes] uint8`` (rows contiguous, row stride free) -> ``[N, *shape] dtype`` (no copy)."""
-        typed = raw_NB.view(self.dtype)
-        return typed.as_strided((raw_NB.shape[0], *self.shape),
+        typed = raw_NR.view(self.dtype)
+        return typed.as_strided((raw_NR.shape[0], *self.shape),
                                 (typed.stride(0), *torch.empty(self.shape, device="meta").stride()))
 
 

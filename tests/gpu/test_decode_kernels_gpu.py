@@ -26,28 +26,28 @@ def pinned_host_rows():
     gen = torch.Generator(device="cuda").manual_seed(0)
     specs = FMT.banks(H, I)
     B = sum(s.nbytes for s in specs)
-    dev_EB = torch.randint(0, 256, (E, B), dtype=torch.uint8, device="cuda", generator=gen)
-    views = bank_views(specs, bank_offsets(specs), dev_EB)
+    dev_ER = torch.randint(0, 256, (E, B), dtype=torch.uint8, device="cuda", generator=gen)
+    views = bank_views(specs, bank_offsets(specs), dev_ER)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
         s.copy_((64.0 * (0.5 + 1.5 * torch.rand(s.shape, device="cuda", generator=gen))).to(torch.float8_e4m3fn))
     fan_in = torch.tensor([H, H, I], dtype=torch.float32, device="cuda")
     views["gs"].copy_((0.5 + torch.rand(E, 3, device="cuda", generator=gen)) / (2.93 * 80.0 * fan_in.sqrt()))
-    host_EB = dev_EB.cpu()
-    assert uva.pin_mapped(host_EB)
-    yield host_EB, specs
-    uva.unpin([host_EB.data_ptr()])
+    host_ER = dev_ER.cpu()
+    assert uva.pin_mapped(host_ER)
+    yield host_ER, specs
+    uva.unpin([host_ER.data_ptr()])
 
 
 def test_mapped_view_aliases_the_host_memory(pinned_host_rows):
-    host_EB, _ = pinned_host_rows
-    view = uva.mapped_device_view(host_EB, "cuda")
-    assert view.is_cuda and view.shape == host_EB.shape and view.dtype == torch.uint8
-    assert torch.equal(view.cpu(), host_EB)
-    host_EB[3, :7] = torch.arange(7, dtype=torch.uint8)  # a host write is seen by the device (no copy)
+    host_ER, _ = pinned_host_rows
+    view = uva.mapped_device_view(host_ER, "cuda")
+    assert view.is_cuda and view.shape == host_ER.shape and view.dtype == torch.uint8
+    assert torch.equal(view.cpu(), host_ER)
+    host_ER[3, :7] = torch.arange(7, dtype=torch.uint8)  # a host write is seen by the device (no copy)
     assert view[3, :7].cpu().tolist() == list(range(7))
-    cols = uva.mapped_device_view(host_EB[:, 100:300], "cuda")  # strided column slice
-    assert torch.equal(cols.cpu(), host_EB[:, 100:300])
+    cols = uva.mapped_device_view(host_ER[:, 100:300], "cuda")  # strided column slice
+    assert torch.equal(cols.cpu(), host_ER[:, 100:300])
 
 
 def test_unregistered_host_memory_is_a_named_error():
@@ -67,28 +67,28 @@ def test_store_device_rows_alias_the_pinned_rows(tiny_ckpt):
 def test_serve_misses_over_mapped_memory_equals_the_reference_bitwise(pinned_host_rows):
     from moe_offload.kernels.decode_miss import MissCopyConfig, serve_misses, serve_misses_reference
 
-    host_EB, _ = pinned_host_rows
-    host_dev = uva.mapped_device_view(host_EB, "cuda")
+    host_ER, _ = pinned_host_rows
+    host_dev = uva.mapped_device_view(host_ER, "cuda")
     gen = torch.Generator().manual_seed(1)
     for T, S, cfg in ((1, 5, None), (7, 11, MissCopyConfig(chunk_bytes=1024, ctas_per_sm=1)), (64, 12, None)):
         X = min(T * K, E)
         slot_of_E = torch.full((E,), -1, dtype=torch.int32)
         resident = torch.randperm(E, generator=gen)[:S]
         slot_of_E[resident] = torch.randperm(S, generator=gen).to(torch.int32)
-        pool_RB = torch.full((S + X, host_EB.shape[1]), 0xA5, dtype=torch.uint8, device="cuda")
-        pool_RB[slot_of_E[resident].long().cuda()] = host_dev[resident.cuda()]
+        pool_NR = torch.full((S + X, host_ER.shape[1]), 0xA5, dtype=torch.uint8, device="cuda")
+        pool_NR[slot_of_E[resident].long().cuda()] = host_dev[resident.cuda()]
         ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
         slot_of_E = slot_of_E.cuda()
-        want_pool = pool_RB.clone()
-        want = serve_misses_reference(slot_of_E, ids_TK, host_EB.cuda(), want_pool, S)
-        got = serve_misses(slot_of_E, ids_TK, host_dev, pool_RB, S, cfg)
+        want_pool = pool_NR.clone()
+        want = serve_misses_reference(slot_of_E, ids_TK, host_ER.cuda(), want_pool, S)
+        got = serve_misses(slot_of_E, ids_TK, host_dev, pool_NR, S, cfg)
         assert torch.equal(got, want), f"T={T}"
-        assert torch.equal(pool_RB, want_pool), f"T={T}"  # scratch rows = host rows; nothing else written
+        assert torch.equal(pool_NR, want_pool), f"T={T}"  # scratch rows = host rows; nothing else written
 
 
-def _step_setup(host_EB, specs, T, S, seed):
+def _step_setup(host_ER, specs, T, S, seed):
     gen = torch.Generator().manual_seed(seed)
-    host_dev = uva.mapped_device_view(host_EB, "cuda")
+    host_dev = uva.mapped_device_view(host_ER, "cuda")
     X = min(T * K, E)
     ids_TK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
     # resident: token 0's first expert plus random others, never token 0's second: hits and misses both
@@ -97,13 +97,13 @@ def _step_setup(host_EB, specs, T, S, seed):
     resident = torch.tensor([first] + others[: S - 1])
     slot_of_E = torch.full((E,), -1, dtype=torch.int32)
     slot_of_E[resident] = torch.arange(S, dtype=torch.int32)
-    pool_RB = torch.zeros(S + X, host_EB.shape[1], dtype=torch.uint8, device="cuda")
-    pool_RB[:S] = host_dev[resident.cuda()]
-    views = bank_views(specs, bank_offsets(specs), pool_RB)
+    pool_NR = torch.zeros(S + X, host_ER.shape[1], dtype=torch.uint8, device="cuda")
+    pool_NR[:S] = host_dev[resident.cuda()]
+    views = bank_views(specs, bank_offsets(specs), pool_NR)
     ids_TK = ids_TK.cuda()
     weights_TK = torch.softmax(torch.randn(T, K, generator=gen), -1).cuda()
     hidden_TH = torch.randn(T, H, generator=gen).cuda().bfloat16()
-    return host_dev, slot_of_E.cuda(), pool_RB, views, ids_TK, weights_TK, hidden_TH
+    return host_dev, slot_of_E.cuda(), pool_NR, views, ids_TK, weights_TK, hidden_TH
 
 
 @pytest.mark.parametrize("T", [1, 16])
@@ -111,12 +111,12 @@ def test_captured_step_replays_bitwise_and_honours_a_table_changed_between_repla
     from moe_offload.kernels.decode_miss import serve_misses
     from moe_offload.kernels.decode_moe import decode_moe_nvfp4
 
-    host_EB, specs = pinned_host_rows
+    host_ER, specs = pinned_host_rows
     S = 12
-    host_dev, slot_of_E, pool_RB, views, ids_TK, weights_TK, hidden_TH = _step_setup(host_EB, specs, T, S, seed=T)
+    host_dev, slot_of_E, pool_NR, views, ids_TK, weights_TK, hidden_TH = _step_setup(host_ER, specs, T, S, seed=T)
 
     def step():
-        rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_RB, S)
+        rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_NR, S)
         return decode_moe_nvfp4(hidden_TH, rows_TK, weights_TK, views), rows_TK
 
     side = torch.cuda.Stream()
@@ -140,7 +140,7 @@ def test_captured_step_replays_bitwise_and_honours_a_table_changed_between_repla
     free = int(table[hits[0]])
     table[hits] = -1
     table[misses[0]] = free
-    pool_RB[free] = host_dev[misses[0]]
+    pool_NR[free] = host_dev[misses[0]]
     slot_of_E.copy_(table)
     graph.replay()
     want_out2, want_rows2 = step()
@@ -152,12 +152,12 @@ def test_a_decode_step_makes_no_host_sync(pinned_host_rows):
     from moe_offload.kernels.decode_miss import serve_misses
     from moe_offload.kernels.decode_moe import decode_moe_nvfp4
 
-    host_EB, specs = pinned_host_rows
+    host_ER, specs = pinned_host_rows
     S = 10
-    host_dev, slot_of_E, pool_RB, views, ids_TK, weights_TK, hidden_TH = _step_setup(host_EB, specs, 8, S, seed=2)
+    host_dev, slot_of_E, pool_NR, views, ids_TK, weights_TK, hidden_TH = _step_setup(host_ER, specs, 8, S, seed=2)
 
     def step():
-        rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_RB, S)
+        rows_TK = serve_misses(slot_of_E, ids_TK, host_dev, pool_NR, S)
         return decode_moe_nvfp4(hidden_TH, rows_TK, weights_TK, views)
 
     step()  # compile first: the steady state is what must not sync
@@ -173,8 +173,8 @@ def test_decode_moe_matches_the_dequantized_reference_on_the_gpu(pinned_host_row
     from moe_offload.kernels.decode_moe import decode_moe_nvfp4
     from moe_offload.kernels.fused_moe import moe_reference
 
-    host_EB, specs = pinned_host_rows
-    views = bank_views(specs, bank_offsets(specs), host_EB.cuda())
+    host_ER, specs = pinned_host_rows
+    views = bank_views(specs, bank_offsets(specs), host_ER.cuda())
     gen = torch.Generator().manual_seed(4)
     for T in (1, 3, 64):
         rows = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()

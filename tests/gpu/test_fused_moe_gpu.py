@@ -24,8 +24,8 @@ def random_banks_on_gpu(seed: int = 0) -> dict:
     bank (rows 16 bytes longer than the banks need, so dim 0 is not contiguous)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     specs: list[BankSpec] = FMT.banks(H, I)
-    raw_NB = torch.randint(0, 256, (N, sum(s.nbytes for s in specs) + 16), dtype=torch.uint8, device="cuda", generator=gen)
-    views = bank_views(specs, bank_offsets(specs), raw_NB)
+    raw_NR = torch.randint(0, 256, (N, sum(s.nbytes for s in specs) + 16), dtype=torch.uint8, device="cuda", generator=gen)
+    views = bank_views(specs, bank_offsets(specs), raw_NR)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
         s.copy_((64.0 * (0.5 + 1.5 * torch.rand(s.shape, device="cuda", generator=gen))).to(torch.float8_e4m3fn))

@@ -14,11 +14,14 @@ from moe_offload.host_store import ExpertStore
 ])
 def test_bytes_per_expert_and_exact_bank_sizes(tiny_ckpt, fmt, expected):
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", fmt), progress=False)
-    assert store.bytes_per_expert == expected
+    assert store.data_bytes_per_expert == expected
+    row = -(-expected // 16) * 16  # rows padded to 16 bytes (aligned vector loads)
+    assert store.bytes_per_expert == row and store.rows(store.layers[0]).stride(0) == row
     for layer in store.layers:
-        for name, row in store.bank_bytes.items():
-            assert store.bank(layer, name).shape == (store.num_experts, row)
-    assert store.total_bytes == expected * store.num_experts * len(store.layers)
+        assert not store.rows(layer)[:, expected:].any()  # the padding is zero
+        for name, nbytes in store.bank_bytes.items():
+            assert store.bank(layer, name).shape == (store.num_experts, nbytes)
+    assert store.total_bytes == row * store.num_experts * len(store.layers)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "nvfp4-modelopt", "nvfp4-ct"])
@@ -34,7 +37,8 @@ def test_tp_rank_slices_concatenate_to_the_whole_expert(tiny_ckpt, fmt):
     up = torch.cat([p[0][0][:, half:], p[1][0][:, half:]], 1)
     assert torch.equal(torch.cat([gate, up], 1), w13)
     assert torch.equal(torch.cat([p[0][1], p[1][1]], 2), w2)
-    assert parts[0].bytes_per_expert * 2 == full.bytes_per_expert + (12 if fmt != "bf16" else 0)
+    # every rank holds half of each bank; the three fp32 global scales are whole on both ranks
+    assert parts[0].data_bytes_per_expert * 2 == full.data_bytes_per_expert + (12 if fmt != "bf16" else 0)
 
 
 def test_nvfp4_tp_that_breaks_16_element_blocks_is_a_named_error(tiny_ckpt):

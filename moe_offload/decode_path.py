@@ -60,6 +60,7 @@ class DecodeResidency:
         self._record_ready = False
         self._pending: list[tuple[int, np.ndarray, list[int]]] = []  # (layer, experts, slots) being copied
         self._pending_event = streams.event()
+        self._just_committed: set[int] = set()
         self.h2d = None  # the cache's H2DRows (set after hit-path resolution)
 
     # ------------------------------------------------------------------ in the step
@@ -94,7 +95,10 @@ class DecodeResidency:
 
     # ------------------------------------------------------------------ between steps
     def boundary(self) -> None:
-        """Commit last boundary's admissions, then admit from the last step's routing (host)."""
+        """Commit last boundary's admissions, then admit from the last step's routing (host). Slots
+        just committed are not victims of this boundary: they serve at least one step (at a pool much
+        smaller than a step's routed set every admission was otherwise evicted before its first use)."""
+        self._just_committed = set()
         self.commit_pending()
         if not self._record_ready:
             return
@@ -118,7 +122,7 @@ class DecodeResidency:
             missed = experts[slots < 0][:budget]
             if missed.size == 0:
                 continue
-            protected = set(slots[slots >= 0].tolist()) | reserved
+            protected = set(slots[slots >= 0].tolist()) | reserved | self._just_committed
             n = min(int(missed.size), self.pool.num_slots - len(protected))
             if n <= 0:
                 continue
@@ -155,6 +159,7 @@ class DecodeResidency:
             self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
         for layer, experts, victims in self._pending:
             self.pool.commit(layer, experts, victims)
+            self._just_committed.update(victims)
         self._pending = []
 
     def drop_pending(self) -> None:

@@ -186,6 +186,8 @@ class ParallelConfig(_Strict):
     tp: int = Field(1, ge=1, le=64)
     reduce: Literal["runtime", "host"] = "runtime"
     check_interval: int = Field(0, ge=0, description="check residency agreement across ranks every N steps; 0 = on demand only")
+    timeout_s: float = Field(600.0, ge=1.0, le=86400.0, description="a collective that waits longer (a peer died or "
+                             "hangs) fails with an error on every rank instead of hanging")
 
 
 class ComputeConfig(_Strict):

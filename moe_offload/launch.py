@@ -83,7 +83,8 @@ def _spawned_rank(rank: int, cfg: OffloadConfig, fn: Callable, args: tuple, port
     device = rank_device(cfg.device, rank, cfg.parallel.tp)
     if device.type == "cpu":  # the ranks share this host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.parallel.tp))
-    tp = init_tp(cfg.parallel.tp, device, rank=rank, world_size=cfg.parallel.tp, init_method=f"tcp://127.0.0.1:{port}")
+    tp = init_tp(cfg.parallel.tp, device, rank=rank, world_size=cfg.parallel.tp, init_method=f"tcp://127.0.0.1:{port}",
+                 timeout_s=cfg.parallel.timeout_s)
     try:
         result = fn(cfg, tp, *args)
     finally:
@@ -102,7 +103,8 @@ def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
     """
     launched = torchrun_identity()
     if launched is not None:  # started by torchrun: the launcher gives this process its rank
-        tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, launched[2], cfg.parallel.tp))
+        tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, launched[2], cfg.parallel.tp),
+                     timeout_s=cfg.parallel.timeout_s)
         try:
             result = fn(cfg, tp, *args)
         finally:

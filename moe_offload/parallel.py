@@ -44,6 +44,8 @@ Legend: W world size (TP ranks), L MoE layers, E experts per layer, T tokens, H 
 
 from __future__ import annotations
 
+import datetime
+
 import logging
 import os
 import zlib
@@ -123,7 +125,7 @@ def torchrun_identity() -> tuple[int, int, int] | None:
 
 
 def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None, rank: int | None = None,
-            world_size: int | None = None, init_method: str | None = None) -> TpGroup:
+            world_size: int | None = None, init_method: str | None = None, timeout_s: float | None = None) -> TpGroup:
     """Join (or create) the TP process group of ``tp`` ranks; sets the log rank.
 
     - ``group`` given (embedding in a host's process group): used as is, rank and size from it.
@@ -131,7 +133,8 @@ def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None,
     - otherwise the default group is created with NCCL (CUDA ``device``) or gloo (CPU): rank and world
       size from the arguments, else from the launcher's ``RANK`` / ``WORLD_SIZE`` (torchrun);
       ``init_method`` defaults to ``env://`` (``MASTER_ADDR`` / ``MASTER_PORT``).
-    The group size must equal ``tp`` (``parallel.tp``).
+    The group size must equal ``tp`` (``parallel.tp``). ``timeout_s`` (``parallel.timeout_s``) bounds every
+    collective of a group created here: a dead or hung peer fails the others instead of hanging them.
     """
     owns = False
     if device.type == "cuda":
@@ -147,8 +150,9 @@ def init_tp(tp: int, device: torch.device, *, group: ProcessGroup | None = None,
                 "let `moe-offload generate` spawn the ranks, or pass rank= and world_size= (or a host's group=)"
             )
         backend = "nccl" if device.type == "cuda" else "gloo"
+        extra = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, device_id=device if device.type == "cuda" else None)
+                                world_size=world_size, device_id=device if device.type == "cuda" else None, **extra)
         owns = True
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     if size != tp:

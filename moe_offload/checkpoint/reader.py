@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import struct
 from collections import Counter
@@ -83,6 +84,7 @@ class CheckpointReader:
         self._file_of: dict[str, Path] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         self._handles: dict[Path, Any] = {}
+        self._size_of: dict[Path, int] = {}
         self.reads: Counter = Counter()
         self.bytes_read = 0
         self._index_files()
@@ -115,7 +117,9 @@ class CheckpointReader:
             fpath = self.path / fname
             if not fpath.is_file():
                 raise CheckpointError(f"{index}: lists {fname}, which does not exist in {self.path}")
-            for name, info in _read_header(fpath).items():
+            header = _read_header(fpath)
+            self._size_of[fpath] = fpath.stat().st_size  # _read_header checked it against the header
+            for name, info in header.items():
                 self._file_of[name] = fpath
                 self._meta[name] = (info["dtype"], tuple(info["shape"]))
         if weight_map is not None:
@@ -179,6 +183,12 @@ class CheckpointReader:
             raise CheckpointError(f"{fpath}: tensor {name} has dtype {dtype}, expected {expect_dtype} for this format")
         if expect_shape is not None and tuple(shape) != tuple(expect_shape):
             raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, expected {tuple(expect_shape)}")
+        size = os.stat(fpath).st_size
+        if size != self._size_of[fpath]:
+            # reads go through a memory map: touching bytes past a truncated end would kill the process
+            # (SIGBUS). This check narrows that window to the read itself; it cannot close it.
+            raise CheckpointError(f"{fpath}: changed on disk while being read ({size} bytes now, {self._size_of[fpath]} "
+                                  f"when opened; reading tensor {name}); do not modify a checkpoint while it is served")
         handle = self._handle(fpath)
         if index is None and rows is None and cols is None:
             try:

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_moe import decode_align
-from moe_offload.kernels.fused_moe import _HIDDEN_DTYPES, _check_inputs
+from moe_offload.kernels.fused_moe import check_call
 from moe_offload.kernels.fused_moe_tuning import device_name, shape_key
 from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_guard, e2m1_to_f32
 
@@ -334,17 +334,12 @@ def decode_gemv_nvfp4(
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1).
     """
-    N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
-    out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
-    if out_dtype not in _HIDDEN_DTYPES:
-        raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
+    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
     dev = hidden_TH.device
     if M == 0:
         return torch.zeros((T, H), dtype=out_dtype, device=dev)
-    if N == 0:
-        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config

@@ -259,21 +259,27 @@ def fused_moe_nvfp4(
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, config_for, moe_align)
 
 
-def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align) -> torch.Tensor:
-    """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
-    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K.
-    ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
+def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, int, int, torch.dtype]:
+    """``(N, H, I, out_dtype)`` of a valid fused-MoE call (every NVFP4 MoE kernel's wrapper runs it)."""
     N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
     out_dtype = hidden_TH.dtype if out_dtype is None else out_dtype
     if out_dtype not in _HIDDEN_DTYPES:
         raise ValueError(f"out_dtype must be one of {_HIDDEN_DTYPES}, got {out_dtype}")
+    if N == 0 and rows_TK.numel():
+        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
+    return N, H, I, out_dtype
+
+
+def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align) -> torch.Tensor:
+    """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
+    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K.
+    ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
+    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
     dev = hidden_TH.device
     if M == 0:
         return torch.zeros((T, H), dtype=out_dtype, device=dev)
-    if N == 0:
-        raise ValueError("views have N=0 bank rows but rows_TK routes pairs to them")
     if config is None:
         config = default_config(dev, H, I, M)
     if hidden_TH.stride(1) != 1:

@@ -204,6 +204,16 @@ class ComputeConfig(_Strict):
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 
 
+class ServeConfig(_Strict):
+    """``moe-offload serve``: batch and queue bounds, model length, names (moe_offload/serve/)."""
+
+    max_batch: int = Field(16, ge=1, le=4096, description="sequences decoded together in one forward")
+    max_queue: int = Field(64, ge=0, le=1_000_000, description="requests waiting for a batch slot; more get 429")
+    max_model_len: int | None = Field(None, ge=2, description="prompt + max_tokens limit; null = the model's max positions")
+    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that gives none")
+    model_name: str | None = Field(None, description="the id /v1/models reports; null = the checkpoint dir's name")
+
+
 class LoggingConfig(_Strict):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     format: Literal["text", "json"] = "text"
@@ -218,6 +228,7 @@ class OffloadConfig(_Strict):
     decode: DecodeConfig = DecodeConfig()
     parallel: ParallelConfig = ParallelConfig()
     compute: ComputeConfig = ComputeConfig()
+    serve: ServeConfig = ServeConfig()
     logging: LoggingConfig = LoggingConfig()
 
     @field_validator("device")

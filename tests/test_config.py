@@ -92,3 +92,12 @@ def test_the_deprecated_hit_d2d_switch_still_turns_the_hit_copy_off_with_one_eve
     assert cfg.prefill.hit_copy == "off"
     events = [json.loads(line) for line in buf.getvalue().splitlines()]
     assert [e["old_key"] for e in events if e["event"] == "config_key_deprecated"] == ["prefill.hit_d2d"]
+
+
+def test_a_serve_section_is_part_of_the_config_tree(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("serve:\n  max_batch: 8\n  max_queue: 3\n")
+    cfg = load_config(f, ["serve.model_name=mine"])
+    assert (cfg.serve.max_batch, cfg.serve.max_queue, cfg.serve.model_name) == (8, 3, "mine")
+    with pytest.raises(ConfigError, match="serve.max_batch"):
+        load_config(None, ["serve.max_batch=0"])

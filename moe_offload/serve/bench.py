@@ -225,13 +225,11 @@ def main(a: argparse.Namespace) -> int:
 def _run_in_process(a: argparse.Namespace) -> dict:
     from moe_offload.config import config_to_dict, load_config
     from moe_offload.engine import Engine
-    from moe_offload.serve.config import load_serve_config, split_overrides
     from moe_offload.serve.scheduler import Scheduler
     from moe_offload.serve.server import ServerThread, build_app, model_name
 
-    main_sets, serve_sets = split_overrides(a.set)
-    cfg = load_config(a.config, main_sets)
-    serve_cfg = load_serve_config(serve_sets)
+    cfg = load_config(a.config, a.set)  # serve.* keys are part of the config tree
+    serve_cfg = cfg.serve
     log.configure(cfg.logging.level, cfg.logging.format)
     engine = Engine.from_config(cfg, progress=not a.json)
     scheduler = Scheduler(engine, serve_cfg).start()

@@ -17,14 +17,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(a: argparse.Namespace) -> int:
     from moe_offload import log
     from moe_offload.config import load_config
-    from moe_offload.serve.config import load_serve_config, split_overrides
     from moe_offload.serve.server import serve
 
     if not 0 <= a.port <= 65535:
         raise ValueError(f"--port {a.port} is not a TCP port; use 0..65535")
-    main_sets, serve_sets = split_overrides(a.set)
-    cfg = load_config(a.config, main_sets)
-    serve_cfg = load_serve_config(serve_sets)
+    cfg = load_config(a.config, a.set)  # serve.* keys are part of the config tree
+    serve_cfg = cfg.serve
     log.configure(cfg.logging.level, cfg.logging.format)
     if cfg.parallel.tp > 1:  # rank 0 serves HTTP, the other ranks replay its forwards (serve/tp.py)
         from moe_offload.launch import run_on_ranks

@@ -1,32 +1,15 @@
-"""The ``serve`` config section (typed, validated): batch and queue bounds, model length, names.
-
-Until ``OffloadConfig`` grows a ``serve`` section, these keys come from ``--set serve.k=v`` on
-``moe-offload serve`` (split off before the main config is loaded; see ``split_overrides``).
-"""
+"""The ``serve`` config section: ``ServeConfig`` lives in the one config tree (``OffloadConfig.serve``,
+YAML ``serve:`` or ``--set serve.k=v``); ``load_serve_config`` builds one from ``key=value`` items alone
+(tests and embedders without a whole config)."""
 
 from __future__ import annotations
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from moe_offload.config import ConfigError
+from moe_offload.config import ConfigError, ServeConfig
 
-
-class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-    max_batch: int = Field(16, ge=1, le=4096, description="sequences decoded together in one forward")
-    max_queue: int = Field(64, ge=0, le=1_000_000, description="requests waiting for a batch slot; more get 429")
-    max_model_len: int | None = Field(None, ge=2, description="prompt + max_tokens limit; null = the model's max positions")
-    default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that gives none")
-    model_name: str | None = Field(None, description="the id /v1/models reports; null = the checkpoint dir's name")
-
-
-def split_overrides(overrides: list[str]) -> tuple[list[str], list[str]]:
-    """``--set`` items -> (main config overrides, ``serve.*`` overrides without the prefix)."""
-    main, serve = [], []
-    for item in overrides:
-        (serve.append(item[len("serve."):]) if item.startswith("serve.") else main.append(item))
-    return main, serve
+__all__ = ["ServeConfig", "load_serve_config"]
 
 
 def load_serve_config(overrides: list[str]) -> ServeConfig:

@@ -11,7 +11,7 @@ storage lives, and the object keeps the host tensor alive, so the memory cannot 
 It can still be *unregistered* under a view (``ExpertStore.close()``): keep the owner of the
 registration alive while views are used.
 
-Facts this relies on (DESIGN.md section 3): the runtime is the libcudart torch already loaded (bound
+Facts this relies on: the runtime is the libcudart torch already loaded (bound
 with RTLD_NOLOAD, as ``kernels/batch_memcpy.py`` does); every call's return code is checked, and a
 failed call is followed by ``cudaGetLastError()`` (a failed call stays as the thread's last error,
 which torch would report at its next kernel launch). ``torch.as_tensor`` infers the tensor's device

@@ -1,4 +1,4 @@
-"""CPU smoke test of ``moe-offload bench decode`` on the embedded tiny model (issue 12, Build 1).
+"""CPU smoke test of ``moe-offload bench decode`` on the embedded tiny model (the CI run of the benchmark).
 
 One bench run through the CLI (module fixture, ~20 s on 2 cores): residency 0 and 1 (the tiny model
 has 16 experts per layer: 0 and 16 resident), batch 1 and 2, 8-token prompts, 3 steps, 1 rep. Timings

@@ -1,5 +1,5 @@
 """``moe-offload bench decode``: decode throughput vs residency and batch size, against HBM and PCIe
-floors measured in the same run and against transformers fully on the GPU (issue 12, Build 1).
+floors measured in the same run and against transformers fully on the GPU.
 
     moe-offload bench decode                    # embedded tiny model on the CPU: the CI smoke test
     moe-offload bench decode --config configs/qwen3-30b-a3b-nvfp4.yaml
@@ -18,7 +18,7 @@ One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` 
    ``--steps`` decode steps. Per-step times are the gaps between ``on_token(0, id)`` calls (each fires
    once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``;
 4. peers (CUDA only; the engine is closed first): ``decode_peers.py``; then the floors, ratios and
-   issue 12's targets (``decode_report.py``).
+   the decode targets (``decode_report.py``).
 
 Budget (``--budget``): ``residency`` (default) sizes the slot pool to exactly the resident experts of
 each residency (``sweep.pool_slots``; a fresh cache per residency through ``sweep.use_cache``), so the

@@ -1,4 +1,4 @@
-"""The decode benchmark's report: per-step floors and ratios per cell, issue 12's targets, the markdown
+"""The decode benchmark's report: per-step floors and ratios per cell, the decode targets, the markdown
 table, the PNG and the files under ``--out``.
 
 Floors of one decode step, from figures of the same run:
@@ -11,7 +11,7 @@ Floors of one decode step, from figures of the same run:
 - PCIe: the missed bytes the step reads from host memory (``decode_uva`` per step) / the measured H2D
   bandwidth. Admissions between steps (``decode_h2d``) cross PCIe too, off the critical path: reported,
   not in the floor.
-``ratio_to_floor = median ms/step / max(HBM floor, PCIe floor)``; issue 12 wants >= 0.8 x floor speed
+``ratio_to_floor = median ms/step / max(HBM floor, PCIe floor)``; the target is >= 0.8 x floor speed
 at batch 16 and 64, i.e. a ratio <= 1.25.
 """
 
@@ -155,7 +155,7 @@ def _peer_table(result: dict) -> list[str]:
 
 
 def _target_table(result: dict) -> list[str]:
-    lines = ["", "## Targets (issue 12)", ""]
+    lines = ["", "## Targets", ""]
     if not on_cuda(result):
         return lines + [f"No verdicts: {CPU_NOTE}. The values stay in the JSON (targets[*].value)."]
     lines += ["| target | residency | value | threshold | met | note |", "| --- | --- | --- | --- | --- | --- |"]

@@ -62,7 +62,6 @@ class OffloadMoeCache:
                                       cache_cfg.admit_per_step)
         self.staging = PrefillStaging(store, self.pool, self.streams, self.counters, self._hit_failed)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
-        self.decode_done = self.streams.event()
         self._resolution = None
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
         self._closed = False
@@ -167,7 +166,7 @@ class OffloadMoeCache:
                 self._begin()
         views = self.staging.wait(layer)
         if self.prefill_cfg.overlap:
-            lp = self.store.layers.index(layer) + 1
+            lp = self.pool.layer_pos[layer] + 1
             if lp < len(self.store.layers):
                 self.staging.prefetch(self.store.layers[lp])
         return views

@@ -177,7 +177,6 @@ def _cache(tiny_ckpt, skip=lambda ev: False):
     ev = cache.streams.event
     for name in ("misses_done", "hits_done", "released"):
         setattr(cache.staging, name, [ev(), ev()])
-    cache.decode_done = ev()
     cache.decode._record_event, cache.decode._pending_event = ev(), ev()
     return store, cache
 

@@ -35,6 +35,7 @@ from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
+from moe_offload.prefill_path import plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
@@ -47,18 +48,22 @@ class OffloadMoeCache:
     """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
-                 decode_max_tokens: int = 16):
+                 decode_max_tokens: int = 16, fused_decode: bool = True):
+        """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
+        forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
+        ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.store, self.device = store, device
         self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
         self.counters = CacheStats()
-        scratch = min(decode_max_tokens * store.geometry.top_k, store.num_experts)
-        self.plan = plan_budget(store, cache_cfg.budget, device, cache_cfg.auto_reserve, scratch)
+        self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
+                                                 fused_decode)
+        scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         self.pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
-        self.decode = DecodeResidency(store, self.pool, self.streams, self.counters, decode_max_tokens,
+        self.decode = DecodeResidency(store, self.pool, self.streams, self.counters, self.routed_max_tokens,
                                       cache_cfg.admit_per_step)
         self.staging = PrefillStaging(store, self.pool, self.streams, self.counters, self._hit_failed)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
@@ -78,6 +83,11 @@ class OffloadMoeCache:
     @property
     def num_slots(self) -> int:
         return self.plan.num_slots
+
+    @property
+    def routed_max_tokens(self) -> int:
+        """Forwards of at most this many tokens take the routed-only (decode) path, longer ones stage."""
+        return self.routed_path.max_tokens
 
     @property
     def hit_path(self) -> str:
@@ -250,6 +260,7 @@ class OffloadMoeCache:
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count
+        snap["routed_path"] = self.routed_path.to_dict()
         return snap
 
     @property

@@ -25,6 +25,10 @@ _SLOTS_RE = re.compile(r"^\s*([0-9]+)\s*slots?\s*$", re.IGNORECASE)
 _PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 PRESETS = PRESET_NAMES
+#: largest token count of a forward on the routed-only path (decode_path.py): its routing record and
+#: the kernels' single-program loops (kernels/decode_stats.py, kernels/moe_align.py decode_align) hold
+#: T*K pairs at once, and K <= 256 keeps T*K within Triton's 2**20-element tensor limit
+ROUTED_MAX_TOKENS_LIMIT = 4096
 FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")
 
 
@@ -128,6 +132,11 @@ class PrefillConfig(_Strict):
     chunk_tokens: int = Field(8192, ge=16, description="prompts longer than this are prefilled in chunks")
     dequant_chunk_bytes: str = Field("2GiB", description="dequantized weights held at once by the torch compute path")
     dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
+    routed_max_tokens: Literal["auto"] | int = Field(
+        "auto", description="forwards of at most this many tokens (and never fewer than decode.max_tokens) read only "
+        "their routed experts (resident ones in place, missing ones over PCIe by SMs) instead of staging the whole "
+        "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
+        f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
 
     @model_validator(mode="before")
     @classmethod
@@ -152,6 +161,16 @@ class PrefillConfig(_Strict):
             _deprecated("prefill.hit_d2d_on_unavailable", "prefill.hit_copy_on_unavailable")
         return data
 
+    @field_validator("routed_max_tokens", mode="before")
+    @classmethod
+    def _check_routed_max_tokens(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.strip().lower() == "auto":
+            return "auto"
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= ROUTED_MAX_TOKENS_LIMIT:
+            raise ValueError(f"accepted: 'auto' or an integer token count in [0, {ROUTED_MAX_TOKENS_LIMIT}] "
+                             "(0: only decode.max_tokens takes the routed path)")
+        return v
+
     @field_validator("dequant_chunk_bytes")
     @classmethod
     def _check_chunk_bytes(cls, v: str) -> str:
@@ -168,7 +187,9 @@ def _deprecated(old: str, new: str) -> None:
 
 
 class DecodeConfig(_Strict):
-    max_tokens: int = Field(16, ge=1, le=4096, description="a batch of at most this many tokens takes the decode path")
+    max_tokens: int = Field(16, ge=1, le=ROUTED_MAX_TOKENS_LIMIT, description="a step of at most this many tokens "
+                            "always takes the decode (routed-only) path, which a CUDA graph can capture; the graph "
+                            "decoders' batch cap (prefill.routed_max_tokens may route longer forwards the same way)")
     cuda_graphs: bool = Field(True, description="on CUDA, replay each decode step (every layer + LM head) as one "
                               "CUDA graph over a static KV cache (one graph per batch size)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "

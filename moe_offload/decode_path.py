@@ -1,7 +1,8 @@
 """The decode step without host syncs, and admission into slots off the critical path.
 
 Legend: L MoE layers (``lp`` = position in ``store.layers``), E experts per layer, T tokens of a step,
-K top-k, S slots, X scratch rows (``min(decode.max_tokens * K, E)``), R bytes of one expert row.
+K top-k, S slots, X scratch rows (``min(max_tokens * K, E)``, max_tokens the cache's routed-path threshold:
+``prefill_path.py``), R bytes of one expert row.
 
 In the step (every tensor op on the compute stream, nothing read back; capturable in a CUDA graph):
 - ``rows(layer, ids_TK)``: the device table ``table_LE[lp]`` gives each routed expert's slot; a
@@ -72,7 +73,8 @@ class DecodeResidency:
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
         if T > self.max_tokens:
-            raise ValueError(f"a decode step of {T} tokens exceeds decode.max_tokens={self.max_tokens}")
+            raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
+                             "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
         table_E = self.pool.table_LE[lp]
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses

@@ -115,7 +115,8 @@ class Engine:
         reader = CheckpointReader(path)
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
-        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens)
+        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
+                                fused_decode=cfg.compute.backend != "torch")
         fmt = get_format(fmt_name)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
@@ -154,7 +155,7 @@ class Engine:
     def warmup(self, progress: bool = False) -> None:
         """A dummy prefill plus one decode step: resolves the hit path under load, compiles kernels."""
         gen = torch.Generator().manual_seed(1234)
-        n = max(self.cfg.prefill.warmup_tokens, self.cfg.decode.max_tokens + 1)
+        n = max(self.cfg.prefill.warmup_tokens, self.cache.routed_max_tokens + 1)  # the staged path
         ids = torch.randint(3, self.reader.geometry.vocab, (1, n), generator=gen)
         with tqdm(total=2, desc="warmup (prefill, decode)", disable=not progress) as bar:
             logits, past = self.forward(ids.to(self.device), None, 1)

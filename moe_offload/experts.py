@@ -1,10 +1,13 @@
 """OffloadedExperts: a drop-in for transformers' experts modules backed by the OffloadMoeCache.
 
 Call: ``(hidden_TH [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-Path by token count: ``T <= decode.max_tokens`` runs the decode path (no host sync: resident experts
-read in place from their slots, misses read from mapped host memory into scratch rows; capturable in
-a CUDA graph); otherwise the prefill path (the layer assembled in a staging buffer, the next layer's
-assembly overlapping this layer's compute).
+Path by token count, fixed per cache when it is built (``cache.routed_max_tokens``, ``prefill_path.py``):
+- ``T <= cache.routed_max_tokens`` (never below ``decode.max_tokens``; ``prefill.routed_max_tokens``
+  may extend it to short prompts where the cost model says copying only the routed experts pays) runs
+  the routed-only (decode) path: no host sync, resident experts read in place from their slots, the
+  routed misses read from mapped host memory into scratch rows; capturable in a CUDA graph;
+- longer forwards take the staged (prefill) path: the whole layer assembled in a staging buffer, the
+  next layer's assembly overlapping this layer's compute.
 
 Legend: T tokens, K top-k, H hidden, N rows of the bank views the compute reads.
 """
@@ -27,13 +30,18 @@ class OffloadedExperts(nn.Module):
     def __init__(self, layer_idx: int, cache: OffloadMoeCache, compute: ExpertCompute, decode_max_tokens: int,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
                  prefill_compute: ExpertCompute | None = None, decode_compute: ExpertCompute | None = None):
+        """``decode_max_tokens``: the decode steps this module must serve on the decode path (a graph
+        captures them); the cache must have been sized for at least that many tokens."""
         super().__init__()
+        if decode_max_tokens > cache.routed_max_tokens:
+            raise ValueError(f"decode_max_tokens={decode_max_tokens} but the cache serves at most "
+                             f"{cache.routed_max_tokens} tokens on the decode path; build OffloadMoeCache with "
+                             f"decode_max_tokens={decode_max_tokens}")
         self.decode_compute = decode_compute or compute
         self.layer_idx = layer_idx
         self.cache = cache
         self.compute = compute
         self.prefill_compute = prefill_compute or compute
-        self.decode_max_tokens = decode_max_tokens
         self.reduce = reduce
         self.top_k = cache.store.geometry.top_k
 
@@ -41,7 +49,8 @@ class OffloadedExperts(nn.Module):
         return f"layer={self.layer_idx}, experts={self.cache.E}, compute={self.compute.name}"
 
     def uses_decode_path(self, num_tokens: int) -> bool:
-        return num_tokens <= self.decode_max_tokens
+        """Whether a forward of ``num_tokens`` tokens takes the routed-only (decode) path."""
+        return num_tokens <= self.cache.routed_max_tokens
 
     def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = hidden_TH.shape[0]

@@ -19,8 +19,10 @@ def _graphed(eng):
 
 
 def _engine(path, *extra):
+    # prefill graphs are the staged path's: keep every forward above decode.max_tokens on it (auto would
+    # route the 40-token prompts of the tiny model through the decode path)
     cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
-                             "logging.level=WARNING", *extra])
+                             "logging.level=WARNING", "prefill.routed_max_tokens=0", *extra])
     return Engine.from_config(cfg, progress=False)
 
 

@@ -1,0 +1,209 @@
+"""Which forwards read only their routed experts instead of staging whole layers: a per-T cost model
+whose constants are data (``prefill_path_table.json``), resolved once per cache.
+
+Legend: T tokens of a forward, K top-k, E experts per layer, L MoE layers, R bytes of one expert row
+(this rank's slice under TP), M = T*K routed pairs, D(T) expected distinct routed experts of a layer,
+f the resident fraction (slots / (L*E)), m = 1 - f.
+
+A forward of T tokens gets a layer's experts one of two ways:
+- **staged** (``staging.py``): every missing expert of the layer crosses PCIe through the copy engine
+  one layer ahead, whatever T; the compute dequantizes the whole staged layer (``compute/dequant.py``)
+  and runs grouped GEMMs. The copy overlaps the previous layer's compute, so per layer
+  ``max(m*E*R / h2d, staged_fixed + staged_hbm_factor * E*R / hbm + staged_pair * M)``;
+- **routed-only** (``decode_path.py``, the decode path): resident experts are read in place from their
+  slots, the routed missing ones are read by SMs over UVA just in time into scratch rows, and the fused
+  NVFP4 decode kernels compute. Nothing overlaps, so per layer
+  ``uva_fixed + m*D(T)*R / uva + routed_fixed + routed_hbm_factor * D(T)*R / hbm + routed_pair * M``.
+
+``D(T) = E * (1 - (1 - K/E)^T)`` assumes uniform routing; real routers are skewed (fewer distinct
+experts), which only favours the routed path, so the model errs towards staging. Work outside the
+experts (attention, norms) is the same on both paths and left out. The routed-only path pays where
+few tokens route few experts: a 16-token prompt on 512 experts at top-10 routes at most 160.
+
+``auto`` picks the largest T (up to the entry's ``max_tokens``, the largest T its constants were
+measured at) such that routed-only is cheaper for every T' <= T; ``decode.max_tokens`` is a floor
+(decode steps must take the routed path: it is the one a CUDA graph can capture). The threshold is
+computed once per cache, sizes the decode scratch rows (``min(threshold * K, E)``) and the routing
+record, is logged as one ``prefill_path_chosen`` event and reported by ``cache.stats()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from moe_offload import log
+from moe_offload.config import ROUTED_MAX_TOKENS_LIMIT
+
+TABLE_PATH = Path(__file__).with_name("prefill_path_table.json")
+DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-layer costs in seconds (see the module docstring); bandwidths in GB/s (1e9 bytes/s)."""
+
+    h2d_GBps: float
+    uva_GBps: float
+    uva_fixed_s: float
+    hbm_GBps: float
+    routed_fixed_s: float
+    routed_hbm_factor: float
+    routed_pair_s: float
+    staged_fixed_s: float
+    staged_hbm_factor: float
+    staged_pair_s: float
+    max_tokens: int
+
+    def distinct(self, T: int, E: int, K: int) -> float:
+        """Expected distinct experts routed by T tokens at top-K of E (uniform routing)."""
+        return E * (1.0 - (1.0 - min(K, E) / E) ** T) if T > 0 else 0.0
+
+    def staged_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
+        copy = (1.0 - resident) * E * R / (self.h2d_GBps * 1e9)
+        compute = self.staged_fixed_s + self.staged_hbm_factor * E * R / (self.hbm_GBps * 1e9) + self.staged_pair_s * T * K
+        return max(copy, compute)
+
+    def routed_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
+        D = self.distinct(T, E, K)
+        missing = (1.0 - resident) * D
+        uva = (self.uva_fixed_s + missing * R / (self.uva_GBps * 1e9)) if missing > 0 else 0.0
+        compute = self.routed_fixed_s + self.routed_hbm_factor * D * R / (self.hbm_GBps * 1e9) + self.routed_pair_s * T * K
+        return uva + compute
+
+    def threshold(self, E: int, K: int, R: int, resident: float, limit: int) -> int:
+        """Largest T <= min(limit, max_tokens) with routed-only cheaper than staged for every T' <= T (0: none)."""
+        best = 0
+        for T in range(1, min(limit, self.max_tokens) + 1):
+            if self.routed_s(T, E, K, R, resident) >= self.staged_s(T, E, K, R, resident):
+                break
+            best = T
+        return best
+
+
+_FIELDS = tuple(CostModel.__dataclass_fields__)
+
+
+@functools.lru_cache(maxsize=4)
+def load_table(path: Path = TABLE_PATH) -> dict:
+    """``{device: {shape key or "default": entry}}``; raises ValueError naming a bad entry."""
+    data = json.loads(Path(path).read_text())
+    if data.get("schema") != 1 or not isinstance(data.get("devices"), dict):
+        raise ValueError(f"{path}: expected {{'schema': 1, 'devices': {{...}}}}, got keys {sorted(data)}")
+    devices = data["devices"]
+    if DEFAULT not in devices.get(DEFAULT, {}):
+        raise ValueError(f"{path}: needs devices['default']['default'] (the entry for unknown GPUs)")
+    for dev, shapes in devices.items():
+        if DEFAULT not in shapes:
+            raise ValueError(f"{path}: devices[{dev!r}] needs a 'default' entry (shape entries override it)")
+        for key in shapes:
+            _entry(devices, dev, key, path)  # every entry must resolve to a complete model
+    return devices
+
+
+def shape_key(E: int, K: int, R: int) -> str:
+    """Table key of a layer shape: experts, top-k and row bytes (this rank's)."""
+    return f"E{E}_K{K}_R{R}"
+
+
+def _entry(devices: dict, device: str, key: str, path=TABLE_PATH) -> tuple[CostModel, dict]:
+    shapes = devices[device]
+    merged = {**shapes[DEFAULT], **shapes.get(key, {})}
+    try:
+        model = CostModel(**{f: merged[f] for f in _FIELDS})
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: devices[{device!r}][{key!r}] is incomplete or malformed ({exc}); "
+                         f"an entry (or its device's default) needs {', '.join(_FIELDS)}") from None
+    return model, merged
+
+
+def cost_model(device_name: str, E: int, K: int, R: int, path: Path = TABLE_PATH) -> tuple[CostModel, str]:
+    """The model for this GPU and shape and the table entry it came from (``device/shape``)."""
+    devices = load_table(path)
+    device = device_name if device_name in devices else DEFAULT
+    key = shape_key(E, K, R)
+    model, _ = _entry(devices, device, key, path)
+    return model, f"{device}/{key if key in devices[device] else DEFAULT}"
+
+
+def scratch_rows(max_tokens: int, K: int, E: int) -> int:
+    """Decode scratch rows for forwards of up to ``max_tokens`` tokens: a step's distinct misses."""
+    return min(max_tokens * K, E)
+
+
+def resident_fraction(num_slots: int, layers: int, E: int) -> float:
+    return min(1.0, num_slots / max(layers * E, 1))
+
+
+@dataclass(frozen=True)
+class RoutedPath:
+    """The resolved choice: forwards of at most ``max_tokens`` tokens take the routed-only path."""
+
+    max_tokens: int
+    setting: str | int  # prefill.routed_max_tokens
+    decode_max_tokens: int
+    reason: str  # "cost_model", "setting", "cpu_device", "row_gather_decode"
+    model_tokens: int | None = None  # what the cost model chose before the decode.max_tokens floor
+    entry: str | None = None  # table entry (device/shape)
+    resident_fraction: float | None = None
+    staged_ms_per_layer: dict | None = None  # model estimates at a few T, for the log and stats
+    routed_ms_per_layer: dict | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict, dict]:
+    ts = (1, 16, 64, 256, 1024)
+    return ({str(t): round(model.staged_s(t, E, K, R, f) * 1e3, 4) for t in ts},
+            {str(t): round(model.routed_s(t, E, K, R, f) * 1e3, 4) for t in ts})
+
+
+def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, resident: float, device,
+            fused_decode: bool) -> RoutedPath:
+    """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``."""
+    floor = decode_max_tokens
+    if setting != "auto":
+        choice = RoutedPath(max(floor, int(setting)), setting, floor, "setting")
+    elif device.type != "cuda":
+        # no PCIe link, no UVA: both paths are host copies and the table's constants are GPU measurements
+        choice = RoutedPath(floor, setting, floor, "cpu_device", resident_fraction=resident)
+    elif not fused_decode:
+        # the unfused decode compute gathers T*K expert rows (compute/decode.py): not modelled, and it grows
+        # with T where the staged path does not
+        choice = RoutedPath(floor, setting, floor, "row_gather_decode", resident_fraction=resident)
+    else:
+        import torch
+
+        name = torch.cuda.get_device_name(device)  # host-side property, no sync
+        model, entry = cost_model(name, E, K, R)
+        chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT)
+        staged, routed = _estimates(model, E, K, R, resident)
+        choice = RoutedPath(max(floor, chosen), setting, floor, "cost_model", chosen, entry, round(resident, 4),
+                            staged, routed)
+    log.info_rank0("prefill_path_chosen", routed_max_tokens=choice.max_tokens, setting=setting,
+                   decode_max_tokens=floor, reason=choice.reason, model_tokens=choice.model_tokens,
+                   entry=choice.entry, resident_fraction=choice.resident_fraction, experts=E, top_k=K, row_bytes=R,
+                   staged_ms_per_layer=choice.staged_ms_per_layer, routed_ms_per_layer=choice.routed_ms_per_layer,
+                   change_with="prefill.routed_max_tokens")
+    return choice
+
+
+def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool):
+    """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
+    with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
+    byte or ``auto`` budget then buys slightly fewer slots)."""
+    from moe_offload.budget import plan_budget
+
+    R, E, L, K = store.bytes_per_expert, store.num_experts, len(store.layers), store.geometry.top_k
+    budget, reserve = cache_cfg.budget, cache_cfg.auto_reserve
+    base_rows = scratch_rows(decode_max_tokens, K, E)
+    plan = plan_budget(store, budget, device, reserve, base_rows)
+    choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
+                     resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized)
+    rows = scratch_rows(choice.max_tokens, K, E)
+    if rows != base_rows:
+        plan = plan_budget(store, budget, device, reserve, rows)
+    return plan, choice

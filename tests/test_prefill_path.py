@@ -1,0 +1,172 @@
+"""Staged prefill vs routed-only copies per token count (moe_offload/prefill_path.py): the cost model's
+choice, its data table, its resolution per cache, and equal outputs on both paths."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from moe_offload import log
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import ROUTED_MAX_TOKENS_LIMIT, CacheConfig, ConfigError, PrefillConfig, load_config
+from moe_offload.engine import Engine
+from moe_offload.host_store import ExpertStore
+from moe_offload.prefill_path import DEFAULT, TABLE_PATH, cost_model, load_table, resolve, shape_key
+
+H200 = "NVIDIA H200"
+QWEN3 = (128, 8, 2654224)  # experts, top-k, NVFP4 row bytes (padded to 16) of the qwen3-30b-a3b preset
+FLASH_NEXT = (512, 10, 2764816)
+
+
+def _routed_prefers(model, T, shape, resident):
+    E, K, R = shape
+    return model.routed_s(T, E, K, R, resident) < model.staged_s(T, E, K, R, resident)
+
+
+def test_the_h200_model_routes_one_token_and_stages_1024_tokens_for_qwen3_at_residency_037():
+    model, entry = cost_model(H200, *QWEN3)
+    assert entry == f"{H200}/{shape_key(*QWEN3)}"
+    assert _routed_prefers(model, 1, QWEN3, 0.37)
+    assert not _routed_prefers(model, 1024, QWEN3, 0.37)
+
+
+@pytest.mark.parametrize("shape", [QWEN3, FLASH_NEXT], ids=["qwen3", "flash-next"])
+@pytest.mark.parametrize("resident", [0.0, 0.37, 0.5, 0.75])
+def test_the_choice_is_monotone_in_tokens_routed_up_to_the_threshold_and_staged_beyond(shape, resident):
+    model, _ = cost_model(H200, *shape)
+    T_max = model.threshold(*shape, resident, ROUTED_MAX_TOKENS_LIMIT)
+    chosen = [T <= T_max for T in range(1, 1025)]
+    assert chosen == sorted(chosen, reverse=True)  # a prefix of routed, then staged: one crossover
+    assert all(_routed_prefers(model, T, shape, resident) for T in range(1, T_max + 1))
+    assert 1 <= T_max <= model.max_tokens  # never extrapolated past the measured token counts
+
+
+def test_more_experts_keep_the_routed_path_longer_because_fewer_of_them_are_routed():
+    qwen3, _ = cost_model(H200, *QWEN3)
+    flash, _ = cost_model(H200, *FLASH_NEXT)
+    assert flash.threshold(*FLASH_NEXT, 0.37, 4096) > 2 * qwen3.threshold(*QWEN3, 0.37, 4096)
+
+
+def test_an_unknown_gpu_uses_the_documented_default_entry():
+    _, entry = cost_model("Some Future GPU", *QWEN3)
+    assert entry == f"{DEFAULT}/{DEFAULT}"
+    assert "Unknown GPU" in load_table()[DEFAULT][DEFAULT]["why"]
+
+
+def test_every_table_entry_says_where_its_numbers_came_from():
+    for device, shapes in load_table().items():
+        for key, entry in shapes.items():
+            assert entry.get("sources"), f"{device}/{key} has no sources"
+
+
+def test_a_table_entry_missing_a_constant_is_a_named_error(tmp_path):
+    table = json.loads(TABLE_PATH.read_text())
+    del table["devices"][DEFAULT][DEFAULT]["uva_GBps"]
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match="uva_GBps"):
+        load_table(bad)
+
+
+def test_auto_on_a_cpu_keeps_the_decode_cap_and_says_why():
+    choice = resolve("auto", 16, *QWEN3, 0.37, torch.device("cpu"), fused_decode=True)
+    assert (choice.max_tokens, choice.reason) == (16, "cpu_device")
+
+
+def test_auto_on_cuda_takes_the_cost_models_threshold(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H200)
+    choice = resolve("auto", 16, *QWEN3, 0.37, torch.device("cuda", 0), fused_decode=True)
+    model, _ = cost_model(H200, *QWEN3)
+    assert choice.reason == "cost_model" and choice.model_tokens == model.threshold(*QWEN3, 0.37, 4096)
+    assert choice.max_tokens == max(16, choice.model_tokens)
+    assert choice.entry == f"{H200}/{shape_key(*QWEN3)}"
+
+
+def test_auto_with_the_unfused_decode_compute_keeps_the_decode_cap(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H200)
+    choice = resolve("auto", 16, *FLASH_NEXT, 0.37, torch.device("cuda", 0), fused_decode=False)
+    assert (choice.max_tokens, choice.reason) == (16, "row_gather_decode")
+
+
+def test_an_integer_below_the_decode_cap_keeps_the_decode_cap():
+    assert resolve(4, 16, *QWEN3, 0.5, torch.device("cpu"), True).max_tokens == 16
+    assert resolve(40, 16, *QWEN3, 0.5, torch.device("cpu"), True).max_tokens == 40
+
+
+@pytest.mark.parametrize("value", ["-1", str(ROUTED_MAX_TOKENS_LIMIT + 1), "true", "fast"])
+def test_a_bad_routed_max_tokens_is_a_config_error_naming_the_key(value):
+    with pytest.raises(ConfigError, match="prefill.routed_max_tokens"):
+        load_config(None, [f"prefill.routed_max_tokens={value}"])
+
+
+def test_old_configs_load_with_routed_max_tokens_auto():
+    assert load_config(None).prefill.routed_max_tokens == "auto"
+
+
+@pytest.fixture(scope="module")
+def store(tiny_ckpt):
+    return ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+
+
+@pytest.mark.parametrize("routed, rows", [(0, 4), (2, 8), (3, 12), (100, 16)])  # K = 4, E = 16
+def test_the_cache_sizes_its_scratch_rows_from_the_chosen_threshold(store, routed, rows):
+    cache = OffloadMoeCache(store, CacheConfig(budget=0.5), PrefillConfig(routed_max_tokens=routed), "cpu",
+                            decode_max_tokens=1)
+    assert cache.routed_max_tokens == max(routed, 1)
+    assert cache.plan.scratch_rows == rows  # min(threshold * K, E)
+    assert cache.decode_num_rows == cache.num_slots + rows
+
+
+def test_the_choice_is_one_structured_event_and_is_reported_in_stats(store):
+    buf = io.StringIO()
+    log.configure("INFO", "json", stream=buf)
+    try:
+        cache = OffloadMoeCache(store, CacheConfig(budget=0.5), PrefillConfig(routed_max_tokens=40), "cpu")
+    finally:
+        log.configure("WARNING", "text")
+    events = [r for r in map(json.loads, buf.getvalue().splitlines()) if r["event"] == "prefill_path_chosen"]
+    assert len(events) == 1
+    assert events[0]["routed_max_tokens"] == 40 and events[0]["change_with"] == "prefill.routed_max_tokens"
+    assert cache.stats()["routed_path"]["max_tokens"] == 40
+
+
+def _engine(path, *extra):
+    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cpu", "cache.budget=0.37",
+                             "prefill.hit_copy=gather", "logging.level=WARNING", *extra])
+    return Engine.from_config(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_ckpt):
+    """The same tiny model: every forward above decode.max_tokens staged, and routed up to 100 tokens."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    return _engine(path, "prefill.routed_max_tokens=0"), _engine(path, "prefill.routed_max_tokens=100")
+
+
+@pytest.mark.parametrize("T, routed", [(8, True), (40, True), (100, True), (101, False), (300, False)])
+def test_a_forward_takes_the_routed_path_up_to_the_threshold_and_stages_beyond(engines, T, routed):
+    _, eng = engines
+    eng.cache.reset()
+    eng.prefill(torch.randint(3, 300, (1, T), generator=torch.Generator().manual_seed(T)))
+    st = eng.cache.stats()
+    assert (st["decode_steps"], st["prefills"]) == ((1, 0) if routed else (0, 1))
+
+
+@pytest.mark.parametrize("T", [40, 100, 300])
+def test_logits_agree_between_the_staged_and_the_routed_engine_below_and_above_the_threshold(engines, T):
+    staged, routed = engines
+    ids = torch.randint(3, 300, (1, T), generator=torch.Generator().manual_seed(T))
+    want, _ = staged.prefill(ids)
+    got, _ = routed.prefill(ids)
+    # fp32 on the CPU: the routed path computes each (token, expert) pair on its own gathered rows, the
+    # staged path groups tokens per expert; the same sums in another order. 1e-4 is the oracle tests'
+    # tolerance (tests/test_oracle.py): ~100x that noise, far below a wrong expert (> 1e-2)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("prompt_len", [40, 120])
+def test_greedy_tokens_are_equal_on_both_paths(engines, prompt_len):
+    staged, routed = engines
+    prompt = list(range(10, 10 + prompt_len))
+    assert routed.generate(prompt, 12).token_ids == staged.generate(prompt, 12).token_ids

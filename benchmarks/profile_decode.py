@@ -42,9 +42,12 @@ def main() -> int:
     prompt = torch.randint(3, eng.reader.geometry.vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
     out: dict = {"layers": len(eng.store.layers), "residency": a.residency, "prompt_len": a.prompt_len}
 
-    def run(dec: StaticDecoder, steps: int, timed: bool = False):
+    def run(dec: StaticDecoder, steps: int, timed: bool = False, profiler=None):
         dec.reset()
         logits = dec.prefill(prompt.to(eng.device))
+        torch.cuda.synchronize()
+        if profiler is not None:
+            profiler.start()  # the decode steps only, not the prefill
         walls, gpus = [], []
         for _ in range(steps):
             tok = logits.argmax(-1)
@@ -56,12 +59,24 @@ def main() -> int:
             int(logits.argmax(-1)[0])  # the token reaches the host, as in generation
             walls.append(time.perf_counter() - t0)
             gpus.append(start.elapsed_time(end) / 1e3)
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.stop()
         return walls, gpus
+
+    def trace(prof) -> list[dict]:
+        """The GPU kernels and copies of the profiled steps, in start order (a step's sequence)."""
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        evs.sort(key=lambda e: e.time_range.start)
+        return [{"name": e.name[:80], "start_us": e.time_range.start, "us": e.time_range.end - e.time_range.start}
+                for e in evs]
 
     eager = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=False)
     run(eager, 3)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run(eager, 4)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    prof = torch.profiler.profile(activities=acts)
+    run(eager, 4, profiler=prof)
+    out["eager_trace"] = trace(prof)
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = sorted(events, key=lambda e: -e.device_time_total)
     launches = sum(e.count for e in kernels)
@@ -72,6 +87,9 @@ def main() -> int:
     graphed = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=True)
     run(graphed, 4)
     walls, gpus = run(graphed, a.steps)
+    gprof = torch.profiler.profile(activities=acts)
+    run(graphed, 2, profiler=gprof)
+    out["graph_trace"] = trace(gprof)  # kernels of graph replays, where the profiler sees them
     out["graph"] = {"wall_ms_median": statistics.median(walls) * 1e3, "gpu_ms_median": statistics.median(gpus) * 1e3,
                     "tok_s": 1 / statistics.median(walls), "declined": eng.cache.stats()["declined"]}
     dest = Path(a.out)
@@ -79,7 +97,7 @@ def main() -> int:
     label = f"l{out['layers']}-r{a.residency}"
     (dest / f"profile-decode-{label}.json").write_text(json.dumps(out, indent=2))
     (dest / f"profile-decode-{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-    print(json.dumps({k: v for k, v in out.items() if k != "eager"} | {"eager_kernels_per_step": launches / 4}))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("eager", "eager_trace", "graph_trace")} | {"eager_kernels_per_step": launches / 4}))
     eng.close()
     return 0
 

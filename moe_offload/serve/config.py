@@ -1,15 +1,23 @@
 """The ``serve`` config section: ``ServeConfig`` lives in the one config tree (``OffloadConfig.serve``,
 YAML ``serve:`` or ``--set serve.k=v``); ``load_serve_config`` builds one from ``key=value`` items alone
-(tests and embedders without a whole config)."""
+(tests and embedders without a whole config). ``decode_kv_kind`` says which decode batch serving uses."""
 
 from __future__ import annotations
 
+import torch
 import yaml
 from pydantic import ValidationError
 
-from moe_offload.config import ConfigError, ServeConfig
+from moe_offload.config import ConfigError, OffloadConfig, ServeConfig
 
-__all__ = ["ServeConfig", "load_serve_config"]
+__all__ = ["ServeConfig", "decode_kv_kind", "load_serve_config"]
+
+
+def decode_kv_kind(cfg: OffloadConfig, device: torch.device) -> str:
+    """``static`` (the per-row static KV cache, each decode step a CUDA graph replay: serve/static_batch.py)
+    on CUDA with ``decode.cuda_graphs`` (the key that turns decode graphs on and off everywhere), else
+    ``dynamic`` (one left-padded transformers cache, eager: serve/kv.py)."""
+    return "static" if device.type == "cuda" and cfg.decode.cuda_graphs else "dynamic"
 
 
 def load_serve_config(overrides: list[str]) -> ServeConfig:

@@ -6,28 +6,58 @@ deterministic function of its arguments and the executor's state, so under tenso
 engine (the expert all-reduce inside the forward keeps them in lock step). Followers never sample:
 rank 0's sampled ids come to them as the next decode op's input, and rank 0 alone decides stops.
 
+The decode batch is one of two kinds behind one seam (``join``/``decode``/``keep``/``reset``): the per-row
+static KV cache whose steps replay CUDA graphs (``serve/static_batch.py``; CUDA with ``decode.cuda_graphs``)
+or one left-padded transformers cache decoded eagerly (``serve/kv.py``; the CPU, and the fallback).
+
 Legend: B sequences in the decode batch, S padded cache length, T chunk tokens, V vocab.
 """
 
 from __future__ import annotations
 
-import inspect
+import logging
 
 import torch
 
-from moe_offload.serve import kv
+from moe_offload import log
+from moe_offload.config import ServeConfig
+from moe_offload.serve.config import decode_kv_kind
+from moe_offload.serve.kv import LeftPaddedBatch
+from moe_offload.serve.static_batch import CudaGraphs, StaticBatch
+
+
+def make_batch(engine, cfg: ServeConfig, kind: str | None = None):
+    """The decode batch of ``kind`` (``static`` | ``dynamic``; None: ``serve.config.decode_kv_kind``)."""
+    kind = kind or decode_kv_kind(engine.cfg, engine.device)
+    if kind == "dynamic":
+        return LeftPaddedBatch(engine)
+    if kind != "static":
+        raise ValueError(f"decode batch kind {kind!r}; accepted: static, dynamic")
+    dev = engine.device
+    graphs = CudaGraphs(dev) if dev.type == "cuda" and engine.cfg.decode.cuda_graphs else None
+    try:
+        return StaticBatch(engine, cfg.max_batch, engine.cfg.decode.max_cache_len, graphs)
+    except ValueError as exc:  # e.g. an attention implementation that takes no 4-D mask
+        return _decline_static(engine, exc)
+
+
+def _decline_static(engine, exc: Exception) -> LeftPaddedBatch:
+    engine.cache.counters.declined["serve_graph:static_kv_unavailable"] += 1
+    log.log_once(f"decode_graph_declined:serve:static_kv:{type(exc).__name__}", "decode_graph_declined",
+                 logging.WARNING, path="serve", reason="static_kv_unavailable", fallback="dynamic_kv_eager",
+                 detail=f"{type(exc).__name__}: {exc}"[:500], setting="decode.cuda_graphs, decode.max_cache_len")
+    return LeftPaddedBatch(engine)
 
 
 class LocalExecutor:
-    """Per-request prefill caches (by request id) and the decode batch's left-padded cache."""
+    """Per-request prefill caches (by request id) and the decode batch (``batch``: a StaticBatch or a
+    LeftPaddedBatch, chosen by ``make_batch`` unless given)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, cfg: ServeConfig | None = None, batch=None):
         self.engine = engine
-        params = inspect.signature(type(engine.model).forward).parameters
-        # transformers 5.24 renamed past_key_values -> cache (5.17 has only the old name)
-        self._kv_name = "cache" if "cache" in params else "past_key_values"
+        self.cfg = cfg or ServeConfig()
         self.pasts: dict[str, object] = {}
-        self.batch = None
+        self.batch = batch if batch is not None else make_batch(engine, self.cfg)
 
     def prefill(self, rid: str, ids: list[int]) -> torch.Tensor:
         """One prefill chunk of request ``rid`` (batch 1, ``Engine.forward``) -> last-position logits [1, V]."""
@@ -37,36 +67,36 @@ class LocalExecutor:
 
     def join(self, rid: str, batch_len: int, one_len: int) -> None:
         """Move request ``rid``'s cache into the decode batch as its last row."""
-        self.batch = kv.append(self.batch, self.pasts.pop(rid), batch_len, one_len)
+        one = self.pasts.pop(rid)
+        try:
+            self.batch.join(one, batch_len, one_len)
+        except (ValueError, torch.OutOfMemoryError) as exc:
+            # the static cache is made at the first join (from the prefilled cache's layers); if it cannot
+            # be made, the batch is still empty and the left-padded one takes over
+            if self.batch.kind != "static" or self.batch.kv is not None:
+                raise
+            self.batch = _decline_static(self.engine, exc)
+            self.batch.join(one, batch_len, one_len)
 
     def drop(self, rid: str) -> None:
         self.pasts.pop(rid, None)
 
-    @torch.inference_mode()
     def decode(self, ids: list[int], lens: list[int]) -> torch.Tensor:
         """One forward of every batch row: ``ids[b]`` at position ``lens[b]`` (its cached tokens) ->
         logits [B, V]."""
-        dev = self.engine.device
-        S = kv.seq_len(self.batch)
-        mask_BS = kv.attention_mask([n + 1 for n in lens], S + 1, dev)
-        pos_B1 = torch.tensor(lens, dtype=torch.long)[:, None].to(dev, non_blocking=True)
-        ids_B1 = torch.tensor(ids, dtype=torch.long)[:, None].to(dev, non_blocking=True)
-        out = self.engine.model(input_ids=ids_B1, attention_mask=mask_BS, position_ids=pos_B1, use_cache=True,
-                                logits_to_keep=1, **{self._kv_name: self.batch})
-        self.batch = getattr(out, self._kv_name)
-        return out.logits[:, -1]
+        return self.batch.decode(ids, lens)
 
     def keep(self, rows: list[int], trim: int) -> None:
-        """Keep batch ``rows`` and cut ``trim`` leading padding columns."""
-        self.batch = kv.keep(self.batch, rows, trim)
+        """Keep batch ``rows`` and cut ``trim`` leading padding columns (left-padded batch)."""
+        self.batch.keep(rows, trim)
 
     def reset(self) -> None:
         """Drop every cache (after a failed forward, whose cache state is unknown)."""
         self.pasts.clear()
-        self.batch = None
+        self.batch.reset()
 
     def batch_len(self) -> int:
-        return kv.seq_len(self.batch) if self.batch is not None else 0
+        return self.batch.seq_len()
 
     def stop(self) -> None:
         """End of serving (followers leave their loop)."""
@@ -75,8 +105,8 @@ class LocalExecutor:
 class BroadcastExecutor(LocalExecutor):
     """Rank 0 under TP: each op is broadcast to the group before it runs here."""
 
-    def __init__(self, engine, group=None, src: int = 0):
-        super().__init__(engine)
+    def __init__(self, engine, cfg: ServeConfig | None = None, group=None, src: int = 0):
+        super().__init__(engine, cfg)
         self.group, self.src = group, src
 
     def _send(self, op: str, *args) -> None:

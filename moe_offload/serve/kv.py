@@ -6,7 +6,10 @@ batch dim; when it leaves, its rows are dropped and columns that are padding in 
 Attention layers (``keys``/``values`` ``[B, heads, S, D]``) are padded; linear-attention layers
 (qwen3_next conv / recurrent states ``[B, ...]``) have no sequence dim and are concatenated as is.
 
-Legend: B sequences in the batch, S cache length (padded), D head dim.
+``LeftPaddedBatch`` is the decode batch built on it (one of the two ``DecodeBatch`` kinds; the other is
+``serve/static_batch.py``): eager forwards with a 2-D ``attention_mask`` and per-row ``position_ids``.
+
+Legend: B sequences in the batch, S cache length (padded), D head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -93,3 +96,48 @@ def attention_mask(lens: list[int], S: int, device) -> torch.Tensor:
     lens_B = torch.tensor(lens, dtype=torch.long)
     mask_BS = (torch.arange(S)[None, :] >= (S - lens_B)[:, None]).long()
     return mask_BS.to(device, non_blocking=True)
+
+
+class LeftPaddedBatch:
+    """The decode batch as one left-padded transformers cache, decoded eagerly (the CPU default, and the
+    fallback where the static KV cache is unavailable). Row ``b`` is the scheduler's ``b``-th running request."""
+
+    kind = "dynamic"
+    max_len = None  # grows with the longest row
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.past = None
+        self.rows = 0
+        self.steps = {"graph": 0, "eager": 0}
+
+    def join(self, one, batch_len: int, one_len: int) -> None:
+        """Append the single-sequence cache ``one`` (``one_len`` tokens) as the last row."""
+        self.past = append(self.past, one, batch_len, one_len)
+        self.rows += 1
+
+    @torch.inference_mode()
+    def decode(self, ids: list[int], lens: list[int]) -> torch.Tensor:
+        """One forward of every row: ``ids[b]`` at position ``lens[b]`` -> logits ``[B, V]``."""
+        dev = self.engine.device
+        S = seq_len(self.past)
+        mask_BS = attention_mask([n + 1 for n in lens], S + 1, dev)
+        pos_B1 = torch.tensor(lens, dtype=torch.long)[:, None].to(dev, non_blocking=True)
+        ids_B1 = torch.tensor(ids, dtype=torch.long)[:, None].to(dev, non_blocking=True)
+        kw = dict(input_ids=ids_B1, attention_mask=mask_BS, position_ids=pos_B1, use_cache=True, logits_to_keep=1,
+                  **{self.engine.kv_name: self.past})
+        logits = self.engine.run_model(kw, len(ids))  # the cache object is updated in place
+        self.steps["eager"] += 1
+        return logits[:, -1]
+
+    def keep(self, rows: list[int], trim: int) -> None:
+        """Keep ``rows`` (in that order) and cut ``trim`` leading columns that pad every kept row."""
+        self.past = keep(self.past, rows, trim)
+        self.rows = len(rows)
+
+    def reset(self) -> None:
+        self.past = None
+        self.rows = 0
+
+    def seq_len(self) -> int:
+        return seq_len(self.past) if self.past is not None else 0

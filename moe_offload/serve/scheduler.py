@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from moe_offload import log
+from moe_offload.config import ConfigError
 from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.executor import LocalExecutor
 from moe_offload.serve.sampling import RequestError, SamplingParams, sample
@@ -101,10 +102,10 @@ class Scheduler:
 
     def __init__(self, engine, cfg: ServeConfig | None = None, executor: LocalExecutor | None = None):
         self.engine, self.cfg = engine, cfg or ServeConfig()
-        self.executor = executor or LocalExecutor(engine)
+        self.executor = executor or LocalExecutor(engine, self.cfg)
         model = engine.model
         self.vocab = int(engine.reader.geometry.vocab)
-        self.max_model_len = self.cfg.max_model_len or int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.max_model_len = self._max_model_len(int(getattr(model.config, "max_position_embeddings", 1 << 30)))
         tok = engine.tokenizer
         eos = getattr(tok, "eos_id", None) if tok is not None else None
         if eos is None and tok is not None:
@@ -121,6 +122,26 @@ class Scheduler:
         self.cache_stats: dict = {}
         self._stats_t = 0.0
         self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
+
+    def _max_model_len(self, model_max: int) -> int:
+        """``serve.max_model_len`` (default: the model's), within the static KV cache's positions per row."""
+        limit = self.executor.batch.max_len
+        if limit is None:
+            return self.cfg.max_model_len or model_max
+        if self.cfg.max_model_len is not None and self.cfg.max_model_len > limit:
+            raise ConfigError(f"serve.max_model_len={self.cfg.max_model_len} is more than "
+                              f"decode.max_cache_len={limit}, the positions per row of the static serving KV cache; "
+                              "raise decode.max_cache_len (device memory: rows x positions x KV bytes per position) "
+                              "or lower serve.max_model_len")
+        if (self.cfg.max_model_len or model_max) > limit:
+            log.info_rank0("serve_max_model_len_capped", max_model_len=limit, model_max=model_max,
+                           setting="decode.max_cache_len")
+        return min(self.cfg.max_model_len or model_max, limit)
+
+    @property
+    def decode_steps(self) -> dict[str, int]:
+        """Decode steps so far by path: ``graph`` (CUDA graph replays) and ``eager``."""
+        return dict(self.executor.batch.steps)
 
     # ------------------------------------------------------------------ callers (any thread)
     def start(self) -> "Scheduler":

@@ -26,12 +26,13 @@ def leader_scheduler(rt, serve_cfg: ServeConfig):
     """Rank 0's started Scheduler over the TP runtime ``rt`` (``launch.build_tp_engine``)."""
     from moe_offload.serve.scheduler import Scheduler
 
-    return Scheduler(rt.engine, serve_cfg, BroadcastExecutor(rt.engine, rt.tp.group, _src(rt.tp))).start()
+    return Scheduler(rt.engine, serve_cfg, BroadcastExecutor(rt.engine, serve_cfg, rt.tp.group, _src(rt.tp))).start()
 
 
-def follow_rank(rt) -> int:
-    """Ranks 1..N-1: replay rank 0's ops until it stops -> ops replayed."""
-    n = follow(LocalExecutor(rt.engine), rt.tp.group, _src(rt.tp))
+def follow_rank(rt, serve_cfg: ServeConfig) -> int:
+    """Ranks 1..N-1: replay rank 0's ops until it stops -> ops replayed. ``serve_cfg`` is rank 0's: the
+    decode batch (its kind and rows) is made the same way on every rank."""
+    n = follow(LocalExecutor(rt.engine, serve_cfg), rt.tp.group, _src(rt.tp))
     log.event("serve_follower_done", ops=n)
     return n
 
@@ -44,10 +45,10 @@ def serve_rank(cfg, tp, serve_cfg: dict, host: str, port: int) -> dict | None:
     from moe_offload.serve.server import build_app, model_name
 
     rt = build_tp_engine(cfg, tp, progress=tp.rank == 0)
-    if tp.rank != 0:
-        follow_rank(rt)
-        return None
     scfg = ServeConfig.model_validate(serve_cfg)
+    if tp.rank != 0:
+        follow_rank(rt, scfg)
+        return None
     scheduler = leader_scheduler(rt, scfg)
     log.info_rank0("serve_listening", host=host, port=port, model=model_name(rt.engine, scfg), tp=tp.world_size,
                    max_batch=scfg.max_batch, max_queue=scfg.max_queue, max_model_len=scheduler.max_model_len)
@@ -67,10 +68,11 @@ def generate_rank(cfg, tp, serve_cfg: dict, jobs: list[tuple[list[int], dict]]) 
     from moe_offload.serve.sampling import SamplingParams
 
     rt = build_tp_engine(cfg, tp, progress=False)
+    scfg = ServeConfig.model_validate(serve_cfg)
     if tp.rank != 0:
-        follow_rank(rt)
+        follow_rank(rt, scfg)
         return None
-    scheduler = leader_scheduler(rt, ServeConfig.model_validate(serve_cfg))
+    scheduler = leader_scheduler(rt, scfg)
     try:
         events, reqs = [], []
         for prompt, params in jobs:

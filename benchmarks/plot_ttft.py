@@ -32,21 +32,24 @@ def plot(result: dict, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(lens), figsize=(6.0 * len(lens), 4.6), squeeze=False)
     for ax, n in zip(axes[0], lens):
         cells = [c for c in result["cells"] if c["prompt_len"] == n]
-        for mode in result["settings"]["modes"]:
-            mc = sorted((c for c in cells if c["mode"] == mode), key=lambda c: c["residency"])
+        for variant in result["settings"].get("variants") or result["settings"]["modes"]:
+            mc = sorted((c for c in cells if c.get("variant", c["mode"]) == variant), key=lambda c: c["residency"])
             if not mc:
                 continue
+            mode = mc[0]["mode"]  # a variant is a mode, or mode/prefill path when several paths ran
             x = [c["residency"] for c in mc]
             med = [c["ttft_s"]["median"] * 1e3 for c in mc]
             err = [[m - c["ttft_s"]["min"] * 1e3 for m, c in zip(med, mc)],
                    [c["ttft_s"]["max"] * 1e3 - m for m, c in zip(med, mc)]]
             color, marker = MODE_STYLE.get(mode, (None, "."))
+            if variant != mode:
+                marker = "x" if variant.endswith("/routed") else marker
             if mode == "off":
-                label = "hit-D2D off (full-layer copies)"
-            elif result["modes"][mode]["hit_path"] == "full_layer_copy":
-                label = f"hit-D2D {mode} (declined: full-layer copies)"
+                label = f"hit-D2D {variant} (full-layer copies)"
+            elif result["modes"][variant]["hit_path"] == "full_layer_copy":
+                label = f"hit-D2D {variant} (declined: full-layer copies)"
             else:
-                label = f"hit-D2D {mode}"
+                label = f"hit-D2D {variant}"
             ax.errorbar(x, med, yerr=err, color=color, marker=marker, capsize=3, label=label)
         floor = sorted({(c["residency"], c["pcie_floor_s"]) for c in cells})
         ax.plot([r for r, _ in floor], [f * 1e3 for _, f in floor], "k--", label="PCIe floor (misses / H2D bw)")

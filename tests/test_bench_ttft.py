@@ -3,8 +3,9 @@
 One bench run (module fixture, ~10 s on 2 cores) with the smallest sweep that still shows the
 behaviours: residency 0, 0.5 and 1 (the tiny model has 16 experts per layer, so these are exactly
 0, 8 and 16 resident experts), modes gather (works on the CPU) and off (full-layer copies).
-A second run with two TP ranks (spawned, gloo; ~20 s) checks the per-rank figures. Timings on a CPU
-are not checked: only the structure of the report and the byte/hit accounting, which are exact.
+A second run with two TP ranks (spawned, gloo; ~20 s) checks the per-rank figures, and a third
+measures short prompts (16 and 64 tokens) on both prefill paths and the runtime's choice. Timings on a
+CPU are not checked: only the structure of the report and the byte/hit accounting, which are exact.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def test_a_markdown_table_is_written_next_to_the_json(bench):
     _, _, _, out = bench
     (md,) = out.glob("ttft-*.md")
     text = md.read_text()
-    assert "| residency | hit % | PCIe floor ms | gather ms | ×floor | off ms | ×floor |" in text
+    assert ("| residency | hit % | PCIe floor ms | routed floor ms | gather ms | ×floor | ×routed | path | "
+            "off ms | ×floor | ×routed | path |") in text
 
 
 def test_the_report_records_versions_device_and_resolved_config(bench):
@@ -119,10 +121,11 @@ def test_peers_are_skipped_with_a_reason_on_the_cpu(bench):
     assert all(p["status"] == "skipped" and "cpu" in p["reason"] for p in peers.values())
 
 
-def test_every_target_of_issue_5_is_evaluated_or_says_why_not(bench):
+def test_every_target_is_evaluated_or_says_why_not(bench):
     targets = bench[2]["targets"]
     assert {t["id"] for t in targets} == {"ttft_within_1.10x_floor", "all_resident_vs_bf16_grouped_mm",
-                                          "speedup_vs_accelerate_at_0.37", "hit_d2d_speedup_vs_off"}
+                                          "speedup_vs_accelerate_at_0.37", "hit_d2d_speedup_vs_off",
+                                          "ttft_within_1.10x_routed_floor"}
     for t in targets:
         assert t["met"] in (True, False) or t["detail"], t
 
@@ -132,6 +135,8 @@ def test_every_target_of_issue_5_is_evaluated_or_says_why_not(bench):
     ("--modes", "gather,fast", "subset of"),
     ("--prompt-lens", "0", "positive integers"),
     ("--peers", "vllm", "subset of"),
+    ("--prefill-path", "staged,fast", "subset of"),
+    ("--peer-layers", "2,4,8", "one or two depths"),
 ])
 def test_a_bad_sweep_option_is_an_error_naming_the_option(option, value, needle):
     args = build_parser().parse_args(["bench", "ttft", option, value])
@@ -187,3 +192,89 @@ def test_under_tp_each_rank_moves_only_its_slice_of_the_missed_experts(bench, be
     assert per_rank[0] == per_rank[1] == bench_tp2["model"]["all_expert_bytes"]
     # each rank holds half of every expert; only the fp32 global scales (12 bytes an expert) are on both
     assert sum(per_rank) < 1.01 * whole  # 12 of 3468 bytes an expert: 0.35%, so 1% is loose yet tight
+
+
+def test_staging_a_one_token_prompt_is_refused_because_one_token_always_takes_the_decode_path():
+    args = build_parser().parse_args(["bench", "ttft", "--prompt-lens", "1,64", "--prefill-path", "staged"])
+    with pytest.raises(BenchError, match="--prefill-path staged"):
+        make_plan(args, load_config(None))
+
+
+PATH_RESIDENCIES = (0.0, 0.5, 1.0)
+
+
+@pytest.fixture(scope="module")
+def bench_paths(tmp_path_factory, presets):
+    """``(written JSON, markdown)`` of a run of 16- and 64-token prompts on both paths and auto."""
+    out = tmp_path_factory.mktemp("results-paths")
+    argv = ["bench", "ttft", "--out", str(out), "--reps", "1", "--prompt-lens", "16,64",
+            "--residency", ",".join(f"{r:g}" for r in PATH_RESIDENCIES), "--modes", "gather",
+            "--prefill-path", "staged,routed,auto", "--peers", "none", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
+    with contextlib.redirect_stdout(io.StringIO()) as buf:
+        assert cli_main(argv) == 0
+    (written,) = out.glob("ttft-*.json")
+    return json.loads(written.read_text()), buf.getvalue()
+
+
+def _path_cells(result, variant):
+    return [c for c in result["cells"] if c["variant"] == variant]
+
+
+def test_short_prompts_are_measured_on_every_requested_path(bench_paths):
+    result, _ = bench_paths
+    want = {(v, n, r) for v in ("gather/staged", "gather/routed", "gather/auto") for n in (16, 64)
+            for r in PATH_RESIDENCIES}
+    assert {(c["variant"], c["prompt_len"], c["residency"]) for c in result["cells"]} == want
+    assert all(c["ttft_s"]["median"] > 0 for c in result["cells"])
+
+
+def test_each_cell_names_the_path_its_forward_took(bench_paths):
+    result, _ = bench_paths
+    assert {c["path"] for c in _path_cells(result, "gather/staged")} == {"staged"}
+    assert {c["path"] for c in _path_cells(result, "gather/routed")} == {"routed"}
+    # auto on a CPU keeps decode.max_tokens (16): the 16-token prompt is routed, the 64-token one staged
+    assert {(c["prompt_len"], c["path"]) for c in _path_cells(result, "gather/auto")} == {(16, "routed"), (64, "staged")}
+
+
+def test_the_routed_path_moves_exactly_the_routed_missing_experts_and_nothing_else(bench_paths):
+    result, _ = bench_paths
+    for c in _path_cells(result, "gather/routed"):
+        assert c["bytes"]["uva"] == c["routed_missing_bytes"]  # counted by the decode path, found by the hooks
+        assert c["bytes"]["h2d"] == 0
+
+
+def test_the_routed_floor_counts_the_routed_missing_experts_of_every_layer(bench_paths):
+    result, _ = bench_paths
+    bw = result["floors"]["h2d"]["GBps"] * 1e9
+    R = result["model"]["bytes_per_expert"]
+    for c in result["cells"]:
+        assert c["routed_floor_s"] == pytest.approx(c["routed_missing_experts"] * R / bw)
+        assert c["routed_floor_s"] <= c["pcie_floor_s"] * (1 + 1e-9)  # routed experts are a subset of the layer
+        if c["residency"] == 0.0:
+            assert c["routed_missing_experts"] == c["routed_experts"]  # nothing resident: every routed one misses
+        if c["residency"] == 1.0:
+            assert c["routed_missing_experts"] == 0
+    (short,) = [c for c in _path_cells(result, "gather/staged") if c["prompt_len"] == 16 and c["residency"] == 0.0]
+    assert short["routed_experts"] < result["model"]["experts"] * result["model"]["moe_layers"]  # 16 x top-4 < 16
+
+
+def test_the_staged_path_copies_every_missing_expert_of_every_layer_whatever_the_prompt(bench_paths):
+    result, _ = bench_paths
+    all_bytes = result["model"]["all_expert_bytes"]
+    for c in _path_cells(result, "gather/staged"):
+        assert c["bytes"]["h2d"] == round((1 - c["residency"]) * all_bytes)
+
+
+def test_the_markdown_has_the_routed_floor_and_the_path_of_every_variant(bench_paths):
+    _, text = bench_paths
+    assert ("| residency | hit % | PCIe floor ms | routed floor ms | gather/staged ms | ×floor | ×routed | path | "
+            "gather/routed ms | ×floor | ×routed | path | gather/auto ms | ×floor | ×routed | path |") in text
+    assert "## 16 tokens" in text and "Prefill paths measured: staged, routed, auto" in text
+
+
+def test_short_prompts_get_the_routed_floor_target(bench_paths):
+    result, _ = bench_paths
+    routed = [t for t in result["targets"] if t["id"] == "ttft_within_1.10x_routed_floor"]
+    assert {(t["prompt_len"], t["mode"]) for t in routed} == {
+        (n, v) for n in (16, 64) for v in ("gather/staged", "gather/routed", "gather/auto")}

@@ -2,9 +2,13 @@
 the TTFT targets, the markdown table and the files under ``--out``.
 
 Ratios: ``ratio_to_floor = TTFT / max(PCIe floor, compute floor)`` where the PCIe floor of a cell is
-its missed bytes (``(1 - measured hit fraction) * all expert bytes``) over the H2D bandwidth measured
-in the same run, and the compute floor is the fastest mode whose hits really took the D2D path, at
-residency 1 (every expert resident), for the same prompt length.
+its missing bytes of every layer (``(1 - measured hit fraction) * all expert bytes``; the resident
+fraction where the forward staged nothing) over the H2D bandwidth measured in the same run: what
+staging must copy. ``ratio_to_routed_floor = TTFT / max(routed floor, compute floor)`` where the
+routed-bytes floor is the bytes of the distinct missing experts the prompt really routed (every layer)
+over the same bandwidth: what any path must copy. The compute floor is the fastest variant whose hits
+were really served from the device (copied D2D, or read in place on the routed path) at residency 1
+(every expert resident), for the same prompt length.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ TARGET_RESIDENCY_MAX = 0.75
 TTFT_OVER_FLOOR_MAX = 1.10
 ALL_RESIDENT_OVER_BF16_MAX = 1.5
 ACCELERATE_RESIDENCY, ACCELERATE_SPEEDUP_MIN = 0.37, 30.0
+ROUTED_TARGET_MAX_LEN, TTFT_OVER_ROUTED_FLOOR_MAX = 256, 1.10  # short prompts: within 1.10x the routed bytes
 HIT_SPEEDUP_RESIDENCIES, HIT_SPEEDUP_OF_IDEAL_MIN = (0.37, 0.5), 0.9
 
 
@@ -90,15 +95,24 @@ def full_layers(cfg, layers: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------- derive
-def _cell(result: dict, n: int, mode: str, r: float) -> dict | None:
+def _variant(c: dict) -> str:
+    return c.get("variant", c["mode"])
+
+
+def _variants(result: dict) -> list[str]:
+    return result["settings"].get("variants") or result["settings"]["modes"]
+
+
+def _cell(result: dict, n: int, variant: str, r: float) -> dict | None:
     for c in result["cells"]:
-        if c["prompt_len"] == n and c["mode"] == mode and abs(c["residency"] - r) < 1e-9:
+        if c["prompt_len"] == n and _variant(c) == variant and abs(c["residency"] - r) < 1e-9:
             return c
     return None
 
 
 def _hit_on(cell: dict | None) -> bool:
-    return cell is not None and cell["hit_path"] != FULL_LAYER
+    """Hits served from the device: copied D2D into staging, or read in place by the routed path."""
+    return cell is not None and (cell["hit_path"] != FULL_LAYER or cell.get("path") == "routed")
 
 
 def derive(result: dict) -> None:
@@ -111,19 +125,26 @@ def derive(result: dict) -> None:
     for n in result["settings"]["prompt_lens"]:
         full = [c for c in result["cells"] if c["prompt_len"] == n and c["residency"] == 1.0 and _hit_on(c)]
         best = min(full, key=lambda c: c["ttft_s"]["median"], default=None)
-        compute[str(n)] = None if best is None else {"ttft_s": best["ttft_s"]["median"], "mode": best["mode"]}
+        compute[str(n)] = None if best is None else {"ttft_s": best["ttft_s"]["median"], "mode": _variant(best)}
     result["floors"]["compute"] = compute
-    result["floors"]["compute_definition"] = ("median TTFT at residency 1 of the fastest mode whose hits took "
-                                              "the D2D path")
+    result["floors"]["compute_definition"] = ("median TTFT at residency 1 of the fastest variant whose hits were "
+                                              "served from the device (copied D2D, or read in place when routed)")
+    result["floors"]["routed_definition"] = ("bytes of the distinct missing experts the prompt routed, every layer "
+                                             "(ids from the variant's untimed pass), / H2D bandwidth")
     for c in result["cells"]:
         med = c["ttft_s"]["median"]
         cf = compute[str(c["prompt_len"])]
-        miss = 1.0 - (c["hit_fraction"] or 0.0)
-        c["pcie_floor_s"] = miss * all_bytes / bw
-        c["h2d_at_bandwidth_s"] = c["bytes"]["h2d"] / bw  # the bytes this pass really moved
+        hit = c["hit_fraction"] if c["hit_fraction"] is not None else c.get("resident_fraction", 0.0)
+        c["pcie_floor_s"] = (1.0 - hit) * all_bytes / bw
+        # the bytes this pass really moved over PCIe: copy engine (staging, admissions) and SM reads (UVA)
+        c["h2d_at_bandwidth_s"] = (c["bytes"]["h2d"] + c["bytes"].get("uva", 0)) / bw
         c["compute_floor_s"] = None if cf is None else cf["ttft_s"]
         c["floor_s"] = max(c["pcie_floor_s"], c["compute_floor_s"] or 0.0)
         c["ratio_to_floor"] = med / c["floor_s"] if c["floor_s"] > 0 else None
+        if "routed_missing_bytes" in c:
+            c["routed_floor_s"] = c["routed_missing_bytes"] / bw
+            routed_floor = max(c["routed_floor_s"], c["compute_floor_s"] or 0.0)
+            c["ratio_to_routed_floor"] = med / routed_floor if routed_floor > 0 else None
         c["per_layer_s"] = med / m["layers"]
         c["extrapolated_s"] = med * m["full_layers"] / m["layers"] if m["full_layers"] != m["layers"] else None
     result["targets"] = targets(result)
@@ -156,7 +177,9 @@ def _peer_ttft(result: dict, peer: str, n: int) -> float | None:
 def targets(result: dict) -> list[dict]:
     """Issue 5's targets per prompt length (``primary``: the 1024-token prompt they are stated for)."""
     s = result["settings"]
-    hit_modes = [mode for mode in s["modes"] if mode != "off"]
+    variants = _variants(result)
+    modes = {v: (result.get("modes", {}).get(v) or {}).get("mode", v) for v in variants}
+    hit_modes = [v for v in variants if modes[v] != "off"]
     out = []
     for n in s["prompt_lens"]:
         for mode in hit_modes:
@@ -168,6 +191,13 @@ def targets(result: dict) -> list[dict]:
                 f"mode declined to full-layer copies: {declined[0]['hit_d2d_fallbacks']}")
             out.append(_target("ttft_within_1.10x_floor", n, value, TTFT_OVER_FLOOR_MAX, "<=", detail, mode,
                                description="max over residency 0..0.75 of TTFT / max(PCIe floor, compute floor)"))
+            if n <= ROUTED_TARGET_MAX_LEN:
+                routed = {str(c["residency"]): c.get("ratio_to_routed_floor") for c in cells}
+                value = None if not cells or None in routed.values() else max(routed.values())
+                out.append(_target("ttft_within_1.10x_routed_floor", n, value, TTFT_OVER_ROUTED_FLOOR_MAX, "<=",
+                                   routed if value else "needs the routed experts of the cells", mode,
+                                   description="max over residency 0..0.75 of TTFT / max(routed-bytes floor, "
+                                               f"compute floor), prompts of at most {ROUTED_TARGET_MAX_LEN} tokens"))
         cf = result["floors"]["compute"][str(n)]
         gpu = _peer_ttft(result, "full_gpu", n)
         value = cf["ttft_s"] / gpu if cf and gpu else None
@@ -184,8 +214,9 @@ def targets(result: dict) -> list[dict]:
             out.append(_target("speedup_vs_accelerate_at_0.37", n, value, ACCELERATE_SPEEDUP_MIN, ">=",
                                None if value else why, mode))
         for mode in hit_modes:
+            off_variant = next((v for v in variants if modes[v] == "off" and _same_path(result, v, mode)), "off")
             for r in HIT_SPEEDUP_RESIDENCIES:
-                on, off = _cell(result, n, mode, r), _cell(result, n, "off", r)
+                on, off = _cell(result, n, mode, r), _cell(result, n, off_variant, r)
                 if not (_hit_on(on) and off):
                     out.append(_target("hit_d2d_speedup_vs_off", n, None, HIT_SPEEDUP_OF_IDEAL_MIN, ">=",
                                        f"needs modes {mode} (hit path working) and off at residency {r}", mode,
@@ -197,6 +228,11 @@ def targets(result: dict) -> list[dict]:
                                    {"speedup": speedup, "ideal": ideal}, mode, residency=r,
                                    description="(TTFT off / TTFT on) / (1 / (1 - measured hit fraction))"))
     return out
+
+
+def _same_path(result: dict, a: str, b: str) -> bool:
+    m = result.get("modes", {})
+    return (m.get(a) or {}).get("prefill_path") == (m.get(b) or {}).get("prefill_path")
 
 
 # ---------------------------------------------------------------------------------------- markdown
@@ -223,7 +259,11 @@ def _header(result: dict) -> list[str]:
         f"{m['moe_layers']} layers = {m['all_expert_bytes'] / 1e9:.3g} GB; every expert missing costs "
         f"{_ms(f['pcie_all_miss_s'])} ms over PCIe. Slot pool: {_budget_text(s)}; "
         f"{s['reps']} reps per cell: median [min–max] ms; warmup {'on' if s['warmup'] else 'off'}. "
-        "×floor = TTFT / max(PCIe floor, compute floor).",
+        "×floor = TTFT / max(PCIe floor, compute floor); PCIe floor = missing bytes of every layer / H2D bandwidth "
+        "(what staging copies); routed floor = bytes of the distinct missing experts the prompt routed (every "
+        "layer) / H2D bandwidth (what any path must copy); ×routed = TTFT / max(routed floor, compute floor); "
+        "path = the path the forward took (staged: whole layers staged; routed: only the routed experts read, "
+        f"resident ones in place). Prefill paths measured: {', '.join(s.get('prefill_paths', ['auto']))}.",
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; the floor and ×floor columns are n/a and no target has a verdict.**"]
@@ -234,7 +274,7 @@ def _header(result: dict) -> list[str]:
     if m["full_layers"] != m["layers"]:
         lines += ["", f"Truncated to {m['layers']} of {m['full_layers']} layers: per layer = TTFT / {m['layers']}; "
                   f"extrapolated to {m['full_layers']} layers = TTFT x {m['full_layers'] / m['layers']:.3g} "
-                  "(JSON: per_layer_s, extrapolated_s)."]
+                  "(JSON: per_layer_s, extrapolated_s; a ratio, so it scales the fixed costs too: an upper bound)."]
     return lines
 
 
@@ -244,33 +284,43 @@ def _budget_text(s: dict) -> str:
     return f"{max(s['slots'].values())} slots at every residency (free slots get prefill admissions)"
 
 
+def _routed_floor_text(cells: list[dict]) -> str:
+    """The row's routed floor: one value, or a range where the variants routed differently."""
+    vals = sorted({round(c["routed_floor_s"] * 1e3, 1) for c in cells if c.get("routed_floor_s") is not None})
+    return "–" if not vals else f"{vals[0]:.1f}" if len(vals) == 1 else f"{vals[0]:.1f}–{vals[-1]:.1f}"
+
+
 def _ttft_table(result: dict, n: int) -> list[str]:
-    s, m, modes = result["settings"], result["model"], result["settings"]["modes"]
+    s, m, modes = result["settings"], result["model"], _variants(result)
     truncated = m["full_layers"] != m["layers"]
     cf = result["floors"]["compute"][str(n)]
-    floor = f"{_ms(cf['ttft_s'])} ms, mode {cf['mode']}" if cf else "–"
+    floor = f"{_ms(cf['ttft_s'])} ms, {cf['mode']}" if cf else "–"
     extra = [f"best hit-D2D ms at {m['full_layers']} layers"] if truncated else []
-    head = ["residency", "hit %", "PCIe floor ms", *(f"{mo} ms | ×floor" for mo in modes), *extra]
+    head = ["residency", "hit %", "PCIe floor ms", "routed floor ms",
+            *(f"{mo} ms | ×floor | ×routed | path" for mo in modes), *extra]
     lines = ["", f"## {n} tokens", "", f"Compute floor (all experts resident): {floor}.", "",
-             "| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * (3 + 2 * len(modes) + len(extra))) + " |"]
+             "| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * (4 + 4 * len(modes) + len(extra))) + " |"]
     for r in s["residencies"]:
         row = {mo: _cell(result, n, mo, r) for mo in modes}
         first = next((c for c in row.values() if c), None)
         if first is None:
             continue
-        hit = None if first["hit_fraction"] is None else 100 * first["hit_fraction"]
+        hit = 100 * first["hit_fraction"] if first["hit_fraction"] is not None else (
+            None if first.get("resident_fraction") is None else 100 * first["resident_fraction"])
         cuda = on_cuda(result)
-        cols = [f"{r:g}", _num(hit, 1), _ms(first["pcie_floor_s"]) if cuda else "n/a"]
+        cols = [f"{r:g}", _num(hit, 1), _ms(first["pcie_floor_s"]) if cuda else "n/a",
+                _routed_floor_text([c for c in row.values() if c]) if cuda else "n/a"]
         for mo, c in row.items():
             if c is None:
-                cols += ["–", "–"]
+                cols += ["–", "–", "–", "–"]
                 continue
             t = c["ttft_s"]
-            mark = "" if mo == "off" or _hit_on(c) else " †"
+            mark = "" if c["mode"] == "off" or _hit_on(c) else " †"
             cols += [f"{_ms(t['median'])} [{_ms(t['min'])}–{_ms(t['max'])}]{mark}",
-                     _num(c["ratio_to_floor"]) if cuda else "n/a"]
+                     _num(c["ratio_to_floor"]) if cuda else "n/a",
+                     _num(c.get("ratio_to_routed_floor")) if cuda else "n/a", c.get("path", "staged")]
         if truncated:
-            hits = [c["extrapolated_s"] for mo, c in row.items() if mo != "off" and _hit_on(c)]
+            hits = [c["extrapolated_s"] for c in row.values() if c and c["mode"] != "off" and _hit_on(c)]
             cols.append(_ms(min(hits)) if hits else "–")
         lines.append("| " + " | ".join(cols) + " |")
     return lines
@@ -280,9 +330,9 @@ def _host_table(result: dict) -> list[str]:
     s = result["settings"]
     r0 = s["residencies"][0]
     lines = ["", "## Host time (Python side, no sync)", "",
-             f"| mode | tokens | experts call per layer ms | forward ms | TTFT ms (residency {r0:g}) |",
+             f"| variant | tokens | experts call per layer ms | forward ms | TTFT ms (residency {r0:g}) |",
              "| --- | --- | --- | --- | --- |"]
-    for mo in s["modes"]:
+    for mo in _variants(result):
         for n in s["prompt_lens"]:
             c = _cell(result, n, mo, r0)
             if c:
@@ -305,8 +355,15 @@ def _peer_table(result: dict) -> list[str]:
             vals.append("–" if t is None else _ms(t["at_engine_layers_s"]) + ("\\*" if t["extrapolated"] else ""))
         lines.append(f"| {name} | {p['status']} | {p.get('layers', '–')} | " + " | ".join(vals)
                      + f" | {p.get('reason', '')} |")
-    scaled = any(p["status"] == "ok" and p["layers"] != p["engine_layers"] for p in result["peers"].values())
-    return lines + (["", "\\* measured on fewer layers, scaled linearly to the engine's depth."] if scaled else [])
+    scaled = [p for p in result["peers"].values() if p["status"] == "ok" and p.get("depths")]
+    if not scaled:
+        return lines
+    a, b = scaled[0]["depths"]
+    L = scaled[0]["engine_layers"]
+    return lines + ["", f"\\* measured at {a} and {b} layers and scaled to the engine's {L} by the per-layer slope of "
+                    f"the two depths: t({b}) + ({L} - {b}) x (t({b}) - t({a})) / ({b} - {a}); the fixed costs "
+                    "(embedding, LM head, launch) are counted once, not multiplied (JSON: peers.*.ttft_s.*.per_layer_s, "
+                    "fixed_s, depths)."]
 
 
 def _target_table(result: dict) -> list[str]:
@@ -326,7 +383,8 @@ def markdown(result: dict) -> str:
     lines = _header(result)
     for n in result["settings"]["prompt_lens"]:
         lines += _ttft_table(result, n)
-    declined = [mo for mo, d in result["modes"].items() if mo != "off" and d["hit_path"] == FULL_LAYER]
+    declined = [mo for mo, d in result["modes"].items()
+                if d.get("mode", mo) != "off" and d.get("prefill_path") != "routed" and d["hit_path"] == FULL_LAYER]
     if declined:
         lines += ["", "† hit-D2D requested but declined, full-layer copies ran: "
                   + ", ".join(f"{mo} ({_reasons(result, mo)})" for mo in declined)]
@@ -337,7 +395,7 @@ def markdown(result: dict) -> str:
 
 
 def _reasons(result: dict, mode: str) -> str:
-    reasons = {k for c in result["cells"] if c["mode"] == mode for k in c["hit_d2d_fallbacks"]}
+    reasons = {k for c in result["cells"] if _variant(c) == mode for k in c["hit_d2d_fallbacks"]}
     return ", ".join(sorted(reasons)) or "see log"
 
 

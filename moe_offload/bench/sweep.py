@@ -1,10 +1,14 @@
-"""The engine side of ``bench ttft``: one engine (one pinned store), a fresh cache per (mode, pool
-size), deterministic residency before every repetition, and the figures of each cell.
+"""The engine side of ``bench ttft``: one engine (one pinned store), a fresh cache per (mode, prefill
+path, pool size), deterministic residency before every repetition, and the figures of each cell.
 
-A cell is (prompt length, mode, residency). Per repetition: ``cache.set_residency`` (evicts
+A cell is (prompt length, variant, residency); a variant is a hit-copy mode and a prefill path
+(``staged``, ``routed`` or ``auto``: ``PATHS``). Per repetition: ``cache.set_residency`` (evicts
 everything, then makes the cell's experts resident), ``cache.reset``, ``Engine.measure_ttft``
-(synchronized, first token sampled); the hit fraction and bytes per copy path come from
-``cache.stats()`` of that pass, host times from forward hooks.
+(synchronized, first token sampled); the hit fraction, bytes per copy path and the path the forward
+took come from ``cache.stats()`` of that pass, host times from forward hooks. The experts each layer
+routed come from the untimed pass of the variant and prompt (``RoutingRecorder``: forward pre-hooks
+that keep the ids tensors, read back after the pass), so nothing syncs inside a timed pass; they give
+each cell its routed missing experts (routed and not in the cell's resident set).
 """
 
 from __future__ import annotations
@@ -30,13 +34,71 @@ MODES = {
 }
 
 
-def cell_config(cfg: OffloadConfig, mode: str, slots: int) -> OffloadConfig:
-    """``cfg`` with the prefill settings of ``mode`` and a pool of ``slots`` slots."""
+#: how each prefill path is forced (``prefill.routed_max_tokens``; ``path_settings``)
+PATHS = ("staged", "routed", "auto")
+
+
+def path_settings(path: str, cfg: OffloadConfig, prompt_lens) -> dict:
+    """``{section: {key: value}}`` that make every prompt of ``prompt_lens`` take ``path``: ``staged`` lowers
+    decode.max_tokens below the shortest prompt, ``routed`` raises the threshold to the longest, ``auto``
+    is the runtime's own choice (prefill_path.py)."""
+    if path == "staged":
+        return {"prefill": {"routed_max_tokens": 0},
+                "decode": {"max_tokens": max(1, min(cfg.decode.max_tokens, min(prompt_lens) - 1))}}
+    if path == "routed":
+        return {"prefill": {"routed_max_tokens": max(prompt_lens)}}
+    return {"prefill": {"routed_max_tokens": "auto"}}
+
+
+def cell_config(cfg: OffloadConfig, mode: str, slots: int, path: str | None = None,
+                prompt_lens: tuple[int, ...] = ()) -> OffloadConfig:
+    """``cfg`` with the prefill settings of ``mode`` (and of prefill ``path`` for ``prompt_lens``) and a
+    pool of ``slots`` slots."""
     c = cfg.model_copy(deep=True)
     for key, value in MODES[mode].items():
         setattr(c.prefill, key, value)  # validated on assignment
+    if path is not None:
+        for section, values in path_settings(path, cfg, prompt_lens).items():
+            for key, value in values.items():
+                setattr(getattr(c, section), key, value)
     c.cache.budget = f"{slots} slots"
     return c
+
+
+def variant_label(mode: str, path: str, paths: tuple[str, ...]) -> str:
+    """Column name of a (mode, path): the mode alone when one path is measured."""
+    return mode if len(paths) == 1 else f"{mode}/{path}"
+
+
+class RoutingRecorder:
+    """The routed ids of every experts call of one forward, from forward pre-hooks that keep references
+    (no sync); ``distinct()`` reads them back after the forward (HOST SYNC: call it outside timing)."""
+
+    def __init__(self, experts: list[torch.nn.Module]):
+        self._ids: dict[int, list[torch.Tensor]] = {}
+        self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True) for m in experts]
+
+    def _pre(self, module, args, kwargs) -> None:
+        ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        self._ids.setdefault(module.layer_idx, []).append(ids)
+
+    def distinct(self) -> dict[int, np.ndarray]:
+        """``{layer: sorted distinct expert ids}`` routed since the recorder was made."""
+        return {layer: np.unique(torch.cat([t.reshape(-1) for t in ts]).cpu().numpy())
+                for layer, ts in self._ids.items()}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def routed_missing(routed: dict[int, np.ndarray], resident: dict[int, list[int]]) -> tuple[int, int]:
+    """(distinct routed experts, those not resident), summed over layers."""
+    total = missing = 0
+    for layer, ids in routed.items():
+        total += int(ids.size)
+        missing += int(np.setdiff1d(ids, np.asarray(resident.get(layer, []), dtype=ids.dtype)).size)
+    return total, missing
 
 
 def pool_slots(budget: str, counts: dict[float, int], moe_layers: int, top_k: int) -> dict[float, int]:
@@ -61,7 +123,8 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
 
     engine.cache.close()  # the old pool and staging go before the new ones are allocated
     free_memory()
-    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens))
+    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
+                                         fused_decode=cfg.compute.backend != "torch"))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()
@@ -99,47 +162,73 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
     return {
         "hit_fraction": tot["prefill_hits"] / looked if looked else None,
         "ttft_s": _summary(ttft),
+        "path": taken_path(stats),
+        "routed_max_tokens": stats["routed_path"]["max_tokens"],
+        "routed_pair_hit_rate": stats["hit_rate"],
         "hit_path": stats["hit_path"],
         "hit_d2d_fallbacks": stats["hit_d2d_fallbacks"],
         "prefills": stats["prefills"],
         "bytes": {"h2d": b["prefill_full_h2d"] + b["prefill_miss_h2d"],
-                  "d2d": b["prefill_hit_d2d"] + b["prefill_hit_gather"],
+                  "d2d": b["prefill_hit_d2d"] + b["prefill_hit_gather"], "uva": b["decode_uva"],
                   **{k: v for k, v in b.items() if k.startswith("prefill_")}},
         "host": {"forward_s": statistics.median(host_fwd), "experts_per_layer_s": statistics.median(host_layer)},
     }
 
 
+def taken_path(stats: dict) -> str:
+    """``staged`` (every forward of the pass staged its layers), ``routed`` (every forward read only its
+    routed experts: the decode path) or ``mixed`` (a chunked prompt whose chunks went both ways)."""
+    staged, routed = stats["prefills"] > 0, stats["decode_steps"] > 0
+    return "mixed" if staged and routed else "staged" if staged else "routed"
+
+
 def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], counts: dict[float, int],
           slots: dict[float, int], show_bar: bool = True, on_cell: Callable[[dict], None] | None = None) -> dict:
-    """Every cell of ``plan`` on ``engine`` (built for ``plan.modes[0]`` at the first residency's pool);
-    returns ``{"cells", "modes"}``. ``on_cell(cell)`` runs after each cell (TP: per-rank figures)."""
+    """Every cell of ``plan`` on ``engine`` (built for ``plan.modes[0]`` and ``plan.paths[0]`` at the first
+    residency's pool); returns ``{"cells", "modes"}`` (``modes`` keyed by variant label). ``on_cell(cell)``
+    runs after each cell (TP: per-rank figures)."""
     first = plan.residencies[0]
-    sets = resident_sets(engine.store.layers, engine.store.num_experts, counts, plan.seed)
-    timer = HostTimer(engine.model, offloaded_experts(engine.model))
+    E, R = engine.store.num_experts, engine.store.bytes_per_expert
+    sets = resident_sets(engine.store.layers, E, counts, plan.seed)
+    experts = offloaded_experts(engine.model)
+    timer = HostTimer(engine.model, experts)
     cells, modes = [], {}
-    current = (plan.modes[0], slots[first])
-    bar = tqdm(total=len(plan.modes) * len(plan.prompt_lens) * len(plan.residencies), desc="ttft cells",
-               unit="cell", disable=not show_bar)
+    current = (plan.modes[0], plan.paths[0], slots[first])
+    bar = tqdm(total=len(plan.modes) * len(plan.paths) * len(plan.prompt_lens) * len(plan.residencies),
+               desc="ttft cells", unit="cell", disable=not show_bar)
     for mode in plan.modes:
-        for r in plan.residencies:
-            ccfg = cell_config(cfg, mode, slots[r])
-            if (mode, slots[r]) != current:
-                use_cache(engine, ccfg)
-                current = (mode, slots[r])
-            modes.setdefault(mode, {**MODES[mode], "hit_path": engine.cache.hit_path,
-                                    "prefill": ccfg.prefill.model_dump()})
-            for n in plan.prompt_lens:
-                bar.set_postfix(mode=mode, tokens=n, residency=r)
-                if r == first:  # untimed: first pass of this shape in this mode (allocator, kernel caches)
-                    engine.cache.set_residency(sets[r])
-                    engine.measure_ttft(prompts[n])
-                cell = {"prompt_len": n, "mode": mode, "residency": r, "resident_per_layer": counts[r],
-                        "slots": engine.cache.num_slots,
-                        **measure_cell(engine, timer, prompts[n], sets[r], plan.reps)}
-                if on_cell is not None:
-                    on_cell(cell)
-                cells.append(cell)
-                bar.update(1)
+        for path in plan.paths:
+            label = variant_label(mode, path, plan.paths)
+            routed: dict[int, dict] = {}
+            for r in plan.residencies:
+                ccfg = cell_config(cfg, mode, slots[r], path, plan.prompt_lens)
+                if (mode, path, slots[r]) != current:
+                    use_cache(engine, ccfg)
+                    current = (mode, path, slots[r])
+                modes.setdefault(label, {**MODES[mode], "mode": mode, "prefill_path": path,
+                                         "hit_path": engine.cache.hit_path, "prefill": ccfg.prefill.model_dump(),
+                                         "decode_max_tokens": ccfg.decode.max_tokens,
+                                         "routed_path": engine.cache.routed_path.to_dict()})
+                for n in plan.prompt_lens:
+                    bar.set_postfix(variant=label, tokens=n, residency=r)
+                    if r == first:  # untimed: first pass of this shape and variant (allocator, kernel caches)
+                        engine.cache.set_residency(sets[r])
+                        recorder = RoutingRecorder(experts)
+                        try:
+                            engine.measure_ttft(prompts[n])
+                        finally:
+                            recorder.remove()
+                        routed[n] = recorder.distinct()
+                    total, missing = routed_missing(routed[n], sets[r])
+                    cell = {"prompt_len": n, "mode": mode, "prefill_path": path, "variant": label, "residency": r,
+                            "resident_per_layer": counts[r], "resident_fraction": counts[r] / E,
+                            "slots": engine.cache.num_slots, "routed_experts": total,
+                            "routed_missing_experts": missing, "routed_missing_bytes": missing * R,
+                            **measure_cell(engine, timer, prompts[n], sets[r], plan.reps)}
+                    if on_cell is not None:
+                        on_cell(cell)
+                    cells.append(cell)
+                    bar.update(1)
     bar.close()
     timer.remove()
     return {"cells": cells, "modes": modes}

@@ -1,9 +1,11 @@
-"""``moe-offload bench ttft``: time to first token vs residency per prefill copy mode, against floors
-measured in the same run and against peers (transformers + accelerate offloading the experts;
-transformers fully on the GPU).
+"""``moe-offload bench ttft``: time to first token vs residency per prefill copy mode and prefill path,
+against floors measured in the same run and against peers (transformers + accelerate offloading the
+experts; transformers fully on the GPU).
 
     moe-offload bench ttft                      # embedded tiny model on the CPU: the CI smoke test
     moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml --prompt-lens 1024 --peer-layers 8
+    moe-offload bench ttft --config configs/qwen3-30b-a3b-nvfp4.yaml --prompt-lens 16,64,256,1024 \
+        --prefill-path staged,routed --modes gather --peers none    # both paths: the cost model's data
     python benchmarks/ttft.py ...               # the same main()
 
 One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and ``.md`` under ``--out``):
@@ -12,13 +14,16 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
    test has the same fields);
 2. the engine is built once (checkpoint -> pinned store happens once); every further (mode, budget)
    gets a fresh ``OffloadMoeCache`` over the same store, then a prefill warmup, as in serving;
-3. per (prompt length, mode, residency): ``reps`` TTFTs from ``Engine.measure_ttft`` (synchronized,
-   first token sampled), each after ``cache.set_residency`` (which evicts everything first). The
-   resident set of layer l at residency r is the first round(r*E) experts of a seeded permutation of
-   that layer, so the sets are nested across residencies. Measured hit fraction and bytes per copy
-   path come from ``cache.stats()`` of the pass; host time per layer from forward hooks (no sync);
-4. floors and ratios (``report.derive``): PCIe floor = missed bytes / H2D bandwidth, compute floor =
-   the fastest hit-D2D mode at residency 1 (added to the sweep when absent);
+3. per (prompt length, mode, prefill path, residency): ``reps`` TTFTs from ``Engine.measure_ttft``
+   (synchronized, first token sampled), each after ``cache.set_residency`` (which evicts everything
+   first). The resident set of layer l at residency r is the first round(r*E) experts of a seeded
+   permutation of that layer, so the sets are nested across residencies. Measured hit fraction, bytes
+   per copy path and the path the forward took come from ``cache.stats()`` of the pass; host time per
+   layer from forward hooks (no sync); the routed experts of every layer from the untimed pass;
+4. floors and ratios (``report.derive``): PCIe floor = missing bytes of every layer / H2D bandwidth
+   (what staging copies), routed-bytes floor = bytes of the distinct missing experts the prompt really
+   routed (every layer) / H2D bandwidth, compute floor = the fastest variant at residency 1 (added to
+   the sweep when absent);
 5. peers (CUDA only; the engine is torn down first so they get the GPU), then the TTFT targets (``report.targets``).
 
 Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks through
@@ -26,6 +31,13 @@ Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks th
 measures its own link at the same time, bytes are reported per rank, the floors are per rank (each
 rank moves its 1/N slice of every expert; the slowest link sets the bandwidth) and the peers, being
 single-device baselines, run only at TP=1.
+
+Prefill path (``--prefill-path``): ``staged`` stages every layer for every prompt (decode.max_tokens
+is lowered below the shortest prompt), ``routed`` reads only the routed experts of every prompt
+(``prefill.routed_max_tokens`` = the longest prompt, at most 4096), ``auto`` is the runtime's own choice
+per prompt length (``prefill.routed_max_tokens: auto``, moe_offload/prefill_path.py). Measuring
+``staged,routed`` in one run gives the data the cost model is checked and fitted against
+(``benchmarks/fit_prefill_path.py --check``).
 
 Budget (``--budget``): ``residency`` (default) sizes the slot pool to exactly the resident experts
 of each residency (at least top-k), so the pool is full when prefill starts, as in a server at steady
@@ -46,9 +58,9 @@ from pathlib import Path
 import torch
 
 from moe_offload import log
-from moe_offload.bench.sweep import MODES, cell_config, free_memory, pool_slots, sweep
+from moe_offload.bench.sweep import MODES, PATHS, cell_config, free_memory, pool_slots, sweep
 from moe_offload.bench.timing import measure_h2d
-from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
+from moe_offload.config import FORMATS, PRESETS, ROUTED_MAX_TOKENS_LIMIT, OffloadConfig, load_config
 
 PEERS = ("accelerate", "full_gpu")
 BUDGETS = ("residency", "max")
@@ -72,11 +84,12 @@ class Plan:
     modes: tuple[str, ...]
     reps: int
     peers: tuple[str, ...]
-    peer_layers: int | None
+    peer_layers: tuple[int, ...] | None  # one depth (a second is derived) or two depths
     peer_reps: int
     seed: int
     budget: str
     notes: tuple[str, ...]
+    paths: tuple[str, ...] = ("auto",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -93,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "1 is always added (it is the compute floor)")
     p.add_argument("--modes", default="batch_memcpy,gather,off",
                    help=f"comma-separated prefill copy modes: {', '.join(MODES)} (off = full-layer H2D copies)")
+    p.add_argument("--prefill-path", default="auto",
+                   help=f"comma-separated prefill paths: {', '.join(PATHS)} (staged: every layer staged whole; "
+                   "routed: only the routed experts read, resident ones in place; auto: the runtime's per-T choice). "
+                   "Default %(default)s")
     p.add_argument("--budget", choices=BUDGETS, default="residency",
                    help="slot pool per residency (residency: exactly the resident experts, the pool is full as in "
                    "steady-state serving) or once for the largest residency (max: free slots get prefill admissions)")
@@ -100,7 +117,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{DEFAULT_REPS['smoke']} for the tiny presets); one untimed pass per prompt length and mode")
     p.add_argument("--peers", default="accelerate,full_gpu",
                    help=f"comma-separated peers to run in the same run ({', '.join(PEERS)}) or 'none'; CUDA only")
-    p.add_argument("--peer-layers", type=int, help="run the peers on the first N layers and extrapolate linearly "
+    p.add_argument("--peer-layers", help="run the peers on fewer layers than the engine: N (N and a shallower "
+                   "depth) or A,B (these two depths), scaled to the engine's depth by the per-layer slope of the two "
                    "(default: as many layers as the engine)")
     p.add_argument("--peer-reps", type=int, default=3, help="timed repetitions per peer and prompt length (default 3)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the resident sets")
@@ -137,13 +155,25 @@ def make_plan(a: argparse.Namespace, cfg: OffloadConfig) -> Plan:
     modes = _csv(a.modes, "--modes", str, lambda m: m in MODES, f"a comma-separated subset of {', '.join(MODES)}")
     peers = () if str(a.peers).strip().lower() == "none" else _csv(
         a.peers, "--peers", str, lambda m: m in PEERS, f"a comma-separated subset of {', '.join(PEERS)}, or none")
+    paths = _csv(a.prefill_path, "--prefill-path", str, lambda m: m in PATHS,
+                 f"a comma-separated subset of {', '.join(PATHS)}")
+    if "staged" in paths and min(lens) < 2:
+        raise BenchError(f"--prefill-path staged needs prompts of at least 2 tokens (decode.max_tokens >= 1 keeps "
+                         f"1-token forwards on the decode path); got --prompt-lens {min(lens)}")
+    if "routed" in paths and max(lens) > ROUTED_MAX_TOKENS_LIMIT:
+        raise BenchError(f"--prefill-path routed takes prompts of at most {ROUTED_MAX_TOKENS_LIMIT} tokens; "
+                         f"got --prompt-lens {max(lens)}")
+    peer_layers = None if a.peer_layers is None else _csv(
+        a.peer_layers, "--peer-layers", int, lambda n: n >= 1, "N or A,B: one or two positive depths")
+    if peer_layers is not None and len(peer_layers) > 2:
+        raise BenchError(f"--peer-layers {a.peer_layers!r}: expected N or A,B (one or two depths)")
     reps = DEFAULT_REPS[kind] if a.reps is None else a.reps
-    for name, value in (("--reps", reps), ("--peer-reps", a.peer_reps), ("--peer-layers", a.peer_layers),
-                        ("--layers", a.layers), ("--tp", a.tp)):
+    for name, value in (("--reps", reps), ("--peer-reps", a.peer_reps), ("--layers", a.layers), ("--tp", a.tp)):
         if value is not None and value < 1:
             raise BenchError(f"{name} must be >= 1, got {value}")
-    return Plan(tuple(sorted(lens)), tuple(sorted(res)), modes, reps, peers, a.peer_layers, a.peer_reps, a.seed,
-                a.budget, tuple(notes))
+    return Plan(tuple(sorted(lens)), tuple(sorted(res)), modes, reps, peers,
+                None if peer_layers is None else tuple(sorted(peer_layers)), a.peer_reps, a.seed, a.budget,
+                tuple(notes), paths)
 
 
 def bench_config(a: argparse.Namespace) -> OffloadConfig:
@@ -178,10 +208,6 @@ def prepare(cfg: OffloadConfig, plan: Plan, progress: bool = True) -> Setup:
     too_long = [n for n in plan.prompt_lens if max_pos and n > max_pos]
     if too_long:
         raise BenchError(f"--prompt-lens {too_long}: longer than the model's max_position_embeddings={max_pos}")
-    too_short = [n for n in plan.prompt_lens if n <= cfg.decode.max_tokens]
-    if too_short:
-        raise BenchError(f"--prompt-lens {too_short}: prompts of at most decode.max_tokens={cfg.decode.max_tokens} "
-                         "tokens take the decode path, not prefill; use longer prompts")
     E, L = geo.num_experts, len(geo.moe_layers)
     if L < MIN_MOE_LAYERS:
         raise BenchError(f"{path} has {L} MoE layers; the bench needs at least {MIN_MOE_LAYERS} (the cache reuses "
@@ -202,7 +228,8 @@ def run_single(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     setup = prepare(cfg, plan)
     device = resolve_device(cfg.device)
     h2d = measure_h2d(device)
-    engine = Engine.from_config(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]]))
+    engine = Engine.from_config(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]], plan.paths[0],
+                                            plan.prompt_lens))
     part = sweep(engine, cfg, plan, setup.prompts, setup.counts, setup.slots)
     part["store"] = engine.store.describe()
     engine.cache.synchronize()
@@ -234,8 +261,8 @@ def _tp_rank(cfg: OffloadConfig, tp, plan: Plan) -> dict:
     setup = prepare(cfg, plan, progress=False)
     tp.barrier()
     h2d = gathered({"tp_rank": tp.rank, **measure_h2d(tp.device)})
-    rt = build_tp_engine(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]]), tp,
-                         progress=tp.rank == 0)
+    rt = build_tp_engine(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]], plan.paths[0],
+                                     plan.prompt_lens), tp, progress=tp.rank == 0)
 
     def per_rank(cell: dict) -> None:
         cell["per_rank"] = [{k: r[k] for k in ("tp_rank", "h2d_bytes", "moved")}
@@ -289,10 +316,12 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
             "host_store": store,
         },
         "config": config_to_dict(cfg),
-        "config_note": "prefill.hit_copy is set per mode (see modes[*].prefill); "
+        "config_note": "prefill.hit_copy and prefill.routed_max_tokens are set per variant (see modes[*].prefill; "
+                       "the staged path also lowers decode.max_tokens: modes[*].decode_max_tokens); "
                        "cache.budget per residency (see settings.slots); under TP, expert bytes are per rank",
         "settings": {"prompt_lens": list(plan.prompt_lens), "residencies": list(plan.residencies),
                      "resident_per_layer": {str(r): n for r, n in setup.counts.items()}, "modes": list(plan.modes),
+                     "prefill_paths": list(plan.paths), "variants": list(part["modes"]),
                      "reps": plan.reps, "warmup": cfg.prefill.warmup, "budget": plan.budget,
                      "slots": {str(r): n for r, n in setup.slots.items()}, "seed": plan.seed,
                      "residency_sets": "first round(r*E) experts of a seeded per-layer permutation (nested)",
@@ -313,6 +342,8 @@ def main(a: argparse.Namespace) -> int:
     notes = list(plan.notes)
     if any(s.split("=", 1)[0].strip() == "cache.budget" for s in a.set):
         notes.append(f"--set cache.budget is replaced: the bench sizes the pool itself (--budget {plan.budget})")
+    if any(s.split("=", 1)[0].strip() == "prefill.routed_max_tokens" for s in a.set):
+        notes.append("--set prefill.routed_max_tokens is replaced: --prefill-path sets it per variant")
     if cfg.parallel.tp > 1:  # before a rank is spawned or a weight is read
         from moe_offload.prompts import check_tp, model_facts
 

@@ -264,6 +264,12 @@ class OffloadMoeCache:
         return snap
 
     @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this cache holds registered (pinned): the decode routing record. The experts' banks
+        belong to the store (``ExpertStore.pinned_bytes``)."""
+        return self.decode.pinned_bytes
+
+    @property
     def decode_steps(self) -> int:
         return self.counters.decode_steps
 

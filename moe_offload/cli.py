@@ -173,6 +173,12 @@ def cmd_bench_decode(a) -> int:
     return bench_decode_main(a)
 
 
+def cmd_bench_soak(a) -> int:
+    from moe_offload.bench.soak import main as bench_soak_main
+
+    return bench_soak_main(a)
+
+
 def cmd_serve(a) -> int:
     from moe_offload.serve.cli import main as serve_main
 
@@ -253,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     dc = bsub.add_parser("decode", help="decode tok/s vs residency and batch, with HBM/PCIe floors and peers")
     add_bench_decode_arguments(dc)
     dc.set_defaults(fn=cmd_bench_decode)
+    from moe_offload.bench.soak import add_arguments as add_bench_soak_arguments
+
+    sk = bsub.add_parser("soak", help="long randomized run per residency: answers vs all-resident, memory growth")
+    add_bench_soak_arguments(sk)
+    sk.set_defaults(fn=cmd_bench_soak)
 
     from moe_offload.serve.bench import add_arguments as add_bench_serve_arguments
 

@@ -122,6 +122,14 @@ class ExpertStore:
     def total_bytes(self) -> int:
         return self.bytes_per_expert * self.num_experts * len(self.layers)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes registered (pinned) for the banks now: every layer's rows while pinned, 0 unpinned or
+        after ``close()`` (the soak benchmark samples it)."""
+        if not (self.pinned and self._finalizer.alive):
+            return 0
+        return sum(t.numel() for t in self._rows.values())
+
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's experts ``[E, bytes_per_expert]`` uint8 (pinned when CUDA is present)."""
         return self._rows[layer]

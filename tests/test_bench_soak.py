@@ -1,0 +1,125 @@
+"""CPU smoke test of ``moe-offload bench soak`` on the embedded tiny model, and proof that its checks can fail.
+
+One soak through the CLI (module fixture, ~20 s on 2 busy cores): residencies 0.1 and 0.5, 3 s each (plus the
+warm passes if they take longer than 0.6 s), 3 small workloads, memory sampled every 20 ms so that the post-warmup quarters have samples. A second, shorter run
+has a wrong token injected into every soak answer: the checker must report it and the run must fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from moe_offload.bench import soak_report
+from moe_offload.cli import main as cli_main
+from moe_offload.engine import Engine
+
+SMALL = ["--workloads", "3", "--prompt-lens", "16..64", "--max-batch", "2", "--new-tokens", "4", "--sample-s", "0.02"]
+
+
+def _soak(out, cache, *args: str) -> tuple[int, str, dict | None]:
+    argv = ["bench", "soak", "--json", "--out", str(out), *SMALL, *args, "--set", "device=cpu",
+            "--set", f"model.cache_dir={cache}", "--set", "logging.level=WARNING"]
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli_main(argv)
+    written = sorted(out.glob("soak-*.json"))
+    return rc, stdout.getvalue(), json.loads(written[0].read_text()) if written else None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny model gains nothing from two, and on a busy 2-core host OpenMP workers
+    spinning against other processes made each request ~6x slower (measured 1.7 s vs 0.26 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    return tmp_path_factory.mktemp("presets")
+
+
+@pytest.fixture(scope="module")
+def soak(tmp_path_factory, presets):
+    out = tmp_path_factory.mktemp("results")
+    return (*_soak(out, presets, "--minutes", "0.05"), out)
+
+
+def test_a_healthy_soak_exits_zero_and_prints_the_json_it_writes(soak):
+    rc, printed, result, _ = soak
+    failed = [(r["residency"], v) for r in result["runs"] for v in r["verdicts"] if v["met"] is False]
+    assert rc == 0 and result["passed"] is True, failed
+    assert json.loads(printed) == result
+
+
+def test_json_markdown_and_png_are_named_for_the_model_and_the_git_sha(soak):
+    _, _, result, out = soak
+    stem = f"soak-tiny-qwen3-moe-{result['git']['sha'][:12]}"
+    assert (out / f"{stem}.json").is_file()
+    assert "| residency | slots | requests (after warmup) |" in (out / f"{stem}.md").read_text()
+    assert (out / f"{stem}.png").stat().st_size > 0
+
+
+def test_every_residency_soaks_its_own_pool_with_every_answer_equal_and_no_fallback(soak):
+    _, _, result, _ = soak
+    assert [r["residency"] for r in result["runs"]] == [0.1, 0.5]
+    for run in result["runs"]:
+        # the tiny model: 16 experts x 4 MoE layers, top-4; round(0.1 x 16) = 2 per layer, 8 per layer at 0.5
+        assert run["slots"] == {0.1: 8, 0.5: 32}[run["residency"]]
+        assert run["mismatch_count"] == 0 and run["mismatches"] == []
+        assert run["after_warmup"]["requests"] > 0
+        assert run["after_warmup"]["hit_d2d_fallbacks"] == {} and run["after_warmup"]["declined"] == {}
+        assert 0 < run["stats"]["hit_rate"] < 1  # offloaded: some decode lookups hit, some read host memory
+        verdicts = {v["id"]: v for v in run["verdicts"]}
+        assert verdicts["mismatches"]["met"] and verdicts["fallback_and_declined_events_after_warmup"]["met"]
+        assert verdicts["growth:rss_bytes"]["met"] is True  # measured: /proc/self/status
+        # no device and no CUDA on this CPU: those metrics have no verdict rather than a vacuous pass
+        for metric in ("device_allocated_idle", "device_reserved", "pinned_bytes"):
+            assert verdicts[f"growth:{metric}"]["met"] is None
+
+
+def test_the_warmup_covers_the_warm_passes_and_a_fifth_of_the_run(soak):
+    _, _, result, _ = soak
+    for run in result["runs"]:
+        warm_requests = 2 * len(result["workloads"])
+        assert run["warmup_s"] >= run["requests"][warm_requests - 1]["t_end_s"]
+        assert run["warmup_s"] >= 0.2 * run["seconds"]
+        assert {r["workload"] for r in run["requests"][:len(result["workloads"])]} == set(range(3))
+        assert run["seconds"] - run["warmup_s"] >= 0.8 * 3  # 0.05 min: four fifths of it follow the warm passes
+
+
+def test_growth_is_the_last_quarter_median_minus_the_first_quarter_median_after_warmup():
+    # warmup ends at t=20; quarters of [20, 100]: [20, 40) and [80, 100]. The pre-warmup spike is ignored.
+    samples = [{"t_s": t, "rss_bytes": (10**9 if t < 20 else 1000 + 10 * t)} for t in range(0, 101)]
+    g = soak_report.growth(samples, "rss_bytes", 20.0, 100.0)
+    assert g["first_quarter"] == 1000 + 10 * 29.5 and g["last_quarter"] == 1000 + 10 * 90
+    assert g["value"] == 10 * (90 - 29.5)
+    assert soak_report.growth(samples[:25], "rss_bytes", 20.0, 24.0)["value"] is None  # 1 sample per quarter
+
+
+def test_a_wrong_token_is_reported_as_a_mismatch_and_fails_the_run(tmp_path, presets, monkeypatch):
+    real = Engine.generate_batch
+
+    def one_token_off(self, prompts, *args, **kw):
+        results = real(self, prompts, *args, **kw)
+        if self.cache.num_slots < len(self.store.layers) * self.store.num_experts:  # the soak, not the reference
+            results[-1].token_ids[-1] = (results[-1].token_ids[-1] + 1) % self.reader.geometry.vocab
+        return results
+
+    monkeypatch.setattr(Engine, "generate_batch", one_token_off)
+    rc, _, result = _soak(tmp_path, presets, "--residencies", "0.5", "--minutes", "0.01")
+    assert rc == 1 and result["passed"] is False
+    (run,) = result["runs"]
+    assert run["mismatch_count"] == len(run["requests"]) > 0
+    first = run["mismatches"][0]
+    # the last token (4 new tokens: position 3) of the last sequence, one id off in the tiny vocab of 320
+    assert first["position"] == 3 and first["sequence"] == result["workloads"][first["workload"]]["batch"] - 1
+    assert first["got"] == (first["want"] + 1) % 320
+    assert next(v for v in run["verdicts"] if v["id"] == "mismatches")["met"] is False

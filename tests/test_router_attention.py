@@ -116,3 +116,23 @@ def test_a_model_with_gqa_decode_attention_gives_the_same_decode_logits(tiny_ckp
     want = decode_logits()
     assert mark_gqa_decode(ref) == ref.config.num_hidden_layers
     torch.testing.assert_close(decode_logits(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_qkv_gives_the_same_logits_and_parameter_bytes(tiny_ckpt):
+    from moe_offload.integrations.fused_qkv import fuse_qkv
+    from moe_offload.integrations.reference import build_reference_model
+
+    path = tiny_ckpt("tiny-qwen3-moe", "bf16")
+    ref = build_reference_model(path, torch.float32, "cpu")
+    ids = torch.arange(3, 20)[None]
+    want = ref(ids).logits
+    nbytes = sum(p.numel() for p in ref.parameters())
+    assert fuse_qkv(ref) == ref.config.num_hidden_layers
+    assert sum(p.numel() for p in ref.parameters()) == nbytes  # the q/k/v views share the fused storage
+    torch.testing.assert_close(ref(ids).logits, want, atol=1e-5, rtol=1e-5)
+    attn = ref.model.layers[0].self_attn
+    x = torch.randn(2, ref.config.hidden_size)
+    # a projection called on its own input still computes its own slice
+    torch.testing.assert_close(attn.k_proj(x), x @ attn.k_proj.weight.T)
+    assert attn.k_proj.weight.data_ptr() != attn.q_proj.weight.data_ptr()
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.k_proj.weight.untyped_storage().data_ptr()

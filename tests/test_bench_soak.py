@@ -63,13 +63,15 @@ def test_json_markdown_and_png_are_named_for_the_model_and_the_git_sha(soak):
     _, _, result, out = soak
     stem = f"soak-tiny-qwen3-moe-{result['git']['sha'][:12]}"
     assert (out / f"{stem}.json").is_file()
-    assert "| residency | slots | requests (after warmup) |" in (out / f"{stem}.md").read_text()
+    assert "| residency | slots | routed path up to (tokens) | requests (after warmup) |" in (out / f"{stem}.md").read_text()
     assert (out / f"{stem}.png").stat().st_size > 0
 
 
 def test_every_residency_soaks_its_own_pool_with_every_answer_equal_and_no_fallback(soak):
     _, _, result, _ = soak
     assert [r["residency"] for r in result["runs"]] == [0.1, 0.5]
+    # on a CPU the routed path takes decode.max_tokens (16) at any residency: one set of references serves both
+    assert [x["routed_max_tokens"] for x in result["references"]] == [16] and result["references"][0]["slots"] == 64
     for run in result["runs"]:
         # the tiny model: 16 experts x 4 MoE layers, top-4; round(0.1 x 16) = 2 per layer, 8 per layer at 0.5
         assert run["slots"] == {0.1: 8, 0.5: 32}[run["residency"]]
@@ -123,3 +125,23 @@ def test_a_wrong_token_is_reported_as_a_mismatch_and_fails_the_run(tmp_path, pre
     assert first["position"] == 3 and first["sequence"] == result["workloads"][first["workload"]]["batch"] - 1
     assert first["got"] == (first["want"] + 1) % 320
     assert next(v for v in run["verdicts"] if v["id"] == "mismatches")["met"] is False
+
+
+def test_each_routed_path_threshold_gets_its_own_references_and_every_answer_still_matches(tmp_path, presets,
+                                                                                           monkeypatch):
+    """On CUDA ``prefill.routed_max_tokens: auto`` depends on the resident fraction, and a forward on the routed
+    path runs other kernels than on the staged one; stand in for that on the CPU with a threshold of 40 tokens
+    below residency 0.3 (16, the decode.max_tokens floor, above)."""
+    from moe_offload import prefill_path
+
+    real = prefill_path.resolve
+
+    def by_fraction(setting, decode_max_tokens, E, K, R, resident, *args):
+        return real(40 if setting == "auto" and resident < 0.3 else setting, decode_max_tokens, E, K, R, resident, *args)
+
+    monkeypatch.setattr(prefill_path, "resolve", by_fraction)
+    _, _, result = _soak(tmp_path, presets, "--minutes", "0.01")
+    assert [r["routed_max_tokens"] for r in result["runs"]] == [40, 16]
+    assert sorted(x["routed_max_tokens"] for x in result["references"]) == [16, 40]
+    assert all(x["slots"] == 64 for x in result["references"])  # every expert of the tiny model resident
+    assert [r["mismatch_count"] for r in result["runs"]] == [0, 0]

@@ -11,11 +11,14 @@ One run, in order (every figure lands in ``soak-<label>-<sha>.{json,md,png}`` un
    decode step takes the decode path), ``decode.max_cache_len`` = the longest prompt + ``--new-tokens``
    + 1 (every request fits the static KV cache), greedy sampling and no stop ids (every request decodes
    exactly ``--new-tokens`` tokens);
-2. the references: one engine (one pinned store) whose pool holds every expert (L x E slots, all made
-   resident by ``cache.set_residency``) answers each workload (``Engine.generate_batch``);
-3. per residency: a fresh cache over the same store whose pool is exactly the resident experts
-   (``sweep.pool_slots``, ``sweep.use_cache``), filled by ``set_residency`` (``sweep.resident_sets``:
-   nested, seeded), counters zeroed; then requests for ``--minutes``: two passes over the workloads in
+2. per residency, on one engine (one pinned store): a cache over the store whose pool is exactly the
+   resident experts (``sweep.pool_slots``, ``sweep.use_cache``) resolves ``prefill.routed_max_tokens``
+   (``auto``: from its resident fraction, ``prefill_path.py``); the references are the answers of a cache
+   whose pool holds every expert (L x E slots, all made resident by ``cache.set_residency``) with that
+   threshold fixed, so that every forward takes the same path (routed or staged, other kernels) as in
+   the soak; they are computed once per distinct threshold;
+3. the soak cache is filled by ``set_residency`` (``sweep.resident_sets``: nested, seeded), counters
+   zeroed; then requests for ``--minutes``: two passes over the workloads in
    shuffled order (the first makes every decoder and compiles every kernel, the second captures the
    CUDA graphs, which are made on a shape's second call), then workloads drawn at random until the time
    is up (extended when the warm passes took more than ``WARMUP_FRACTION`` of it, so that four fifths of
@@ -255,7 +258,34 @@ def soak_residency(engine, r: float, workloads: list[Workload], reference: list,
             "stats": {k: v for k, v in final.items() if k != "per_layer"}, "samples": sampler.samples}
 
 
+def references(engine, cfg: OffloadConfig, workloads: list[Workload], plan: Plan) -> tuple[list, dict]:
+    """Every workload's answer from a cache whose pool holds every expert (made resident), built from
+    ``cfg`` (whose ``prefill.routed_max_tokens`` is fixed: see ``run``)."""
+    L, E = len(engine.store.layers), engine.store.num_experts
+    use_cache(engine, cell_config(cfg, cfg.prefill.hit_copy, L * E))
+    engine.cache.set_residency({layer: list(range(E)) for layer in engine.store.layers})
+    engine.cache.reset()
+    t0 = time.perf_counter()
+    answers = [answer(engine, w, plan.new_tokens) for w in tqdm(workloads, desc="references (all resident)")]
+    st = engine.cache.stats()
+    return answers, {"seconds": time.perf_counter() - t0, "slots": engine.cache.num_slots,
+                     "routed_max_tokens": engine.cache.routed_max_tokens, "hit_rate": st["hit_rate"], **_counters(st)}
+
+
+def _graph_note(engine, cfg: OffloadConfig, workloads: list[Workload]) -> str | None:
+    staged = {w.batch * w.prompt_len for w in workloads if w.batch * w.prompt_len > engine.cache.routed_max_tokens}
+    if engine.device.type != "cuda" or not cfg.compute.cuda_graphs or 2 * len(staged) <= cfg.compute.max_graphs:
+        return None
+    return (f"{len(staged)} staged prefill token counts x 2 staging buffers = {2 * len(staged)} prefill graph keys > "
+            f"compute.max_graphs={cfg.compute.max_graphs}: graphs are dropped and captured again (LRU), so device "
+            "memory between requests depends on which are kept; lower --workloads or raise compute.max_graphs")
+
+
 def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
+    """References and soaks on one engine (one pinned store). ``prefill.routed_max_tokens: auto`` is resolved
+    per cache from its resident fraction (``prefill_path.py``), and a forward on the routed path computes
+    with other kernels than on the staged path: so each residency's threshold is resolved on its own pool,
+    then fixed for its reference cache, and the references are computed once per distinct threshold."""
     from moe_offload.checkpoint.reader import CheckpointReader
     from moe_offload.engine import Engine, ensure_checkpoint
 
@@ -268,32 +298,31 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     E, L = geo.num_experts, len(geo.moe_layers)
     counts = {r: math.floor(r * E + 0.5) for r in plan.residencies}
     slots = pool_slots("residency", counts, L, geo.top_k)
-    engine = Engine.from_config(cell_config(cfg, cfg.prefill.hit_copy, L * E))
+    hit = cfg.prefill.hit_copy
+    engine = Engine.from_config(cell_config(cfg, hit, slots[plan.residencies[0]]))
     workloads = make_workloads(plan, geo.vocab)
     warm_passes = max(WARM_PASSES, cfg.compute.graph_after)
-    prefill_shapes = {w.batch * w.prompt_len for w in workloads if w.batch * w.prompt_len > cfg.decode.max_tokens}
-    if engine.device.type == "cuda" and cfg.compute.cuda_graphs and 2 * len(prefill_shapes) > cfg.compute.max_graphs:
-        notes.append(f"{len(prefill_shapes)} prefill token counts x 2 staging buffers = {2 * len(prefill_shapes)} "
-                     f"prefill graph keys > compute.max_graphs={cfg.compute.max_graphs}: graphs are dropped and "
-                     "captured again (LRU), so device memory between requests depends on which are kept; lower "
-                     "--workloads or raise compute.max_graphs for a flat curve")
-    engine.cache.set_residency({layer: list(range(E)) for layer in engine.store.layers})
-    engine.cache.reset()
-    t0 = time.perf_counter()
-    reference = [answer(engine, w, plan.new_tokens) for w in tqdm(workloads, desc="references (all resident)")]
-    ref_stats = engine.cache.stats()
-    ref = {"seconds": time.perf_counter() - t0, "slots": engine.cache.num_slots, "hit_rate": ref_stats["hit_rate"],
-           **_counters(ref_stats)}
     sets = resident_sets(engine.store.layers, E, counts, plan.seed)
+    refs: dict[int, tuple[list, dict]] = {}
     runs = []
     for k, r in enumerate(plan.residencies):
-        use_cache(engine, cell_config(cfg, cfg.prefill.hit_copy, slots[r]))
+        if k:
+            use_cache(engine, cell_config(cfg, hit, slots[r]))
+        threshold = engine.cache.routed_max_tokens
+        rcfg = cfg.model_copy(deep=True)
+        rcfg.prefill.routed_max_tokens = threshold  # validated on assignment
+        if threshold not in refs:
+            refs[threshold] = references(engine, rcfg, workloads, plan)
+            use_cache(engine, cell_config(rcfg, hit, slots[r]))
+        note = _graph_note(engine, cfg, workloads)
+        if note and note not in notes:
+            notes.append(note)
         engine.cache.set_residency(sets[r])
         engine.cache.reset()
-        runs.append({"resident_per_layer": counts[r], "slots": engine.cache.num_slots,
-                     **soak_residency(engine, r, workloads, reference, plan, warm_passes, plan.seed + 1 + k)})
+        runs.append({"resident_per_layer": counts[r], "slots": engine.cache.num_slots, "routed_max_tokens": threshold,
+                     **soak_residency(engine, r, workloads, refs[threshold][0], plan, warm_passes, plan.seed + 1 + k)})
     part = {"path": path, "geometry": geo, "store": engine.store.describe(), "workloads": workloads,
-            "reference": ref, "warm_passes": warm_passes, "runs": runs}
+            "references": [info for _, info in refs.values()], "warm_passes": warm_passes, "runs": runs}
     engine.close()
     return part
 
@@ -315,7 +344,9 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
                   "top_k": geo.top_k, "bytes_per_expert": store["bytes_per_expert"],
                   "all_expert_bytes": store["total_bytes"]},
         "config": config_to_dict(cfg),
-        "config_note": "cache.budget is set per residency (see runs[*].slots); the reference pool holds every expert",
+        "config_note": "cache.budget is set per residency (see runs[*].slots), prefill.routed_max_tokens is fixed "
+                       "per residency to what auto resolves on its pool (runs[*].routed_max_tokens) and the same in "
+                       "its reference, whose pool holds every expert",
         "settings": {"residencies": list(plan.residencies), "minutes": plan.minutes,
                      "prompt_lens": list(plan.prompt_lens), "prompt_len_draw": "log-uniform, rounded",
                      "max_batch": plan.max_batch, "max_batch_tokens": plan.max_batch_tokens,
@@ -324,7 +355,7 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
                      "residency_sets": "first round(r*E) experts of a seeded per-layer permutation (nested)",
                      "comparison": "greedy token ids, exact"},
         "workloads": [{"index": w.index, "prompt_len": w.prompt_len, "batch": w.batch} for w in part["workloads"]],
-        "reference": part["reference"],
+        "references": part["references"],
         "runs": part["runs"],
         "notes": notes,
     }

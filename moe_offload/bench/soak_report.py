@@ -128,7 +128,8 @@ def _rate(v) -> str:
 
 def markdown(result: dict) -> str:
     m, s, v, git = result["model"], result["settings"], result["versions"], result["git"]
-    ref = result["reference"]
+    refs = result["references"]
+    ref_s = " + ".join(f"{x['seconds']:.1f}" for x in refs)
     lines = [
         f"# Soak: {m['label']} ({m['moe_layers']} MoE layers, {m['format']}) on {result['device']['name']}", "",
         f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
@@ -136,17 +137,18 @@ def markdown(result: dict) -> str:
         f"**{'PASSED' if result['passed'] else 'FAILED'}.** {s['minutes']:g} min per residency; {s['workloads']} "
         f"seeded workloads (prompts {s['prompt_lens'][0]}..{s['prompt_lens'][1]} tokens log-uniform, batch 1.."
         f"{s['max_batch']}, at most {s['max_batch_tokens']} prompt tokens per batch), {s['new_tokens']} greedy "
-        f"tokens each, compared exactly with the all-resident run ({ref['slots']} slots, references in "
-        f"{ref['seconds']:.1f} s). Warmup: {result['thresholds']['warmup']}; memory sampled every "
+        f"tokens each, compared exactly with the all-resident run ({refs[0]['slots']} slots; references in "
+        f"{ref_s} s, once per routed-path threshold). Warmup: {result['thresholds']['warmup']}; memory sampled every "
         f"{s['sample_s']:g} s; growth = median of the last quarter - median of the first quarter after warmup.",
-        "", "| residency | slots | requests (after warmup) | mismatches | decode hit rate | prefill hit rate | "
+        "", "| residency | slots | routed path up to (tokens) | requests (after warmup) | mismatches | decode hit rate | prefill hit rate | "
         "fallback/declined after warmup | " + " | ".join(f"{LABELS[k]} growth" for k in GROWTH_LIMITS) + " | passed |",
-        "| " + " | ".join(["---"] * (8 + len(GROWTH_LIMITS))) + " |",
+        "| " + " | ".join(["---"] * (9 + len(GROWTH_LIMITS))) + " |",
     ]
     for run in result["runs"]:
         st, aw = run["stats"], run["after_warmup"]
         events = sum(aw["hit_d2d_fallbacks"].values()) + sum(aw["declined"].values())
-        cols = [f"{run['residency']:g}", str(run["slots"]), f"{len(run['requests'])} ({aw['requests']})",
+        cols = [f"{run['residency']:g}", str(run["slots"]), str(run["routed_max_tokens"]),
+                f"{len(run['requests'])} ({aw['requests']})",
                 str(run["mismatch_count"]), _rate(st["hit_rate"]), _rate(st["prefill_hit_rate"]), str(events)]
         for metric, limit in GROWTH_LIMITS.items():
             g = run["growth"][metric]

@@ -33,5 +33,8 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     # closed loop, ignore_eos: every request yields exactly its max_tokens (the mix cycles 3, 6, 3, 6 ...)
     assert result["levels"][1]["output_tokens"] == 3 * (3 + 6)
     assert result["levels"][0]["ttft_p50_ms"] > 0 and result["levels"][1]["tpot_p99_ms"] > 0
+    # each level says how its decode steps ran (from the server's /metrics): eager on the CPU
+    assert result["decode_batch"]["kind"] == "dynamic"
+    assert all(lv["decode_steps"]["graph"] == 0 and lv["decode_steps"]["eager"] > 0 for lv in result["levels"])
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names == [".json", ".md", ".png"]

@@ -9,7 +9,10 @@ prompts of ``--prompt-lens`` tokens (seeded random ids) crossed with ``--max-tok
 Correctness: every distinct request of the mix is first run alone (one client); each concurrent stream
 must return exactly those token ids (``wrong`` counts the ones that do not).
 Per level: TTFT p50/p99 (request sent -> first token), time per output token p50/p99 (per request:
-(last token - first token) / (tokens - 1)), output tokens per second over the level's wall time, errors.
+(last token - first token) / (tokens - 1)), output tokens per second over the level's wall time, errors,
+and the server's decode steps during the level by path (``decode_steps``: ``graph`` = CUDA graph replays
+over the static KV cache, ``eager``), read from its ``/metrics`` before and after the level (null when
+the server exports none).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import asyncio
 import json
 import platform
 import random
+import re
 import time
 from dataclasses import dataclass
 from importlib import metadata
@@ -108,6 +112,28 @@ async def _level(url: str, jobs: list[Job], clients: int, per_client: int, timeo
         return [r for rs in recs for r in rs], time.perf_counter() - t0
 
 
+_DECODE_STEPS_RE = re.compile(r'^moe_offload_decode_steps_total\{path="(\w+)"\} ([0-9.e+]+)$', re.MULTILINE)
+
+
+def decode_steps(url: str) -> dict[str, int] | None:
+    """The server's decode steps so far by path, from ``/metrics`` (None when it exports none)."""
+    import httpx
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError as exc:  # the level's numbers stand without it; the result says null
+        log.event("bench_serve_metrics_unavailable", 30, url=url, error=type(exc).__name__, message=str(exc))
+        return None
+    found = {path: int(float(n)) for path, n in _DECODE_STEPS_RE.findall(text)}
+    return found or None
+
+
+def _delta(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, int] | None:
+    if after is None or before is None:
+        return None
+    return {path: n - before.get(path, 0) for path, n in after.items()}
+
+
 def _pct(vals: list[float], q: float) -> float | None:
     return float(np.percentile(vals, q)) if vals else None
 
@@ -134,12 +160,25 @@ def markdown(result: dict) -> str:
     mix = result["mix"]
     head = (f"# bench serve: {result['model']}\n\n"
             f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
-            f"outputs {mix['max_tokens']} tokens, greedy, {mix['requests_per_client']} requests per client (closed loop)\n\n"
-            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+            f"outputs {mix['max_tokens']} tokens, greedy, {mix['requests_per_client']} requests per client (closed loop)"
+            f"{_batch_note(result)}\n\n"
+            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
+            "| decode steps graph / eager |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} |" for r in result["levels"]]
+            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} |"
+            for r in result["levels"]]
     return head + "\n".join(rows) + "\n"
+
+
+def _batch_note(result: dict) -> str:
+    eng, batch = result.get("engine") or {}, result.get("decode_batch")
+    gpu = f", {eng['gpu']}" if eng.get("gpu") else ""
+    return f"{gpu}, decode batch: {batch['kind']} KV cache" if batch else gpu
+
+
+def _steps_cell(steps: dict[str, int] | None) -> str:
+    return "n/a" if steps is None else f"{steps.get('graph', 0)} / {steps.get('eager', 0)}"
 
 
 def plot(result: dict, path: Path) -> None:
@@ -188,8 +227,9 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     expected = {r["job"]: r["ids"] for r in alone}
     out = []
     for n in levels:
+        before = decode_steps(url)
         recs, wall = asyncio.run(_level(url, mix, n, a.requests_per_client, a.timeout))
-        out.append(summarize(recs, wall, expected, n))
+        out.append({**summarize(recs, wall, expected, n), "decode_steps": _delta(decode_steps(url), before)})
         log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
     return {"model": model, "url": url, "env": _environment(), **(extra or {}),
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
@@ -236,10 +276,18 @@ def _run_in_process(a: argparse.Namespace) -> dict:
     http = ServerThread(build_app(scheduler, serve_cfg)).start()
     try:
         extra = {"config": config_to_dict(cfg), "serve_config": serve_cfg.model_dump(),
-                 "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", "")}}
+                 "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
+                            "gpu": _gpu_name(engine.device)}}
         result = run(http.url, a, a.vocab or int(engine.reader.geometry.vocab), model_name(engine, serve_cfg), extra)
         result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
+        result["decode_batch"] = {"kind": scheduler.executor.batch.kind, "steps": scheduler.decode_steps}
         return result
     finally:
         http.stop()
         scheduler.stop()
+
+
+def _gpu_name(device) -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -105,8 +105,8 @@ class LocalExecutor:
 class BroadcastExecutor(LocalExecutor):
     """Rank 0 under TP: each op is broadcast to the group before it runs here."""
 
-    def __init__(self, engine, cfg: ServeConfig | None = None, group=None, src: int = 0):
-        super().__init__(engine, cfg)
+    def __init__(self, engine, cfg: ServeConfig | None = None, group=None, src: int = 0, batch=None):
+        super().__init__(engine, cfg, batch)
         self.group, self.src = group, src
 
     def _send(self, op: str, *args) -> None:

@@ -28,6 +28,11 @@ class _SchedulerCollector:
         c = CounterMetricFamily("moe_offload_scheduler_steps", "scheduler loop steps")
         c.add_metric([], s.steps)
         yield c
+        c = CounterMetricFamily("moe_offload_decode_steps", "decode forwards of the running batch by path: graph "
+                                "(a CUDA graph replay over the static KV cache) or eager", labels=["path"])
+        for path, n in s.decode_steps.items():
+            c.add_metric([path], n)
+        yield c
         yield from cache_metrics(s.cache_stats)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from moe_offload import log
 from moe_offload.serve.config import ServeConfig
-from moe_offload.serve.executor import BroadcastExecutor, LocalExecutor, follow
+from moe_offload.serve.executor import BroadcastExecutor, LocalExecutor, follow, make_batch
 
 
 def _src(tp) -> int:
@@ -22,17 +22,20 @@ def _src(tp) -> int:
     return dist.get_global_rank(tp.group, 0) if tp.group is not None else 0
 
 
-def leader_scheduler(rt, serve_cfg: ServeConfig):
-    """Rank 0's started Scheduler over the TP runtime ``rt`` (``launch.build_tp_engine``)."""
+def leader_scheduler(rt, serve_cfg: ServeConfig, kv: str | None = None):
+    """Rank 0's started Scheduler over the TP runtime ``rt`` (``launch.build_tp_engine``); ``kv``: the decode
+    batch kind (``executor.make_batch``; None = the config's)."""
     from moe_offload.serve.scheduler import Scheduler
 
-    return Scheduler(rt.engine, serve_cfg, BroadcastExecutor(rt.engine, serve_cfg, rt.tp.group, _src(rt.tp))).start()
+    ex = BroadcastExecutor(rt.engine, serve_cfg, rt.tp.group, _src(rt.tp), make_batch(rt.engine, serve_cfg, kv))
+    return Scheduler(rt.engine, serve_cfg, ex).start()
 
 
-def follow_rank(rt, serve_cfg: ServeConfig) -> int:
-    """Ranks 1..N-1: replay rank 0's ops until it stops -> ops replayed. ``serve_cfg`` is rank 0's: the
-    decode batch (its kind and rows) is made the same way on every rank."""
-    n = follow(LocalExecutor(rt.engine, serve_cfg), rt.tp.group, _src(rt.tp))
+def follow_rank(rt, serve_cfg: ServeConfig, kv: str | None = None) -> int:
+    """Ranks 1..N-1: replay rank 0's ops until it stops -> ops replayed. ``serve_cfg`` and ``kv`` are rank
+    0's: the decode batch (its kind and rows) is made the same way on every rank."""
+    ex = LocalExecutor(rt.engine, serve_cfg, make_batch(rt.engine, serve_cfg, kv))
+    n = follow(ex, rt.tp.group, _src(rt.tp))
     log.event("serve_follower_done", ops=n)
     return n
 
@@ -59,9 +62,11 @@ def serve_rank(cfg, tp, serve_cfg: dict, host: str, port: int) -> dict | None:
     return {"steps": scheduler.steps}
 
 
-def generate_rank(cfg, tp, serve_cfg: dict, jobs: list[tuple[list[int], dict]]) -> list[list[int]] | None:
+def generate_rank(cfg, tp, serve_cfg: dict, jobs: list[tuple[list[int], dict]],
+                  kv: str | None = None) -> list[list[int]] | None:
     """Every job ``(prompt_ids, SamplingParams kwargs)`` submitted at once to rank 0's scheduler (no HTTP)
-    -> each job's output ids (rank 0), None on the other ranks. Tests and benchmarks use it."""
+    -> each job's output ids (rank 0), None on the other ranks. Tests and benchmarks use it; ``kv``: the
+    decode batch kind (None = the config's)."""
     import threading
 
     from moe_offload.launch import build_tp_engine
@@ -70,9 +75,9 @@ def generate_rank(cfg, tp, serve_cfg: dict, jobs: list[tuple[list[int], dict]]) 
     rt = build_tp_engine(cfg, tp, progress=False)
     scfg = ServeConfig.model_validate(serve_cfg)
     if tp.rank != 0:
-        follow_rank(rt, scfg)
+        follow_rank(rt, scfg, kv)
         return None
-    scheduler = leader_scheduler(rt, scfg)
+    scheduler = leader_scheduler(rt, scfg, kv)
     try:
         events, reqs = [], []
         for prompt, params in jobs:

@@ -19,6 +19,11 @@ prefill path), and its API differs between 5.17 (the GPU image) and 5.24. Ours k
 sequence of ``Engine.generate``. On the CPU this gives the same greedy token ids as
 ``Engine.generate`` for every request of a mixed batch (tests/test_serve_scheduler.py).
 
+On CUDA (``decode.cuda_graphs``) the decode batch is instead a per-row static KV cache whose steps are
+CUDA graph replays, one graph per (rows, positions) bucket (``serve/static_batch.py``); the scheduler's
+ops are the same (``executor.py``), and ``serve.max_model_len`` is held to ``decode.max_cache_len``, the
+positions of a row.
+
 Legend: B sequences in the decode batch, S padded cache length, T prompt tokens, V vocab.
 """
 

@@ -58,7 +58,7 @@ class CudaGraphs:
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
 
-    def capture(self, fn):
+    def capture(self, fn) -> "_Graph":
         """-> a replayable graph of ``fn()`` whose ``out`` is ``fn``'s output (a static tensor).
         Raises what the capture raised (the current stream is joined either way)."""
         cur = torch.cuda.current_stream(self.device)
@@ -69,8 +69,17 @@ class CudaGraphs:
                 out = fn()
         finally:
             cur.wait_stream(self.stream)
-        graph.out = out
-        return graph
+        return _Graph(graph, out)
+
+
+class _Graph:
+    """A captured step: ``replay()`` (on the current stream) rewrites ``out``."""
+
+    def __init__(self, graph, out: torch.Tensor):
+        self.graph, self.out = graph, out
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 class StaticBatch:

@@ -7,12 +7,15 @@ import torch
 from moe_offload.integrations.fused_norms import ROUTERS, gqa_decode_sdpa
 from moe_offload.kernels.router import router_topk, router_topk_reference
 
+# the kernel runs interpreted on CPU tensors in CI and compiled on CUDA ones where a GPU is present
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.mark.parametrize("T,E,K", [(1, 128, 8), (5, 512, 10), (3, 8, 2), (2, 100, 7)])
 @pytest.mark.parametrize("renorm", [True, False])
 def test_the_router_kernel_matches_the_reference(T, E, K, renorm):
     gen = torch.Generator().manual_seed(E + K)
-    logits = (torch.randn(T, E, generator=gen) * 2).to(torch.bfloat16)
+    logits = (torch.randn(T, E, generator=gen) * 2).to(torch.bfloat16).to(DEV)
     w, ids = router_topk(logits, K, renorm, torch.float32)
     w_ref, ids_ref = router_topk_reference(logits, K, renorm, torch.float32)
     # bf16 logits tie often at 512 experts: torch's CPU top-k breaks ties its own way, the kernel takes the
@@ -22,7 +25,7 @@ def test_the_router_kernel_matches_the_reference(T, E, K, renorm):
         chosen = logits[t, ids[t]].float()
         assert torch.equal(chosen, logits[t, ids_ref[t]].float())
         assert torch.all(chosen[:-1] >= chosen[1:])
-        others = torch.ones(E, dtype=torch.bool)
+        others = torch.ones(E, dtype=torch.bool, device=DEV)
         others[ids[t]] = False
         assert others.sum() == E - K and (not others.any() or chosen.min() >= logits[t, others].float().max())
     torch.testing.assert_close(w, w_ref, atol=1e-6, rtol=1e-5)
@@ -30,7 +33,7 @@ def test_the_router_kernel_matches_the_reference(T, E, K, renorm):
 
 
 def test_router_ties_pick_the_lowest_index_and_largest_first():
-    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, -1.0]])
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 1.0, -1.0]], device=DEV)
     w, ids = router_topk(logits, 3, False, torch.float32)
     assert ids.tolist() == [[1, 3, 2]]
     assert w[0, 0] == w[0, 1] and w[0, 1] > w[0, 2]
@@ -38,9 +41,9 @@ def test_router_ties_pick_the_lowest_index_and_largest_first():
 
 def test_router_refuses_bad_arguments():
     with pytest.raises(ValueError, match="top-k"):
-        router_topk(torch.randn(2, 4), 5, True, torch.float32)
+        router_topk(torch.randn(2, 4, device=DEV), 5, True, torch.float32)
     with pytest.raises(ValueError, match="floating"):
-        router_topk(torch.ones(2, 4, dtype=torch.long), 2, True, torch.float32)
+        router_topk(torch.ones(2, 4, dtype=torch.long, device=DEV), 2, True, torch.float32)
 
 
 def test_every_listed_router_is_the_reference_arithmetic():

@@ -11,8 +11,8 @@ The entry for bucket M keeps the fastest pair; ``gemv_max_pairs`` and larger buc
 are. Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_gemv.py [--shapes qwen3-30b-a3b] [--tokens 1 2 4 8 16]
-[--out kernels/decode_gemv_tuning.json] [--report DIR]``. ~36 + 36 tile configs (Triton compiles are
-shared across T): about two minutes on an H200.
+[--space small|full] [--out kernels/decode_gemv_tuning.json] [--report DIR]``. Triton compiles dominate
+(~2 s per config, shared across T): the small space (8 + 8) takes about a minute on an H200.
 """
 
 from __future__ import annotations
@@ -29,8 +29,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder
 from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
 from tune_decode_moe import graph_ms  # noqa: E402
 
-GATE_UP = {"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (2, 4, 8)}
-DOWN = {"block_n": (1, 2, 4, 8), "block_k": (128, 256, 512), "num_warps": (1, 2, 4)}
+SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is 8 + 8 configs
+    "small": ({"block_n": (4, 8, 16, 32), "block_k": (512, 1024), "num_warps": (4,)},
+              {"block_n": (2, 4, 8, 16), "block_k": (256, 512), "num_warps": (4,)}),
+    "full": ({"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (2, 4, 8)},
+             {"block_n": (1, 2, 4, 8), "block_k": (128, 256, 512), "num_warps": (1, 2, 4)}),
+}
 
 
 def space(s: dict):
@@ -40,7 +44,7 @@ def space(s: dict):
         yield GemvTiles(block_n=bn, block_k=bk, num_warps=w)
 
 
-def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start) -> tuple[object, float, float]:
+def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start, spaces) -> tuple[object, float, float]:
     """-> (best GemvConfig, its us per layer, the starting config's us per layer)."""
     from moe_offload.kernels.decode_gemv import GemvConfig, decode_gemv_nvfp4
 
@@ -58,12 +62,12 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
 
     base = timed(start)
     best, best_us = start, base if base is not None else float("inf")
-    for tiles in space(GATE_UP):
+    for tiles in space(spaces[0]):
         cfg = GemvConfig(1, tiles, best.down)
         us = timed(cfg)
         if us is not None and us < best_us:
             best, best_us = cfg, us
-    for tiles in space(DOWN):
+    for tiles in space(spaces[1]):
         cfg = GemvConfig(1, best.gate_up, tiles)
         us = timed(cfg)
         if us is not None and us < best_us:
@@ -78,6 +82,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["qwen3-30b-a3b"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--space", choices=sorted(SPACES), default="small")
     ap.add_argument("--layers", type=int, default=8, help="weight copies cycled so reads come from HBM, not L2")
     ap.add_argument("--out", type=Path, default=GEMV_TUNING_PATH, help="tuning table to update")
     ap.add_argument("--report", type=Path, default=None, help="also write the timings as JSON under this folder")
@@ -99,7 +104,7 @@ def main(argv=None) -> int:
             start = gemv_config_for(device, H, I, T * K)
             if start.block_m != 1:
                 continue
-            best, us, base = tune(layers_views, H, I, E, K, T, start)
+            best, us, base = tune(layers_views, H, I, E, K, T, start, SPACES[args.space])
             buckets[str(T * K)] = best.to_dict()
             report["cells"].append({"shape": shape, "T": T, "pairs": T * K, "us_per_layer": us,
                                     "start_us_per_layer": base, "config": best.to_dict()})

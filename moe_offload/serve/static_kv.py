@@ -82,6 +82,9 @@ class _AttnRows(CacheLayerMixin):
         self.values_RHPD.zero_()
 
     def load(self, row: int, like, length: int) -> None:
+        if like.keys.shape[0] != 1 or like.keys.shape[2] != length:
+            raise ValueError(f"a row is loaded from one sequence of {length} cached tokens; got keys of shape "
+                             f"{tuple(like.keys.shape)}")
         self.keys_RHPD[row, :, :length].copy_(like.keys[0, :, :length])
         self.values_RHPD[row, :, :length].copy_(like.values[0, :, :length])
 

@@ -20,8 +20,8 @@ overlap, and a step's logits are read before the next step). Around each replay 
 ``step_boundary()`` (before) and ``decode_step_enqueued()`` (after); the offloaded experts read the
 device residency table at replay time. A bucket above ``decode.max_tokens`` rows takes the experts'
 prefill path, which cannot be captured: it runs eagerly. A capture that fails logs one
-``decode_graph_declined`` event, is counted in ``stats()["declined"]["serve_graph:capture_failed"]`` and
-the batch runs eagerly from then on. Counters (engine cache ``stats()["compute"]``):
+``decode_graph_declined`` event, is counted in ``stats()["declined"]["serve_graph:capture_failed"]``, the
+step runs eagerly and no further bucket is captured (buckets captured before keep replaying). Counters (engine cache ``stats()["compute"]``):
 ``serve_graph_captures``, ``serve_graph_replays``, ``serve_eager_steps``.
 
 Legend: R rows, B rows of a step's bucket, n rows in use, P positions per row, L positions of a step's
@@ -197,7 +197,8 @@ class StaticBatch:
         if self._attn == "sdpa":
             return see_BL
         dtype = self.engine.dtype
-        return torch.zeros(see_BL.shape, dtype=dtype, device=see_BL.device).masked_fill(~see_BL, torch.finfo(dtype).min)
+        zeros_BL = torch.zeros(see_BL.shape, dtype=dtype, device=see_BL.device)
+        return zeros_BL.masked_fill(~see_BL, torch.finfo(dtype).min)
 
     def _step(self, B: int, L: int) -> torch.Tensor:
         cache = self.engine.cache

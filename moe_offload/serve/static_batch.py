@@ -21,8 +21,9 @@ overlap, and a step's logits are read before the next step). Around each replay 
 device residency table at replay time. A bucket above ``decode.max_tokens`` rows takes the experts'
 prefill path, which cannot be captured: it runs eagerly. A capture that fails logs one
 ``decode_graph_declined`` event, is counted in ``stats()["declined"]["serve_graph:capture_failed"]``, the
-step runs eagerly and no further bucket is captured (buckets captured before keep replaying). Counters (engine cache ``stats()["compute"]``):
-``serve_graph_captures``, ``serve_graph_replays``, ``serve_eager_steps``.
+step runs eagerly and no further bucket is captured (buckets captured before keep replaying). Counters
+(engine cache ``stats()["compute"]``): ``serve_graph_captures``, ``serve_graph_replays``,
+``serve_eager_steps``.
 
 Legend: R rows, B rows of a step's bucket, n rows in use, P positions per row, L positions of a step's
 bucket, V vocab.

@@ -111,7 +111,7 @@ def check(result: dict) -> str:
     model, entry = cost_model(gpu, E, K, R)
     cells = {}
     for c in result["cells"]:
-        cells.setdefault((c["prompt_len"], c["residency"]), {})[c.get("path")] = c["ttft_s"]["median"]
+        cells.setdefault((c["prompt_len"], c["residency"]), {})[c.get("prefill_path")] = c["ttft_s"]["median"]
     lines = [f"# Cost model vs measured: {m['label']} on {gpu} (entry {entry}, {L} MoE layers)", "",
              "| tokens | residency | staged ms | routed ms | measured routed - staged ms | model ms |",
              "| --- | --- | --- | --- | --- | --- |"]

@@ -170,3 +170,19 @@ def test_greedy_tokens_are_equal_on_both_paths(engines, prompt_len):
     staged, routed = engines
     prompt = list(range(10, 10 + prompt_len))
     assert routed.generate(prompt, 12).token_ids == staged.generate(prompt, 12).token_ids
+
+
+def test_the_h200_entries_are_what_the_fit_script_makes_of_the_committed_results():
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("fit_prefill_path", root / "benchmarks" / "fit_prefill_path.py")
+    fit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit)
+    dk = root / "benchmarks/results/decode_kernels-c6e05d5-h200-20261202-2054.json"
+    fm = root / "benchmarks/results/fused_moe-20261202-1000.json"
+    gpu, entries = fit.fit(json.loads(dk.read_text()), json.loads(fm.read_text()),
+                           f"benchmarks/results/{dk.name}", f"benchmarks/results/{fm.name}")
+    assert gpu == H200
+    assert entries == json.loads(TABLE_PATH.read_text())["devices"][H200]

@@ -233,6 +233,9 @@ class ServeConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="prompt + max_tokens limit; null = the model's max positions")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that gives none")
     model_name: str | None = Field(None, description="the id /v1/models reports; null = the checkpoint dir's name")
+    kv_cache: Literal["auto", "static", "dynamic"] = Field(
+        "auto", description="decode batch KV: static (per-row preallocated cache, each step a CUDA graph replay on "
+        "CUDA), dynamic (one left-padded transformers cache, eager); auto = static on CUDA with decode.cuda_graphs")
 
 
 class LoggingConfig(_Strict):

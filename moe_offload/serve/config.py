@@ -14,9 +14,11 @@ __all__ = ["ServeConfig", "decode_kv_kind", "load_serve_config"]
 
 
 def decode_kv_kind(cfg: OffloadConfig, device: torch.device) -> str:
-    """``static`` (the per-row static KV cache, each decode step a CUDA graph replay: serve/static_batch.py)
-    on CUDA with ``decode.cuda_graphs`` (the key that turns decode graphs on and off everywhere), else
+    """``serve.kv_cache`` when set, else ``static`` (the per-row static KV cache, each decode step a CUDA
+    graph replay: serve/static_batch.py) on CUDA with ``decode.cuda_graphs`` (the key that turns decode graphs on and off everywhere), else
     ``dynamic`` (one left-padded transformers cache, eager: serve/kv.py)."""
+    if cfg.serve.kv_cache != "auto":
+        return cfg.serve.kv_cache
     return "static" if device.type == "cuda" and cfg.decode.cuda_graphs else "dynamic"
 
 

@@ -62,10 +62,22 @@ class OffloadMoeCache:
                                                  fused_decode)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
-        self.pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
-        self.decode = DecodeResidency(store, self.pool, self.streams, self.counters, self.routed_max_tokens,
-                                      cache_cfg.admit_per_step)
-        self.staging = PrefillStaging(store, self.pool, self.streams, self.counters, self._hit_failed)
+        pool = decode = None
+        try:
+            pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
+            decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_max_tokens,
+                                     cache_cfg.admit_per_step)
+            staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
+        except torch.OutOfMemoryError as exc:  # a start-up error naming the setting instead of torch's OOM
+            if decode is not None:
+                decode.close()  # its routing record is registered host memory
+            pool = decode = None
+            message = _oom_message(cache_cfg.budget, self.plan, store.bytes_per_expert, device, exc)
+        else:
+            message = None
+        if message is not None:  # raised outside the except block: the OOM (its frames hold the partial
+            raise BudgetError(message)  # allocations) is not kept alive as the error's context
+        self.pool, self.decode, self.staging = pool, decode, staging
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self._resolution = None
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
@@ -119,8 +131,15 @@ class OffloadMoeCache:
         res = resolve_hit_copy(cfg.hit_copy, cfg.hit_copy_on_unavailable, cfg.overlap, self.num_slots, self.device,
                                self.store.bytes_per_expert, self.streams.copy)
         self._resolution = res
+        res.h2d.on_batch_failure = self._h2d_batch_failed
         self.staging.hit, self.staging.h2d = res.hit, res.h2d
         self.decode.h2d = res.h2d
+
+    def _h2d_batch_failed(self, exc: Exception) -> None:
+        """The batched H2D call failed mid-run (``H2DRows`` copies per run from now on): counted now, and
+        per prefill pass from now on like a batch path declined at start-up."""
+        self._resolution.batch_h2d_reason = "call_failed"
+        self.counters.declined["batch_h2d:call_failed"] += 1
 
     def _hit_failed(self, exc: Exception):
         """A hit copy raised mid-run: full-layer copies for the rest of the process (or fail)."""
@@ -277,6 +296,15 @@ class OffloadMoeCache:
         """Zero the counters (residency is kept)."""
         self.counters.reset()
         self.decode.reset_counts()
+
+
+def _oom_message(budget, plan: BudgetPlan, row_bytes: int, device: torch.device, exc: Exception) -> str:
+    setting = "auto" if budget.kind == "auto" else f"{budget.kind}={budget.value:g}"
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return (f"cache.budget {setting}: allocating the expert cache on {device} ({plan.num_slots} slots of {row_bytes} "
+            f"bytes + {plan.staging_bytes} bytes of staging and decode scratch = {plan.total_bytes} bytes) ran out of "
+            f"device memory ({first}); lower cache.budget, or set cache.budget=auto (sizes the pool from free "
+            "memory, leaving cache.auto_reserve)")
 
 
 def _close_streams(streams: Streams) -> None:

@@ -132,21 +132,26 @@ class DecodeResidency:
         miss_LM = first_LM & (slots_LM < 0)
         plans = []
         reserved: set[int] = set()
-        for i in np.flatnonzero(miss_LM.any(axis=1)).tolist():
-            lp = int(lps[i])
-            layer = self.store.layers[lp]
-            experts, slots = ids_LM[i][first_LM[i]], slots_LM[i][first_LM[i]]
-            missed = experts[slots < 0][:budget]
-            protected = set(slots[slots >= 0].tolist()) | reserved | self._just_committed
-            n = min(int(missed.size), self.pool.num_slots - len(protected))
-            if n <= 0:
-                continue
-            victims = self.pool.reserve(n, protected)  # victims leave the map and the device table now
-            reserved.update(victims)
-            plans.append((layer, missed[:n], victims))
-            budget -= n
-            if budget == 0:
-                break
+        try:
+            for i in np.flatnonzero(miss_LM.any(axis=1)).tolist():
+                lp = int(lps[i])
+                layer = self.store.layers[lp]
+                experts, slots = ids_LM[i][first_LM[i]], slots_LM[i][first_LM[i]]
+                missed = experts[slots < 0][:budget]
+                protected = set(slots[slots >= 0].tolist()) | reserved | self._just_committed
+                n = min(int(missed.size), self.pool.num_slots - len(protected))
+                if n <= 0:
+                    continue
+                victims = self.pool.reserve(n, protected)  # victims leave the map and the device table now
+                reserved.update(victims)
+                plans.append((layer, missed[:n], victims))
+                budget -= n
+                if budget == 0:
+                    break
+        except BaseException:  # a reservation raised (device OOM) with the map unchanged: free the earlier ones
+            for _, _, victims in plans:
+                self.pool.release(victims)
+            raise
         if not plans:
             return
         s = self.streams
@@ -172,10 +177,15 @@ class DecodeResidency:
             return
         if self.streams.is_cuda:
             self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
-        for layer, experts, victims in self._pending:
-            self.pool.commit(layer, experts, victims)
+        pending, self._pending = self._pending, []  # taken off first: a failed commit is not retried
+        for i, (layer, experts, victims) in enumerate(pending):
+            try:
+                self.pool.commit(layer, experts, victims)  # raises with the map unchanged (device OOM)
+            except BaseException:
+                for _, _, rest in pending[i:]:
+                    self.pool.release(rest)
+                raise
             self._just_committed.update(victims)
-        self._pending = []
 
     def drop_pending(self) -> None:
         """Forget admissions in flight (the caller synchronized and clears the pool)."""

@@ -27,6 +27,7 @@ import torch
 
 from moe_offload import log
 from moe_offload.copy_paths import RowCopy, copy_rows_torch, index_tensor, pointer_arrays, versions
+from moe_offload.kernels.batch_memcpy import BatchMemcpyError
 
 FULL_LAYER_COPY = "full_layer_copy"
 HIT_COPY_CHOICES = ("batch_memcpy", "gather")
@@ -86,10 +87,16 @@ class BatchMemcpyHitCopy:
 class H2DRows:
     """Host -> device rows: rows >= ``min_batch_row_bytes`` in one batched call (``batch``), the rest
     with ``Tensor.copy_`` per coalesced run (small entries in a batch held the host for the whole copy
-    on the H200). ``batch`` None: every row per run."""
+    on the H200). ``batch`` None: every row per run.
+
+    A batched call that fails mid-run (``BatchMemcpyError``: an error code from the runtime) is redone
+    per run on the same stream (entries it did enqueue write the same bytes first) and the batch path
+    is dropped for good: one ``batch_memcpy_unavailable`` event, then ``on_batch_failure(exc)`` (the
+    cache counts it). Without this a persistent error code failed every later request."""
 
     def __init__(self, batch=None, min_batch_row_bytes: int = 0, stream=None):
         self.batch, self.min_batch_row_bytes, self.stream = batch, min_batch_row_bytes, stream
+        self.on_batch_failure = None
 
     def copy(self, copies: list[RowCopy], coalesce: bool) -> None:
         if self.batch is None:
@@ -98,8 +105,19 @@ class H2DRows:
         large = [c for c in copies if c.dst.shape[1] >= self.min_batch_row_bytes]
         dst, src, size = pointer_arrays(large, coalesce)
         if size.size:
-            self.batch.copy(dst, src, size, self.stream)
+            try:
+                self.batch.copy(dst, src, size, self.stream)
+            except BatchMemcpyError as exc:
+                self._batch_failed(exc)
+                copy_rows_torch(large, coalesce)
         copy_rows_torch([c for c in copies if c.dst.shape[1] < self.min_batch_row_bytes], coalesce)
+
+    def _batch_failed(self, exc: Exception) -> None:
+        self.batch = None
+        log.log_once("batch_memcpy_unavailable:call_failed", "batch_memcpy_unavailable", logging.WARNING,
+                     reason="call_failed", detail=str(exc), fallback="copy_per_run", **versions())
+        if self.on_batch_failure is not None:
+            self.on_batch_failure(exc)
 
 
 # ---------------------------------------------------------------------------------------- the table

@@ -66,35 +66,51 @@ class SlotPool:
         return bank_views(self.store.specs, self.store.offsets, self.rows_NR)
 
     # ---------------------------------------------------------------- changing the map
-    def _write_table(self, lp: int, experts: np.ndarray, values: np.ndarray) -> None:
+    def _table_write(self, lp: int, experts: np.ndarray, values: np.ndarray):
+        """The device tensors of a table write. They are allocated BEFORE either map changes: an
+        allocation that fails (device OOM) must leave both maps as they were. A table entry left
+        pointing at a slot the host map had already given up was refilled with another expert later,
+        and the decode step read the wrong expert (a wrong answer, reproduced on the CPU with an
+        injected OOM: tests/test_faults.py)."""
         if experts.size == 0:
-            return
-        idx = index_tensor(experts, self.device)
-        vals = index_tensor(values, self.device).to(torch.int32)
-        self.table_LE[lp].index_copy_(0, idx, vals)
+            return None
+        return lp, index_tensor(experts, self.device), index_tensor(values, self.device).to(torch.int32)
+
+    def _apply(self, writes: list) -> None:
+        for w in writes:
+            if w is not None:
+                lp, idx, vals = w
+                self.table_LE[lp].index_copy_(0, idx, vals)
 
     def _evict(self, slots: list[int]) -> None:
-        """Drop the owners of ``slots`` from both maps (device table on the current stream)."""
+        """Drop the owners of ``slots`` from both maps (device table on the current stream); raises
+        with both maps unchanged when the table write cannot be allocated."""
         by_layer: dict[int, list[int]] = {}
         for s in slots:
             key = int(self.owner_S[s])
             if key >= 0:
                 lp, e = divmod(key, self.E)
-                self.slot_of_LE[lp, e] = -1
                 by_layer.setdefault(lp, []).append(e)
-                self.stats.layer(self.store.layers[lp]).evictions += 1
-            self.owner_S[s] = -1
+        writes = [self._table_write(lp, np.asarray(es, dtype=np.int64), np.full(len(es), -1, dtype=np.int64))
+                  for lp, es in by_layer.items()]
         for lp, es in by_layer.items():
-            e_arr = np.asarray(es, dtype=np.int64)
-            self._write_table(lp, e_arr, np.full(e_arr.size, -1, dtype=np.int64))
+            self.slot_of_LE[lp, es] = -1
+            self.stats.layer(self.store.layers[lp]).evictions += len(es)
+        self.owner_S[slots] = -1
+        self._apply(writes)
 
     def reserve(self, n: int, protected: set[int] = frozenset(), free_only: bool = False) -> list[int]:
         """``n`` slots to fill, taken out of the map now (their old experts are no longer resident);
-        never a slot in ``protected``. Fill them, then ``commit`` (or ``release`` on failure)."""
+        never a slot in ``protected``. Fill them, then ``commit`` (or ``release`` on failure). Raises
+        with the map unchanged (empty slots free again) when the eviction cannot be written."""
         if n == 0:
             return []
         slots = self.policy.choose_free(n) if free_only else self.policy.choose(n, set(protected))
-        self._evict(slots)
+        try:
+            self._evict(slots)
+        except BaseException:
+            self.release([s for s in slots if self.owner_S[s] < 0])  # owned ones stay resident
+            raise
         return slots
 
     def release(self, slots: list[int]) -> None:
@@ -107,16 +123,21 @@ class SlotPool:
         caller enqueues next). An expert that became resident elsewhere meanwhile keeps its slot and the
         reserved one is released."""
         lp = self.layer_pos[layer]
-        keep_e, keep_s = [], []
-        for e, s in zip(np.asarray(experts).tolist(), slots):
-            if self.slot_of_LE[lp, e] >= 0:
+        pairs = list(zip(np.asarray(experts).tolist(), slots))
+        keep: dict[int, int] = {}  # expert -> slot, the first slot of an expert not resident yet
+        for e, s in pairs:
+            if self.slot_of_LE[lp, e] < 0:
+                keep.setdefault(e, s)
+        write = self._table_write(lp, np.asarray(list(keep), dtype=np.int64),
+                                  np.asarray(list(keep.values()), dtype=np.int64))  # may raise: nothing changed
+        kept = set(keep.values())
+        for e, s in pairs:
+            if s not in kept and self.slot_of_LE[lp, e] != s:  # committing twice keeps the slot
                 self.policy.free(s)
-                continue
+        for e, s in keep.items():
             self.slot_of_LE[lp, e] = s
             self.owner_S[s] = lp * self.E + e
-            keep_e.append(e)
-            keep_s.append(s)
-        self._write_table(lp, np.asarray(keep_e, dtype=np.int64), np.asarray(keep_s, dtype=np.int64))
+        self._apply([write])
 
     def admit(self, layer: int, experts: np.ndarray, copy: Callable[[list[int]], None],
               protected: set[int] = frozenset(), free_only: bool = False) -> list[int]:
@@ -132,10 +153,10 @@ class SlotPool:
             return []
         try:
             copy(slots)
+            self.commit(layer, experts, slots)  # raises with the map unchanged
         except BaseException:
             self.release(slots)
             raise
-        self.commit(layer, experts, slots)
         return slots
 
     def clear(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -30,15 +31,20 @@ import numpy as np
 import pytest
 import torch
 
+import moe_offload.cache as cache_mod
 import moe_offload.compute.dequant as dequant_mod
+import moe_offload.hit_copy as hit_copy_mod
 import moe_offload.host_store as host_store
+import moe_offload.slot_pool as slot_pool_mod
 from moe_offload import uva
 from moe_offload.checkpoint import reader as reader_mod
 from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader
 from moe_offload.cli import main as cli_main
 from moe_offload.config import load_config
+from moe_offload.copy_paths import RowCopy
 from moe_offload.engine import Engine
 from moe_offload.host_store import ExpertStore
+from moe_offload.kernels.batch_memcpy import BatchMemcpyError
 
 PROMPT_LONG = list(range(40, 100))  # 60 tokens: the prefill path (> decode.max_tokens = 16)
 PROMPT_SHORT = [7, 11, 13, 17, 19]  # 5 tokens: the decode path from the first forward
@@ -313,3 +319,90 @@ def tp_rank_that_fails(cfg, tp):
     else:
         rt.engine.prefill(torch.tensor([PROMPT_LONG]))
     return {"rank": tp.rank}
+
+
+# ------------------------------------------------------------------------------ device memory (OOM) on the CPU
+def _oom_on_call(real, n: int, calls: dict):
+    """``real`` that raises a device OOM on its ``n``-th call (and only then)."""
+
+    def flaky(*args, **kw):
+        calls["n"] = calls.get("n", 0) + 1
+        if calls["n"] == n:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(*args, **kw)
+
+    return flaky
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 5, 7], ids=["evict_first_layer", "evict_second_layer",
+                                                       "commit_first_plan", "commit_second_plan"])
+def test_a_device_oom_writing_the_residency_table_fails_the_request_and_later_answers_stay_correct(
+        nvfp4, monkeypatch, fail_at):
+    """The device table writes of decode admissions allocate index tensors (``slot_pool.index_tensor``): at a
+    boundary the victims' evictions (calls 1-4 of this request: two layers, index + values each), a boundary
+    later their commits (calls 5-8). Before the fix an OOM there left the device table pointing at slots the
+    host map had given up; they were refilled with other experts and later decode steps read the wrong
+    expert (wrong answers within 40 requests at 6 slots)."""
+    eng = _engine(nvfp4, "cache.budget=6 slots")
+    ref = _engine(nvfp4, "cache.budget=1.0")
+    calls: dict = {}
+    monkeypatch.setattr(slot_pool_mod, "index_tensor", _oom_on_call(slot_pool_mod.index_tensor, fail_at, calls))
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        eng.generate(PROMPT_SHORT, NEW_TOKENS)
+    assert calls["n"] == fail_at
+    _assert_residency_true(eng.cache)
+    pool = eng.cache.pool
+    assert set(np.flatnonzero(pool.owner_S >= 0)) | set(pool.policy._free) == set(range(eng.cache.num_slots))
+    monkeypatch.undo()
+    rng = random.Random(fail_at)
+    for _ in range(12):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 40))]
+        assert eng.generate(prompt, 10).token_ids == ref.generate(prompt, 10).token_ids, prompt
+        _assert_residency_true(eng.cache)
+
+
+def test_a_device_oom_allocating_the_cache_is_a_budget_error_naming_the_setting(nvfp4, monkeypatch, capsys):
+    """torch's OOM text names no setting; the cache's start-up error names cache.budget and the fix (the GPU
+    variant with a real allocation is tests/gpu/test_faults_gpu.py)."""
+    def staging(*args, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    monkeypatch.setattr(cache_mod, "PrefillStaging", staging)
+    with pytest.raises(cache_mod.BudgetError, match=r"cache\.budget fraction=0\.5: allocating the expert cache.*"
+                       r"ran out of device memory \(CUDA out of memory.*lower cache\.budget"):
+        _engine(nvfp4)
+    code = cli_main(["generate", "--checkpoint", nvfp4, "--prompt-ids", "5,6,7", "--max-new-tokens", "2",
+                     "--set", "device=cpu", "--set", "cache.budget=0.5", "--set", "logging.level=WARNING"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cache.budget" in err[0] and "Traceback" not in err[0]
+
+
+class _FailingBatch:
+    """A batched-copy binding whose runtime call returns an error code (``BatchMemcpy._raise_on_error``)."""
+
+    calls = 0
+
+    def copy(self, dst, src, size, stream) -> None:
+        self.calls += 1
+        raise BatchMemcpyError("cudaMemcpyBatchAsync(3 entries, stream 0x5) failed: cudaErrorInvalidValue (1)",
+                               code=1, name="cudaErrorInvalidValue")
+
+
+def test_a_batched_h2d_call_failing_mid_run_is_redone_per_run_and_the_batch_path_dropped_with_one_event(
+        monkeypatch):
+    events = []
+    monkeypatch.setattr(hit_copy_mod.log, "log_once", lambda key, name, *a, **kw: events.append((name, kw)))
+    host = torch.arange(8 * 32, dtype=torch.int32).view(torch.uint8).view(8, 128)
+    dev = torch.zeros(6, 128, dtype=torch.uint8)
+    batch, failures = _FailingBatch(), []
+    h2d = hit_copy_mod.H2DRows(batch, min_batch_row_bytes=64)
+    h2d.on_batch_failure = failures.append
+    h2d.copy([RowCopy(dev, host, np.array([0, 1, 4]), np.array([2, 3, 7]))], coalesce=True)
+    assert batch.calls == 1 and h2d.batch is None and len(failures) == 1
+    assert [(n, kw["reason"], kw["fallback"]) for n, kw in events] == [("batch_memcpy_unavailable", "call_failed",
+                                                                        "copy_per_run")]
+    want = torch.zeros_like(dev)
+    want[[0, 1, 4]] = host[[2, 3, 7]]
+    assert torch.equal(dev, want)
+    h2d.copy([RowCopy(dev, host, np.array([5]), np.array([0]))], coalesce=False)  # per run from now on
+    assert batch.calls == 1 and torch.equal(dev[5], host[0]) and len(failures) == 1

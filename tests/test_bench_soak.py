@@ -61,7 +61,7 @@ def test_a_healthy_soak_exits_zero_and_prints_the_json_it_writes(soak):
 
 def test_json_markdown_and_png_are_named_for_the_model_and_the_git_sha(soak):
     _, _, result, out = soak
-    stem = f"soak-tiny-qwen3-moe-{result['git']['sha'][:12]}"
+    stem = f"soak-tiny-qwen3-moe-r0.1+0.5-{result['git']['sha'][:12]}"
     assert (out / f"{stem}.json").is_file()
     assert "| residency | slots | routed path up to (tokens) | requests (after warmup) |" in (out / f"{stem}.md").read_text()
     assert (out / f"{stem}.png").stat().st_size > 0
@@ -145,3 +145,24 @@ def test_each_routed_path_threshold_gets_its_own_references_and_every_answer_sti
     assert sorted(x["routed_max_tokens"] for x in result["references"]) == [16, 40]
     assert all(x["slots"] == 64 for x in result["references"])  # every expert of the tiny model resident
     assert [r["mismatch_count"] for r in result["runs"]] == [0, 0]
+
+
+def test_one_residency_per_run_merges_into_one_report_and_other_settings_are_refused(soak, tmp_path, capsys):
+    _, _, result, _ = soak
+    parts = []
+    for run in result["runs"]:  # as if each residency had run in its own command
+        part = dict(result, runs=[run], settings=dict(result["settings"], residencies=[run["residency"]]))
+        parts.append(tmp_path / f"r{run['residency']:g}.json")
+        parts[-1].write_text(json.dumps(part))
+    out = tmp_path / "merged"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = cli_main(["bench", "soak", "--merge", *map(str, parts), "--out", str(out)])
+    (merged,) = out.glob("soak-tiny-qwen3-moe-r0.1+0.5-*.json")
+    got = json.loads(merged.read_text())
+    assert rc == 0 and got["passed"] is True and got["runs"] == result["runs"]
+    assert (out / merged.name.replace(".json", ".png")).stat().st_size > 0
+    other = json.loads(parts[1].read_text())
+    other["settings"]["new_tokens"] += 1
+    parts[1].write_text(json.dumps(other))
+    assert cli_main(["bench", "soak", "--merge", *map(str, parts), "--out", str(out)]) == 2
+    assert "not the same model, commit, device and settings" in capsys.readouterr().err

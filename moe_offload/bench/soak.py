@@ -116,6 +116,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default %(default)s)")
     p.add_argument("--git-sha", help="record this commit when the tree has no .git (e.g. a copied checkout)")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown report")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: write one report (JSON, markdown, PNG) "
+                   "from the runs of earlier soak results of the same model and settings, e.g. one residency per "
+                   "command where a command's length is limited")
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -364,12 +367,16 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
 def main(a: argparse.Namespace) -> int:
     from moe_offload.bench import soak_report
 
-    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    cfg, plan, notes = bench_config(a)
-    log.configure(cfg.logging.level, cfg.logging.format)
-    part = run(cfg, plan, notes)
-    result = assemble(a, cfg, plan, part, notes, started)
-    soak_report.derive(result)
+    if a.merge:
+        log.configure()
+        result = soak_report.merge([json.loads(Path(p).read_text()) for p in a.merge], a.merge)
+    else:
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        cfg, plan, notes = bench_config(a)
+        log.configure(cfg.logging.level, cfg.logging.format)
+        part = run(cfg, plan, notes)
+        result = assemble(a, cfg, plan, part, notes, started)
+        soak_report.derive(result)
     paths = soak_report.write(result, Path(a.out))
     print(json.dumps(result, indent=2, default=str) if a.json else paths["markdown_text"])
     log.info_rank0("bench_soak_written", json=str(paths["json"]), markdown=str(paths["md"]),

@@ -117,6 +117,29 @@ def derive(result: dict) -> None:
     result["passed"] = all(r["passed"] for r in result["runs"])
 
 
+def merge(results: list[dict], sources: list[str]) -> dict:
+    """One result from the runs of several (each already derived): the first one's header, every run and
+    reference in order. Raises ``BenchError`` when they are not of the same model, settings and commit."""
+    from moe_offload.bench.ttft import BenchError
+
+    first = results[0]
+    same = ("schema", "model", "git", "device")
+    for path, r in zip(sources, results):
+        settings = {k: v for k, v in r.get("settings", {}).items() if k != "residencies"}
+        if any(r.get(k) != first.get(k) for k in same) or settings != {
+                k: v for k, v in first["settings"].items() if k != "residencies"}:
+            raise BenchError(f"--merge {path}: not the same model, commit, device and settings as {sources[0]}; "
+                             "merge only the residencies of one soak")
+    runs = [run for r in results for run in r["runs"]]
+    if len({run["residency"] for run in runs}) != len(runs):
+        raise BenchError(f"--merge: a residency appears twice in {', '.join(sources)}")
+    out = {**first, "runs": runs, "references": [x for r in results for x in r["references"]],
+           "notes": [n for r in results for n in r["notes"]] + [f"merged from {', '.join(sources)}"]}
+    out["settings"] = {**first["settings"], "residencies": [run["residency"] for run in runs]}
+    out["passed"] = all(run["passed"] for run in runs)
+    return out
+
+
 # ---------------------------------------------------------------------------------------- markdown
 def _bytes(v) -> str:
     return "–" if v is None else f"{v / MIB:+.2f} MiB"
@@ -219,8 +242,9 @@ def write(result: dict, out: Path) -> dict:
     """Write ``soak-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
     Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"soak-{result['model']['label']}-{result['git']['sha'][:12]}"
-    png = stem.with_suffix(".png")
+    res = "+".join(f"{r['residency']:g}" for r in result["runs"])
+    stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"  # dots: no with_suffix
+    png = out / f"{stem}.png"
     try:
         plot(result, png)
     except ImportError as exc:
@@ -228,7 +252,7 @@ def write(result: dict, out: Path) -> dict:
         result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
         log.event("bench_soak_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
     text = markdown(result)
-    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"), "png": png, "markdown_text": text}
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": png, "markdown_text": text}
     paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
     paths["md"].write_text(text)
     return paths

@@ -218,9 +218,10 @@ class OffloadMoeCache:
     def decode_num_rows(self) -> int:
         return int(self.pool.rows_NR.shape[0])
 
-    def decode_step_enqueued(self) -> None:
-        """Every layer of a decode step is enqueued (its routing record completes with it)."""
-        self.decode.step_enqueued()
+    def decode_step_enqueued(self, tokens: int | None = None) -> None:
+        """Every layer of a decode step is enqueued (its routing record completes with it); a graph
+        replayer passes the step's token count."""
+        self.decode.step_enqueued(tokens)
 
     def step_boundary(self) -> None:
         """Between decode steps (never inside a captured step): commit and schedule admissions."""

@@ -100,14 +100,14 @@ class StaticDecoder:
         if self.graph is not None:
             cache.step_boundary()
             self.graph.replay()
-            cache.decode_step_enqueued()
+            cache.decode_step_enqueued(self.batch)
             cache.counters.compute["decode_graph_replays"] += 1
             return self.logits_BV
         if self.graphs and self._declined is None and self._eager_steps >= 1:
             cache.step_boundary()
             if self._capture():
                 self.graph.replay()
-                cache.decode_step_enqueued()
+                cache.decode_step_enqueued(self.batch)
                 return self.logits_BV
         self._eager_steps += 1
         return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]

@@ -89,8 +89,13 @@ class DecodeResidency:
         self._record_T[lp] = T
         return rows_TK
 
-    def step_enqueued(self) -> None:
-        """The step's last layer is enqueued: its routing record is complete once this event is."""
+    def step_enqueued(self, tokens: int | None = None) -> None:
+        """The step's last layer is enqueued: its routing record is complete once this event is.
+        ``tokens``: the step's token count, from a graph replayer (a replay runs no host code in the
+        layers, so the count recorded by ``rows`` is the last eager or captured step's, maybe another
+        bucket's)."""
+        if tokens is not None:
+            self._record_T = {lp: tokens for lp in range(len(self.store.layers))}
         self.counters.decode_steps += 1
         self.streams.record(self._record_event, self.streams.current())
         self._record_ready = True

@@ -214,7 +214,7 @@ class StaticBatch:
         if graph is not None:
             cache.step_boundary()
             graph.replay()
-            cache.decode_step_enqueued()
+            cache.decode_step_enqueued(B)
             cache.counters.compute["serve_graph_replays"] += 1
             self.steps["graph"] += 1
             return graph.out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: probe ttft profile tests copy fused kernels decode_smoke decode profile_decode
+#   stages: probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -14,6 +14,10 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
+if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gemv_tuning.json (used by the stages after)
+  timeout ${TUNE_TIMEOUT:-120} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
+  cp kernels/decode_gemv_tuning.json "$RES/"
+fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
   timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
@@ -21,7 +25,7 @@ if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event p
 fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
-has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} tests/gpu 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
 has kernels && timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/decode_kernels.py --out "$RES" > "$RES/decode_kernels.log" 2>&1
 if has decode_smoke; then  # generate on a truncated real-size model: decode tok/s per residency, graphs on/off
   timeout ${SMOKE_TIMEOUT:-300} python3 - > "$RES/decode_smoke.log" 2>&1 <<'PY'
@@ -55,6 +59,19 @@ has profile_decode && timeout ${PROFILE_DECODE_TIMEOUT:-300} python3 benchmarks/
 if has decode; then
   timeout ${DECODE_TIMEOUT:-400} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${DECODE_ARGS:-} --out "$RES" --json > "$RES/decode.json" 2> "$RES/decode.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has serve; then  # a live server per residency, N concurrent streaming clients (SERVE_ARGS: --clients ...)
+  for r in ${SERVE_RESIDENCIES:-0.37 1.0}; do
+    timeout ${SERVE_TIMEOUT:-240} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set cache.budget=$r ${SERVE_ARGS:-} --out "$RES/serve-r$r" --json \
+      > "$RES/serve-r$r.json" 2> "$RES/serve-r$r.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
+fi
+if has soak; then  # SOAK_ARGS: --residencies ... --minutes ...
+  timeout ${SOAK_TIMEOUT:-560} moe-offload bench soak --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --set model.cache_dir=/tmp/moe-cache ${SOAK_ARGS:-} --out "$RES" --json > "$RES/soak.json" 2> "$RES/soak.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1

@@ -61,7 +61,7 @@ if has decode; then
     --set model.cache_dir=/tmp/moe-cache ${DECODE_ARGS:-} --out "$RES" --json > "$RES/decode.json" 2> "$RES/decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has serve; then  # a live server per residency, N concurrent streaming clients (SERVE_ARGS: --clients ...)
+if has serve; then  # a live server per residency, N concurrent streaming clients (SERVE_ARGS: --clients ... --git-sha)
   for r in ${SERVE_RESIDENCIES:-0.37 1.0}; do
     timeout ${SERVE_TIMEOUT:-240} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set cache.budget=$r ${SERVE_ARGS:-} --out "$RES/serve-r$r" --json \

@@ -25,9 +25,10 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
                "--set", "prefill.warmup_tokens=8", "--set", "logging.level=WARNING", "--clients", "1,3",
                "--requests-per-client", "2", "--prompt-lens", "4,9", "--max-tokens", "3,6", "--out", str(tmp_path),
-               "--json"])
+               "--json", "--git-sha", "0123456789abcdef"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["env"]["git"]["sha"] == "0123456789abcdef"  # a copied tree records the commit it was given
     assert [lv["clients"] for lv in result["levels"]] == [1, 3]
     assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
     # closed loop, ignore_eos: every request yields exactly its max_tokens (the mix cycles 3, 6, 3, 6 ...)
@@ -38,3 +39,4 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     assert all(lv["decode_steps"]["graph"] == 0 and lv["decode_steps"]["eager"] > 0 for lv in result["levels"])
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names == [".json", ".md", ".png"]
+    assert all("0123456789ab" in p.name for p in tmp_path.iterdir())

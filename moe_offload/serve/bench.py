@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="directory for serve-<model>-<sha>.{json,md,png}")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--git-sha", help="record this commit when the tree has no .git or a copy reports another")
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -202,7 +203,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _environment() -> dict:
+def _environment(git_sha: str | None = None) -> dict:
     from moe_offload.bench.report import git_info
 
     def version(d):
@@ -211,7 +212,7 @@ def _environment() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"git": git_info(None), "device": platform.processor() or platform.machine(),
+    return {"git": git_info(git_sha), "device": platform.processor() or platform.machine(),
             "versions": {"python": platform.python_version(),
                          **{d: version(d) for d in ("torch", "transformers", "fastapi", "uvicorn", "moe-offload")}}}
 
@@ -231,7 +232,7 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
         recs, wall = asyncio.run(_level(url, mix, n, a.requests_per_client, a.timeout))
         out.append({**summarize(recs, wall, expected, n), "decode_steps": _delta(decode_steps(url), before)})
         log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
-    return {"model": model, "url": url, "env": _environment(), **(extra or {}),
+    return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
                     "requests_per_client": a.requests_per_client, "distinct_requests": len(mix), "seed": a.seed,
                     "sampling": "greedy, ignore_eos"},

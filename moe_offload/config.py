@@ -218,9 +218,10 @@ class ComputeConfig(_Strict):
     decode_kernel: Literal["auto", "gemv", "tiles"] = Field(
         "auto", description="NVFP4 decode kernel on CUDA: gemv (kernels/decode_gemv.py), tiles "
         "(kernels/decode_moe.py), auto = gemv up to the routed-pair count in decode_gemv_tuning.json")
-    fused_norms: bool = Field(True, description="on CUDA, each RMSNorm of the model runs as one fused kernel "
-                              "(kernels/rmsnorm.py) and so does rotary (kernels/rotary.py, qwen3_moe and mixtral); "
-                              "a decode step is launch-bound")
+    fused_norms: bool = Field(True, description="on CUDA, the decode step's small ops are fused: each RMSNorm and "
+                              "rotary one kernel (kernels/rmsnorm.py, kernels/rotary.py), the router's softmax + "
+                              "top-k + renorm one kernel (kernels/router.py), q/k/v one GEMM, grouped-query decode "
+                              "attention without repeated K/V (moe_offload/integrations/)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

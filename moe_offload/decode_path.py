@@ -123,12 +123,10 @@ class DecodeResidency:
             return
         lps = np.array(sorted(tokens), dtype=np.int64)
         T = max(tokens.values())
-        ids_LM = np.sort(record_LTK[lps, :T].reshape(len(lps), -1), axis=1)  # [L, T*K] expert ids
-        if any(tokens[lp] != T for lp in lps.tolist()):  # layers of a shorter forward: pad with a repeat
-            for i, lp in enumerate(lps.tolist()):
-                n = tokens[lp] * record_LTK.shape[2]
-                ids_LM[i] = np.sort(np.concatenate([record_LTK[lp, :tokens[lp]].reshape(-1),
-                                                    np.repeat(record_LTK[lp, 0, 0], ids_LM.shape[1] - n)]))
+        ids_LM = record_LTK[lps, :T].reshape(len(lps), -1)  # [L, T*K] expert ids (a copy)
+        for i, lp in enumerate(lps.tolist()):  # a layer last run by a shorter forward: pad with its own first id
+            ids_LM[i, tokens[lp] * record_LTK.shape[2]:] = ids_LM[i, 0]
+        ids_LM.sort(axis=1)
         first_LM = np.ones(ids_LM.shape, dtype=bool)  # the first of each run of equal ids (np.unique per row)
         first_LM[:, 1:] = ids_LM[:, 1:] != ids_LM[:, :-1]
         slots_LM = self.pool.slot_of_LE[lps[:, None], ids_LM]

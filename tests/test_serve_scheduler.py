@@ -102,19 +102,21 @@ def test_the_tokenizer_eos_stops_a_request_unless_ignore_eos(engine, scheduler):
     assert (len(req.output_ids), req.finish_reason) == (9, "length")
 
 
-def test_cancelling_a_running_request_frees_its_row_and_the_rest_still_match(scheduler, reference):
+def cancel_after_tokens(scheduler, prompt: list[int], max_tokens: int, n: int = 3) -> None:
+    """Submit a request of ``max_tokens``, cancel it once ``n`` outputs arrived, and wait (up to 10 s)
+    until it reports ``cancelled`` and no request runs any more."""
     got_tokens = threading.Event()
     finished = threading.Event()
     outs = []
 
     def sink(o):
         outs.append(o)
-        if len(outs) >= 3:
+        if len(outs) >= n:
             got_tokens.set()
         if o.finished:
             finished.set()
 
-    req = scheduler.submit(PROMPTS[0], SamplingParams(max_tokens=3000, ignore_eos=True), sink)
+    req = scheduler.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), sink)
     assert got_tokens.wait(60)
     scheduler.cancel(req)
     assert finished.wait(60)
@@ -122,6 +124,10 @@ def test_cancelling_a_running_request_frees_its_row_and_the_rest_still_match(sch
     deadline = time.monotonic() + 10
     while scheduler.num_running and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def test_cancelling_a_running_request_frees_its_row_and_the_rest_still_match(scheduler, reference):
+    cancel_after_tokens(scheduler, PROMPTS[0], 3000)
     assert scheduler.num_running == 0
     assert scheduler.executor.batch.rows == 0  # the batch KV cache was dropped with its last row
     assert run_concurrently(scheduler, PROMPTS[:2], MAX_NEW[:2]) == reference[:2]

@@ -6,8 +6,6 @@ capture) runs against a stand-in for CUDA graphs."""
 from __future__ import annotations
 
 import logging
-import threading
-import time
 
 import pytest
 import torch
@@ -17,10 +15,9 @@ from moe_offload.config import ConfigError
 from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.executor import LocalExecutor
 from moe_offload.serve.kv import LeftPaddedBatch
-from moe_offload.serve.sampling import SamplingParams
 from moe_offload.serve.scheduler import Scheduler
 from moe_offload.serve.static_batch import StaticBatch, buckets
-from test_serve_scheduler import MAX_NEW, PROMPTS, make_engine, run_concurrently
+from test_serve_scheduler import MAX_NEW, PROMPTS, cancel_after_tokens, make_engine, run_concurrently
 
 ROWS = 4
 MAX_LEN = 256  # positions per row: every prompt + output of PROMPTS fits, and a 200-token request
@@ -144,23 +141,7 @@ def test_a_leaving_row_is_filled_by_the_highest_row_and_reused_by_the_next_join(
 def test_a_cancelled_request_frees_its_row_for_a_full_batch_afterwards(engine, reference):
     s = static_scheduler(engine)
     try:
-        tokens, finished = threading.Event(), threading.Event()
-        outs = []
-
-        def sink(o):
-            outs.append(o)
-            if len(outs) >= 3:
-                tokens.set()
-            if o.finished:
-                finished.set()
-
-        req = s.submit(PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True), sink)
-        assert tokens.wait(60)
-        s.cancel(req)
-        assert finished.wait(60) and outs[-1].finish_reason == "cancelled"
-        deadline = time.monotonic() + 10
-        while s.num_running and time.monotonic() < deadline:
-            time.sleep(0.01)
+        cancel_after_tokens(s, PROMPTS[0], 200)
         assert s.executor.batch.rows == 0
         # all ROWS rows at once: a row the cancelled request kept would make the last join fail
         assert run_concurrently(s, PROMPTS[:ROWS], MAX_NEW[:ROWS], stagger_s=0) == reference[:ROWS]

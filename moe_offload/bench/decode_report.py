@@ -17,12 +17,9 @@ at batch 16 and 64, i.e. a ratio <= 1.25.
 
 from __future__ import annotations
 
-import json
-import logging
 from pathlib import Path
 
-from moe_offload import log
-from moe_offload.bench.report import on_cuda
+from moe_offload.bench.env import on_cuda, write_files
 
 CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not HBM or PCIe floors"
 TOK_S_TARGETS = ((1.0, 150.0), (0.37, 120.0))  # batch 1: (residency, tok/s at least)
@@ -212,17 +209,5 @@ def plot(result: dict, path: Path) -> None:
 def write(result: dict, out: Path) -> dict:
     """Write ``decode-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
     Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"decode-{result['model']['label']}-{result['git']['sha'][:12]}"
-    png = stem.with_suffix(".png")
-    try:
-        plot(result, png)
-    except ImportError as exc:
-        png = None
-        result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
-        log.event("bench_decode_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
-    text = markdown(result)
-    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"), "png": png, "markdown_text": text}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["md"].write_text(text)
-    return paths
+    stem = f"decode-{result['model']['label']}-{result['git']['sha'][:12]}"
+    return write_files(result, out, stem, markdown, plot, "decode")

@@ -1,5 +1,5 @@
-"""The TTFT benchmark's report: environment (git SHA, versions, GPU), floors and ratios per cell,
-the TTFT targets, the markdown table and the files under ``--out``.
+"""The TTFT benchmark's report: floors and ratios per cell, the TTFT targets, the markdown table and
+the files under ``--out`` (the run's environment and model entry: ``bench/env.py``).
 
 Ratios: ``ratio_to_floor = TTFT / max(PCIe floor, compute floor)`` where the PCIe floor of a cell is
 its missing bytes of every layer (``(1 - measured hit fraction) * all expert bytes``; the resident
@@ -13,13 +13,9 @@ were really served from the device (copied D2D, or read in place on the routed p
 
 from __future__ import annotations
 
-import json
-import platform
-import subprocess
-from importlib import metadata
 from pathlib import Path
 
-import torch
+from moe_offload.bench.env import on_cuda, write_files
 
 FULL_LAYER = "full_layer_copy"
 TARGET_PROMPT_LEN = 1024  # the TTFT targets are stated for a 1024-token prompt; other lengths are reported too
@@ -29,69 +25,6 @@ ALL_RESIDENT_OVER_BF16_MAX = 1.5
 ACCELERATE_RESIDENCY, ACCELERATE_SPEEDUP_MIN = 0.37, 30.0
 ROUTED_TARGET_MAX_LEN, TTFT_OVER_ROUTED_FLOOR_MAX = 256, 1.10  # short prompts: within 1.10x the routed bytes
 HIT_SPEEDUP_RESIDENCIES, HIT_SPEEDUP_OF_IDEAL_MIN = (0.37, 0.5), 0.9
-
-
-# ---------------------------------------------------------------------------------------- environment
-def _git(root: Path, *args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def git_info(override: str | None) -> dict:
-    if override:
-        return {"sha": override, "dirty": None, "source": "--git-sha"}
-    root = Path(__file__).resolve().parents[2]
-    sha = _git(root, "rev-parse", "HEAD")
-    if sha is None:
-        return {"sha": "unknown", "dirty": None, "source": "no git repository here; pass --git-sha"}
-    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
-    return {"sha": sha, "dirty": bool(dirty), "source": "git"}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def environment(device: torch.device, git_sha: str | None) -> dict:
-    from moe_offload.copy_paths import versions
-
-    v = versions()
-    env = {
-        "git": git_info(git_sha),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     **{d: _version(d) for d in ("transformers", "accelerate", "triton", "safetensors", "moe-offload")},
-                     "cuda_runtime": v["cuda_runtime"], "driver": v["driver"], "torch_cuda": torch.version.cuda},
-        "device": {"type": device.type, "name": platform.processor() or platform.machine()},
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env["device"] = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-                         "memory_bytes": props.total_memory, "sms": props.multi_processor_count}
-    return env
-
-
-def model_label(cfg) -> str:
-    """File-name label: the preset (with ``-lN`` when truncated, the format unless NVFP4 ModelOpt)."""
-    m = cfg.model
-    if m.checkpoint:
-        return Path(m.checkpoint).name
-    label = m.preset + (f"-l{m.layers}" if m.layers else "")
-    return label + ("" if m.format in ("auto", "nvfp4-modelopt") else f"-{m.format}")
-
-
-def full_layers(cfg, layers: int) -> int:
-    """Depth of the model a truncated preset stands for (the figures are extrapolated to it)."""
-    if cfg.model.checkpoint:
-        return layers
-    from moe_offload.presets import get_preset
-
-    return max(get_preset(cfg.model.preset).depth, layers)
 
 
 # ---------------------------------------------------------------------------------------- derive
@@ -155,10 +88,6 @@ def derive(result: dict) -> None:
 
 #: why a CPU run gives no verdicts (its "H2D" is a host memcpy; there is no PCIe link to be near)
 CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not PCIe floors"
-
-
-def on_cuda(result: dict) -> bool:
-    return result.get("device", {}).get("type") == "cuda"
 
 
 def _target(tid: str, n: int, value, threshold: float, op: str, detail, mode: str | None = None, **extra) -> dict:
@@ -401,10 +330,4 @@ def _reasons(result: dict, mode: str) -> str:
 
 def write(result: dict, out: Path) -> dict:
     """Write ``ttft-<label>-<sha>.json`` and ``.md`` under ``out``; returns their paths and the markdown."""
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"ttft-{result['model']['label']}-{result['git']['sha'][:12]}"
-    text = markdown(result)
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "markdown_text": text}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["md"].write_text(text)
-    return paths
+    return write_files(result, out, f"ttft-{result['model']['label']}-{result['git']['sha'][:12]}", markdown)

@@ -332,7 +332,7 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
 
 def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, notes: list[str],
              started: str) -> dict:
-    from moe_offload.bench import report
+    from moe_offload.bench import env
     from moe_offload.config import config_to_dict
     from moe_offload.engine import resolve_device
 
@@ -340,12 +340,8 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
     return {
         "schema": "moe-offload/bench-soak/1",
         "created": started,
-        **report.environment(resolve_device(cfg.device), a.git_sha),
-        "model": {"label": report.model_label(cfg), "preset": None if cfg.model.checkpoint else cfg.model.preset,
-                  "checkpoint": str(part["path"]), "format": store["format"], "model_type": geo.model_type,
-                  "layers": geo.num_layers, "moe_layers": len(geo.moe_layers), "experts": geo.num_experts,
-                  "top_k": geo.top_k, "bytes_per_expert": store["bytes_per_expert"],
-                  "all_expert_bytes": store["total_bytes"]},
+        **env.environment(resolve_device(cfg.device), a.git_sha),
+        "model": env.model_section(cfg, part["path"], geo, store),
         "config": config_to_dict(cfg),
         "config_note": "cache.budget is set per residency (see runs[*].slots), prefill.routed_max_tokens is fixed "
                        "per residency to what auto resolves on its pool (runs[*].routed_max_tokens) and the same in "

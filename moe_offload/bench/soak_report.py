@@ -14,12 +14,11 @@ A metric this device does not have (device memory on a CPU, pinned memory withou
 from __future__ import annotations
 
 import json
-import logging
 import statistics
 from collections import Counter
 from pathlib import Path
 
-from moe_offload import log
+from moe_offload.bench.env import write_files
 from moe_offload.bench.soak import WARMUP_FRACTION
 
 MIB = 2**20
@@ -241,18 +240,6 @@ def plot(result: dict, path: Path) -> None:
 def write(result: dict, out: Path) -> dict:
     """Write ``soak-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
     Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
-    out.mkdir(parents=True, exist_ok=True)
     res = "+".join(f"{r['residency']:g}" for r in result["runs"])
-    stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"  # dots: no with_suffix
-    png = out / f"{stem}.png"
-    try:
-        plot(result, png)
-    except ImportError as exc:
-        png = None
-        result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
-        log.event("bench_soak_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
-    text = markdown(result)
-    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", "png": png, "markdown_text": text}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["md"].write_text(text)
-    return paths
+    stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"
+    return write_files(result, out, stem, markdown, plot, "soak")

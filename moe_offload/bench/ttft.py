@@ -296,7 +296,7 @@ def run_tp(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict | None:
 def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, notes: list[str],
              started: str) -> dict:
     """The result dict (before ``report.derive``). Under TP the expert bytes are per rank."""
-    from moe_offload.bench import report
+    from moe_offload.bench import env
     from moe_offload.config import config_to_dict
     from moe_offload.engine import resolve_device
 
@@ -305,16 +305,8 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
     return {
         "schema": "moe-offload/bench-ttft/1",
         "created": started,
-        **report.environment(resolve_device(cfg.device), a.git_sha),
-        "model": {
-            "label": report.model_label(cfg), "preset": None if cfg.model.checkpoint else cfg.model.preset,
-            "checkpoint": str(setup.path), "format": store["format"], "model_type": geo.model_type,
-            "layers": geo.num_layers, "moe_layers": len(geo.moe_layers),
-            "full_layers": report.full_layers(cfg, geo.num_layers), "experts": geo.num_experts, "top_k": geo.top_k,
-            "hidden": geo.hidden, "intermediate": geo.inter, "tp": cfg.parallel.tp,
-            "bytes_per_expert": store["bytes_per_expert"], "all_expert_bytes": store["total_bytes"],
-            "host_store": store,
-        },
+        **env.environment(resolve_device(cfg.device), a.git_sha),
+        "model": {**env.model_section(cfg, setup.path, geo, store), "tp": cfg.parallel.tp, "host_store": store},
         "config": config_to_dict(cfg),
         "config_note": "prefill.hit_copy and prefill.routed_max_tokens are set per variant (see modes[*].prefill; "
                        "the staged path also lowers decode.max_tokens: modes[*].decode_max_tokens); "

@@ -204,7 +204,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def _environment(git_sha: str | None = None) -> dict:
-    from moe_offload.bench.report import git_info
+    from moe_offload.bench.env import git_info
 
     def version(d):
         try:

@@ -1,0 +1,116 @@
+"""What every benchmark report records about its run: the commit, the versions, the device and the
+model (``environment``, ``model_section``), and the file-name label of the model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from moe_offload import log
+
+
+def _git(root: Path, *args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_info(override: str | None) -> dict:
+    if override:
+        return {"sha": override, "dirty": None, "source": "--git-sha"}
+    root = Path(__file__).resolve().parents[2]
+    sha = _git(root, "rev-parse", "HEAD")
+    if sha is None:
+        return {"sha": "unknown", "dirty": None, "source": "no git repository here; pass --git-sha"}
+    dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"sha": sha, "dirty": bool(dirty), "source": "git"}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device, git_sha: str | None) -> dict:
+    from moe_offload.copy_paths import versions
+
+    v = versions()
+    env = {
+        "git": git_info(git_sha),
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     **{d: _version(d) for d in ("transformers", "accelerate", "triton", "safetensors", "moe-offload")},
+                     "cuda_runtime": v["cuda_runtime"], "driver": v["driver"], "torch_cuda": torch.version.cuda},
+        "device": {"type": device.type, "name": platform.processor() or platform.machine()},
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device"] = {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
+                         "memory_bytes": props.total_memory, "sms": props.multi_processor_count}
+    return env
+
+
+def model_label(cfg) -> str:
+    """File-name label: the preset (with ``-lN`` when truncated, the format unless NVFP4 ModelOpt)."""
+    m = cfg.model
+    if m.checkpoint:
+        return Path(m.checkpoint).name
+    label = m.preset + (f"-l{m.layers}" if m.layers else "")
+    return label + ("" if m.format in ("auto", "nvfp4-modelopt") else f"-{m.format}")
+
+
+def full_layers(cfg, layers: int) -> int:
+    """Depth of the model a truncated preset stands for (the figures are extrapolated to it)."""
+    if cfg.model.checkpoint:
+        return layers
+    from moe_offload.presets import get_preset
+
+    return max(get_preset(cfg.model.preset).depth, layers)
+
+
+def model_section(cfg, path, geo, store: dict) -> dict:
+    """The report's ``model`` entry: label, checkpoint, geometry and expert bytes (``store`` is
+    ``ExpertStore.describe()``)."""
+    return {"label": model_label(cfg), "preset": None if cfg.model.checkpoint else cfg.model.preset,
+            "checkpoint": str(path), "format": store["format"], "model_type": geo.model_type,
+            "layers": geo.num_layers, "moe_layers": len(geo.moe_layers),
+            "full_layers": full_layers(cfg, geo.num_layers), "experts": geo.num_experts, "top_k": geo.top_k,
+            "hidden": geo.hidden, "intermediate": geo.inter,
+            "bytes_per_expert": store["bytes_per_expert"], "all_expert_bytes": store["total_bytes"]}
+
+
+def on_cuda(result: dict) -> bool:
+    """Whether a report's run had a GPU (its targets apply only then)."""
+    return result.get("device", {}).get("type") == "cuda"
+
+
+def write_files(result: dict, out: Path, stem: str, markdown, plot=None, kind: str = "bench") -> dict:
+    """Write ``<stem>.json`` and ``.md`` (and ``.png`` when ``plot`` is given) under ``out``; returns the
+    paths and the markdown text. Without matplotlib the PNG is skipped, noted in ``result["notes"]`` and
+    logged once as ``bench_<kind>_png_skipped``; the JSON and markdown are still written. The stem is
+    joined as text (a label with dots keeps its tail, which ``with_suffix`` would cut)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths: dict = {}
+    if plot is not None:
+        png = out / f"{stem}.png"
+        try:
+            plot(result, png)
+        except ImportError as exc:
+            png = None
+            result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
+            log.event(f"bench_{kind}_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
+        paths["png"] = png
+    text = markdown(result)
+    paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", **paths, "markdown_text": text}
+    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
+    paths["md"].write_text(text)
+    return paths

@@ -37,6 +37,16 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     # each level says how its decode steps ran (from the server's /metrics): eager on the CPU
     assert result["decode_batch"]["kind"] == "dynamic"
     assert all(lv["decode_steps"]["graph"] == 0 and lv["decode_steps"]["eager"] > 0 for lv in result["levels"])
+    # where the time went: the scheduler's own split of every request of the level, and the level's decode
+    # forwards at full batch (1 row, then 3 rows: closed loops keep all three clients in the batch for a while)
+    for lv, rows in zip(result["levels"], (1, 3)):
+        split = lv["server"]
+        assert split["requests"] == lv["requests"]
+        assert 0 <= split["queue_p50_ms"] <= split["ttft_p50_ms"] and 0 < split["prefill_p50_ms"] <= split["ttft_p50_ms"]
+        full = lv["decode_full_batch"]
+        assert full["rows"] == rows and full["steps"] >= 1 and full["tok_s"] > 0
+    assert result["levels"][0]["server"]["ttft_p50_ms"] <= result["levels"][0]["ttft_p50_ms"]  # HTTP adds time
+    assert set(result["engine_ttft_ms"]) == {"4", "9"} and min(result["engine_ttft_ms"].values()) > 0
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names == [".json", ".md", ".png"]
     assert all("0123456789ab" in p.name for p in tmp_path.iterdir())

@@ -13,6 +13,16 @@ Per level: TTFT p50/p99 (request sent -> first token), time per output token p50
 and the server's decode steps during the level by path (``decode_steps``: ``graph`` = CUDA graph replays
 over the static KV cache, ``eager``), read from its ``/metrics`` before and after the level (null when
 the server exports none).
+
+Where the time goes (to compare with ``bench ttft`` and ``bench decode`` of the same model):
+- ``decode_full_batch``: the server's decode forwards during the level that ran with every client's row
+  in the batch (rows = min(clients, serve.max_batch)): steps, ms per step and tok/s = rows / step time,
+  the figure ``bench decode`` reports at that batch (from ``/metrics``; host wall time per step, which
+  includes the device work because the sampled ids are read on the host);
+- in-process runs only: the scheduler's own split of each request (``server``: queue wait, prefill,
+  TTFT p50 on the scheduler's clock, without the HTTP layer) and ``engine_ttft_ms``, ``Engine.measure_ttft``
+  of each prompt length on the same engine before the server starts (the ``bench ttft`` measurement,
+  one warm-up and three timed runs, median).
 """
 
 from __future__ import annotations
@@ -114,10 +124,12 @@ async def _level(url: str, jobs: list[Job], clients: int, per_client: int, timeo
 
 
 _DECODE_STEPS_RE = re.compile(r'^moe_offload_decode_steps_total\{path="(\w+)"\} ([0-9.e+]+)$', re.MULTILINE)
+_ROWS_RE = re.compile(r'^moe_offload_decode_rows_(steps|seconds)_total\{rows="(\d+)"\} ([0-9.e+-]+)$', re.MULTILINE)
 
 
-def decode_steps(url: str) -> dict[str, int] | None:
-    """The server's decode steps so far by path, from ``/metrics`` (None when it exports none)."""
+def scrape(url: str) -> dict | None:
+    """The server's decode counters from ``/metrics``: ``{"steps": {path: n}, "rows": {rows: [steps, s]}}``
+    (None when it cannot be read; its parts are None when the server exports none)."""
     import httpx
 
     try:
@@ -125,14 +137,46 @@ def decode_steps(url: str) -> dict[str, int] | None:
     except httpx.HTTPError as exc:  # the level's numbers stand without it; the result says null
         log.event("bench_serve_metrics_unavailable", 30, url=url, error=type(exc).__name__, message=str(exc))
         return None
-    found = {path: int(float(n)) for path, n in _DECODE_STEPS_RE.findall(text)}
-    return found or None
+    rows: dict[int, list] = {}
+    for kind, n, v in _ROWS_RE.findall(text):
+        rows.setdefault(int(n), [0, 0.0])[0 if kind == "steps" else 1] = float(v)
+    steps = {path: int(float(n)) for path, n in _DECODE_STEPS_RE.findall(text)}
+    return {"steps": steps or None, "rows": rows or None}
+
+
+def decode_steps(url: str) -> dict[str, int] | None:
+    """The server's decode steps so far by path, from ``/metrics`` (None when it exports none)."""
+    found = scrape(url)
+    return None if found is None else found["steps"]
 
 
 def _delta(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, int] | None:
     if after is None or before is None:
         return None
     return {path: n - before.get(path, 0) for path, n in after.items()}
+
+
+def full_batch(after: dict | None, before: dict | None, rows: int) -> dict | None:
+    """The level's decode forwards with ``rows`` rows: steps, ms per step, tok/s (None without them)."""
+    a = (after or {}).get("rows") or {}
+    b = (before or {}).get("rows") or {}
+    steps = a.get(rows, [0, 0.0])[0] - b.get(rows, [0, 0.0])[0]
+    secs = a.get(rows, [0, 0.0])[1] - b.get(rows, [0, 0.0])[1]
+    if steps <= 0 or secs <= 0:
+        return None
+    return {"rows": rows, "steps": int(steps), "ms_per_step": round(secs / steps * 1000, 3),
+            "tok_s": round(rows * steps / secs, 2)}
+
+
+def server_split(rows: list[dict]) -> dict | None:
+    """p50 of the scheduler's queue wait, prefill and TTFT over ``rows`` (``Scheduler.timings``)."""
+    def p50(key):
+        return _ms(_pct([r[key] for r in rows if r[key] is not None], 50))
+
+    if not rows:
+        return None
+    return {"requests": len(rows), "queue_p50_ms": p50("queue_s"), "prefill_p50_ms": p50("prefill_s"),
+            "ttft_p50_ms": p50("ttft_s")}
 
 
 def _pct(vals: list[float], q: float) -> float | None:
@@ -164,18 +208,31 @@ def markdown(result: dict) -> str:
             f"outputs {mix['max_tokens']} tokens, greedy, {mix['requests_per_client']} requests per client (closed loop)"
             f"{_batch_note(result)}\n\n"
             "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
-            "| decode steps graph / eager |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+            "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} |"
+            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} | "
+            f"{_split_cell(r.get('server'))} | {_full_cell(r.get('decode_full_batch'))} |"
             for r in result["levels"]]
-    return head + "\n".join(rows) + "\n"
+    tail = ""
+    if result.get("engine_ttft_ms"):
+        tail = ("\nEngine TTFT (`Engine.measure_ttft`, same engine, before the server starts; median of 3): "
+                + ", ".join(f"{n} tokens {ms} ms" for n, ms in result["engine_ttft_ms"].items()) + "\n")
+    return head + "\n".join(rows) + "\n" + tail
 
 
 def _batch_note(result: dict) -> str:
     eng, batch = result.get("engine") or {}, result.get("decode_batch")
     gpu = f", {eng['gpu']}" if eng.get("gpu") else ""
     return f"{gpu}, decode batch: {batch['kind']} KV cache" if batch else gpu
+
+
+def _split_cell(split: dict | None) -> str:
+    return "n/a" if not split else f"{split['queue_p50_ms']} / {split['prefill_p50_ms']} / {split['ttft_p50_ms']}"
+
+
+def _full_cell(full: dict | None) -> str:
+    return "n/a" if not full else f"{full['tok_s']} ({full['steps']} x {full['rows']} rows)"
 
 
 def _steps_cell(steps: dict[str, int] | None) -> str:
@@ -217,8 +274,10 @@ def _environment(git_sha: str | None = None) -> dict:
                          **{d: version(d) for d in ("torch", "transformers", "fastapi", "uvicorn", "moe-offload")}}}
 
 
-def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | None = None) -> dict:
-    """Run the reference pass and every concurrency level against ``url`` -> the result dict."""
+def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | None = None,
+        scheduler=None, max_batch: int | None = None) -> dict:
+    """Run the reference pass and every concurrency level against ``url`` -> the result dict.
+    ``scheduler`` (in-process runs): the server's scheduler, whose per-request timings are reported too."""
     levels = _ints(a.clients, "--clients")
     mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed)
     alone, _ = asyncio.run(_level(url, mix, 1, len(mix), a.timeout))
@@ -228,9 +287,16 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     expected = {r["job"]: r["ids"] for r in alone}
     out = []
     for n in levels:
-        before = decode_steps(url)
+        before = scrape(url)
+        seen = {r["id"] for r in scheduler.timings()} if scheduler is not None else set()
         recs, wall = asyncio.run(_level(url, mix, n, a.requests_per_client, a.timeout))
-        out.append({**summarize(recs, wall, expected, n), "decode_steps": _delta(decode_steps(url), before)})
+        after = scrape(url)
+        steps = _delta(*(None if x is None else x["steps"] for x in (after, before)))
+        level = {**summarize(recs, wall, expected, n), "decode_steps": steps,
+                 "decode_full_batch": full_batch(after, before, min(n, max_batch or n))}
+        if scheduler is not None:
+            level["server"] = server_split([r for r in scheduler.timings() if r["id"] not in seen])
+        out.append(level)
         log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
     return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
@@ -273,19 +339,32 @@ def _run_in_process(a: argparse.Namespace) -> dict:
     serve_cfg = cfg.serve
     log.configure(cfg.logging.level, cfg.logging.format)
     engine = Engine.from_config(cfg, progress=not a.json)
+    vocab = a.vocab or int(engine.reader.geometry.vocab)
+    engine_ttft = _engine_ttft(engine, make_mix(_ints(a.prompt_lens, "--prompt-lens"), [1], vocab, a.seed))
     scheduler = Scheduler(engine, serve_cfg).start()
     http = ServerThread(build_app(scheduler, serve_cfg)).start()
     try:
         extra = {"config": config_to_dict(cfg), "serve_config": serve_cfg.model_dump(),
                  "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
-                            "gpu": _gpu_name(engine.device)}}
-        result = run(http.url, a, a.vocab or int(engine.reader.geometry.vocab), model_name(engine, serve_cfg), extra)
+                            "gpu": _gpu_name(engine.device)},
+                 "engine_ttft_ms": engine_ttft}
+        result = run(http.url, a, vocab, model_name(engine, serve_cfg), extra, scheduler, serve_cfg.max_batch)
         result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
         result["decode_batch"] = {"kind": scheduler.executor.batch.kind, "steps": scheduler.decode_steps}
         return result
     finally:
         http.stop()
         scheduler.stop()
+
+
+def _engine_ttft(engine, jobs: list[Job], reps: int = 3) -> dict[str, float]:
+    """``Engine.measure_ttft`` per prompt length (one warm-up, then the median of ``reps``), in ms."""
+    out = {}
+    for job in jobs:
+        engine.measure_ttft(list(job.prompt_ids))
+        times = sorted(engine.measure_ttft(list(job.prompt_ids)) for _ in range(reps))
+        out[str(len(job.prompt_ids))] = round(times[reps // 2] * 1000, 3)
+    return out
 
 
 def _gpu_name(device) -> str | None:

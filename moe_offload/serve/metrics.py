@@ -33,6 +33,15 @@ class _SchedulerCollector:
         for path, n in s.decode_steps.items():
             c.add_metric([path], n)
         yield c
+        steps = CounterMetricFamily("moe_offload_decode_rows_steps", "decode forwards by rows in the batch",
+                                    labels=["rows"])
+        secs = CounterMetricFamily("moe_offload_decode_rows_seconds", "seconds in decode forwards (forward + "
+                                   "sampling, the ids read on the host) by rows in the batch", labels=["rows"])
+        for rows, (n, t) in sorted(dict(s.decode_timing).items()):
+            steps.add_metric([str(rows)], n)
+            secs.add_metric([str(rows)], t)
+        yield steps
+        yield secs
         yield from cache_metrics(s.cache_stats)
 
 
@@ -73,6 +82,10 @@ class Metrics:
         self.generated_tokens = Counter("moe_offload_generated_tokens", "tokens generated", registry=self.registry)
         self.ttft = Histogram("moe_offload_ttft_seconds", "submit to first token", buckets=_LATENCY_BUCKETS,
                               registry=self.registry)
+        self.queue = Histogram("moe_offload_queue_seconds", "submit to the first prefill chunk",
+                               buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.prefill = Histogram("moe_offload_prefill_seconds", "first prefill chunk to the first token sampled",
+                                 buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("moe_offload_time_per_output_token_seconds", "mean time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_SchedulerCollector(scheduler))
@@ -83,6 +96,9 @@ class Metrics:
         self.generated_tokens.inc(n)
         if req.t_first is not None:
             self.ttft.observe(req.t_first - req.t_submit)
+            if req.t_prefill is not None:
+                self.queue.observe(req.t_prefill - req.t_submit)
+                self.prefill.observe(req.t_first - req.t_prefill)
             if n > 1 and req.t_done is not None:
                 self.tpot.observe((req.t_done - req.t_first) / (n - 1))
 

@@ -82,6 +82,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     t_submit: float = 0.0
+    t_prefill: float | None = None  # the first prefill chunk starts (t_prefill - t_submit: queue wait)
     t_first: float | None = None
     t_done: float | None = None
     finish_reason: str | None = None
@@ -126,6 +127,11 @@ class Scheduler:
         self.steps = 0
         self.cache_stats: dict = {}
         self._stats_t = 0.0
+        #: decode forwards by batch rows: rows -> [steps, seconds] (forward + sampling, host wall time; the
+        #: sampled ids are read on the host, so each step's time includes its device work)
+        self.decode_timing: dict[int, list] = {}
+        #: the last finished requests' timings (``timings()``), oldest dropped first
+        self.finished: deque[dict] = deque(maxlen=4096)
         self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
 
     def _max_model_len(self, model_max: int) -> int:
@@ -211,6 +217,13 @@ class Scheduler:
             raise TimeoutError(f"request {req.id} did not finish in {timeout} s")
         return req
 
+    def timings(self) -> list[dict]:
+        """Per finished request (oldest first, at most the last 4096): prompt and output tokens, queue wait
+        (submit -> first prefill chunk), prefill (-> first token sampled), TTFT (submit -> first token) and
+        total seconds on the scheduler's clock; the HTTP layer's time is not in them."""
+        with self._lock:
+            return list(self.finished)
+
     @property
     def num_waiting(self) -> int:
         return len(self._waiting)
@@ -277,6 +290,8 @@ class Scheduler:
     def _prefill_chunk(self, req: Request) -> None:
         chunk = self.engine.cfg.prefill.chunk_tokens
         s = req.prefilled
+        if req.t_prefill is None:
+            req.t_prefill = time.perf_counter()
         logits_1V = self.executor.prefill(req.id, req.prompt_ids[s:s + chunk])
         req.prefilled = min(len(req.prompt_ids), s + chunk)
         if req.prefilled < len(req.prompt_ids):
@@ -296,6 +311,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         rows = self._running
+        t0 = time.perf_counter()
         try:
             logits_BV = self.executor.decode([r.output_ids[-1] for r in rows], [r.cache_len for r in rows])
         except Exception as exc:  # the caches' state is unknown now: fail their requests, keep serving
@@ -308,6 +324,9 @@ class Scheduler:
             self.executor.reset()
             return
         toks = sample(logits_BV, [r.params for r in rows], [r.gen for r in rows])
+        timing = self.decode_timing.setdefault(len(rows), [0, 0.0])
+        timing[0] += 1
+        timing[1] += time.perf_counter() - t0
         keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t)]
         if len(keep) < len(rows):
             self._shrink(keep)
@@ -344,12 +363,27 @@ class Scheduler:
             self._send(req, Output([tok]))
             return False
         req.finish_reason, req.t_done = reason, time.perf_counter()
+        self._record(req)
         self._send(req, Output([tok], finish_reason=reason))
         return True
 
     def _finish(self, req: Request, reason: str | None, error: str | None = None) -> None:
         req.finish_reason, req.t_done = reason or "error", time.perf_counter()
+        self._record(req)
         self._send(req, Output([], finish_reason=reason, error=error))
+
+    def _record(self, req: Request) -> None:
+        def since(t):
+            return None if t is None or req.t_prefill is None else t - req.t_prefill
+
+        row = {"id": req.id, "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
+               "finish_reason": req.finish_reason,
+               "queue_s": None if req.t_prefill is None else req.t_prefill - req.t_submit,
+               "prefill_s": since(req.t_first),
+               "ttft_s": None if req.t_first is None else req.t_first - req.t_submit,
+               "total_s": req.t_done - req.t_submit}
+        with self._lock:
+            self.finished.append(row)
 
     def _send(self, req: Request, out: Output) -> None:
         try:

@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
+#   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
+#           soak_bg soak_wait
+# build: the preset of TTFT_CONFIG into /tmp/moe-cache first, alone (beside other work it takes ~3 x longer).
+# soak_bg starts one detached soak per residency in SOAK_RESIDENCIES (concurrently: a soak checks outputs and
+# memory, not speed) and returns; soak_wait waits for them (at most SOAK_WAIT_S) in this call or a later one
+# made while the machine is still held, so one soak can run longer than one call's 10 minutes.
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -13,6 +18,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
+if has build; then
+  t0=$(date +%s)
+  timeout ${BUILD_TIMEOUT:-400} python3 -c "from moe_offload.config import load_config; from moe_offload.engine import ensure_checkpoint; ensure_checkpoint(load_config('${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml}', ['model.cache_dir=/tmp/moe-cache']).model, False)" > "$RES/build.log" 2>&1
+  echo "build rc=$? $(( $(date +%s) - t0 )) s" >> "$RES/build.log"
+fi
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
 if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gemv_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-120} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
@@ -25,7 +35,7 @@ if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event p
 fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
-has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -x -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
 has kernels && timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/decode_kernels.py --out "$RES" > "$RES/decode_kernels.log" 2>&1
 if has decode_smoke; then  # generate on a truncated real-size model: decode tok/s per residency, graphs on/off
   timeout ${SMOKE_TIMEOUT:-300} python3 - > "$RES/decode_smoke.log" 2>&1 <<'PY'
@@ -69,9 +79,28 @@ if has serve; then  # a live server per residency, N concurrent streaming client
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi
+if has soak_bg; then
+  for r in ${SOAK_RESIDENCIES:-0.1 0.5}; do
+    mkdir -p "$RES/soak-r$r"
+    setsid nohup timeout ${SOAK_TIMEOUT:-1500} moe-offload bench soak --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --residencies $r ${SOAK_ARGS:-} --out "$RES/soak-r$r" --json \
+      > "$RES/soak-r$r/soak.json" 2> "$RES/soak-r$r/soak.log" < /dev/null &
+    echo $! >> /tmp/soak.pids
+  done
+  sleep 5; echo "soak_bg started: $(cat /tmp/soak.pids | tr '\n' ' ')" > "$RES/soak_bg.log"
+fi
 if has soak; then  # SOAK_ARGS: --residencies ... --minutes ...
   timeout ${SOAK_TIMEOUT:-560} moe-offload bench soak --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${SOAK_ARGS:-} --out "$RES" --json > "$RES/soak.json" 2> "$RES/soak.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has soak_wait; then
+  t0=$(date +%s)
+  for pid in $(cat /tmp/soak.pids 2>/dev/null); do
+    while kill -0 "$pid" 2>/dev/null && (( $(date +%s) - t0 < ${SOAK_WAIT_S:-560} )); do sleep 5; done
+  done
+  { echo "soak_wait $(( $(date +%s) - t0 )) s"; for pid in $(cat /tmp/soak.pids 2>/dev/null); do
+    kill -0 "$pid" 2>/dev/null && echo "$pid still running" || echo "$pid done"; done; } >> "$RES/soak_bg.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1

@@ -24,7 +24,7 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
                "--set", "prefill.warmup_tokens=8", "--set", "logging.level=WARNING", "--clients", "1,3",
-               "--requests-per-client", "2", "--prompt-lens", "4,9", "--max-tokens", "3,6", "--out", str(tmp_path),
+               "--requests-per-client", "3,2", "--prompt-lens", "4,9", "--max-tokens", "3,6", "--out", str(tmp_path),
                "--json", "--git-sha", "0123456789abcdef"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
@@ -33,6 +33,7 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
     # closed loop, ignore_eos: every request yields exactly its max_tokens (the mix cycles 3, 6, 3, 6 ...)
     assert result["levels"][1]["output_tokens"] == 3 * (3 + 6)
+    assert [lv["requests"] for lv in result["levels"]] == [3, 6]  # --requests-per-client per level
     assert result["levels"][0]["ttft_p50_ms"] > 0 and result["levels"][1]["tpot_p99_ms"] > 0
     # each level says how its decode steps ran (from the server's /metrics): eager on the CPU
     assert result["decode_batch"]["kind"] == "dynamic"
@@ -50,3 +51,14 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     names = sorted(p.suffix for p in tmp_path.iterdir())
     assert names == [".json", ".md", ".png"]
     assert all("0123456789ab" in p.name for p in tmp_path.iterdir())
+
+
+def test_requests_per_client_takes_one_value_or_one_per_level():
+    from moe_offload.serve.bench import requests_per_client
+
+    assert requests_per_client("2", [1, 4, 16]) == [2, 2, 2]
+    assert requests_per_client("5,2,1", [1, 4, 16]) == [5, 2, 1]
+    with pytest.raises(ValueError, match="one per --clients level"):
+        requests_per_client("5,2", [1, 4, 16])
+    with pytest.raises(ValueError, match=">= 1"):
+        requests_per_client("0", [1])

@@ -54,7 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (serve.* too)")
     p.add_argument("--url", help="benchmark a running server at this base URL instead of starting one")
     p.add_argument("--clients", default="1,4,16,64", help="concurrency levels, comma-separated")
-    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--requests-per-client", default="4",
+                   help="closed-loop requests per client: one value for every level, or one per --clients level "
+                        "(e.g. 5,2,1,1: more requests where few clients give few samples)")
     p.add_argument("--prompt-lens", default="16,128", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--max-tokens", default="16,64", help="output lengths in tokens, comma-separated")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn from [3, vocab) (default: the model's)")
@@ -72,6 +74,16 @@ def _ints(text: str, option: str) -> list[int]:
         raise ValueError(f"{option} {text!r}: expected comma-separated integers such as 1,4,16") from None
     if not vals or min(vals) < 1:
         raise ValueError(f"{option} {text!r}: every value must be an integer >= 1")
+    return vals
+
+
+def requests_per_client(text: str, levels: list[int]) -> list[int]:
+    """``--requests-per-client``: one value for every level or one per level -> one per level."""
+    vals = _ints(str(text), "--requests-per-client")
+    if len(vals) == 1:
+        return vals * len(levels)
+    if len(vals) != len(levels):
+        raise ValueError(f"--requests-per-client {text!r}: give one value or one per --clients level ({len(levels)})")
     return vals
 
 
@@ -205,7 +217,7 @@ def markdown(result: dict) -> str:
     mix = result["mix"]
     head = (f"# bench serve: {result['model']}\n\n"
             f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
-            f"outputs {mix['max_tokens']} tokens, greedy, {mix['requests_per_client']} requests per client (closed loop)"
+            f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client (closed loop)"
             f"{_batch_note(result)}\n\n"
             "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
             "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
@@ -225,6 +237,12 @@ def _batch_note(result: dict) -> str:
     eng, batch = result.get("engine") or {}, result.get("decode_batch")
     gpu = f", {eng['gpu']}" if eng.get("gpu") else ""
     return f"{gpu}, decode batch: {batch['kind']} KV cache" if batch else gpu
+
+
+def _per_client(k) -> str:
+    if isinstance(k, list) and len(set(k)) > 1:
+        return "/".join(map(str, k)) + " (per level)"
+    return str(k[0] if isinstance(k, list) else k)
 
 
 def _split_cell(split: dict | None) -> str:
@@ -279,6 +297,7 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     """Run the reference pass and every concurrency level against ``url`` -> the result dict.
     ``scheduler`` (in-process runs): the server's scheduler, whose per-request timings are reported too."""
     levels = _ints(a.clients, "--clients")
+    per_client = requests_per_client(a.requests_per_client, levels)
     mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed)
     alone, _ = asyncio.run(_level(url, mix, 1, len(mix), a.timeout))
     bad = [r["error"] for r in alone if r["error"] is not None]
@@ -286,10 +305,10 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
         raise RuntimeError(f"the single-client reference pass failed: {bad[0]}")
     expected = {r["job"]: r["ids"] for r in alone}
     out = []
-    for n in levels:
+    for n, k in zip(levels, per_client):
         before = scrape(url)
         seen = {r["id"] for r in scheduler.timings()} if scheduler is not None else set()
-        recs, wall = asyncio.run(_level(url, mix, n, a.requests_per_client, a.timeout))
+        recs, wall = asyncio.run(_level(url, mix, n, k, a.timeout))
         after = scrape(url)
         steps = _delta(*(None if x is None else x["steps"] for x in (after, before)))
         level = {**summarize(recs, wall, expected, n), "decode_steps": steps,
@@ -300,14 +319,13 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
         log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
     return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
-                    "requests_per_client": a.requests_per_client, "distinct_requests": len(mix), "seed": a.seed,
+                    "requests_per_client": per_client, "distinct_requests": len(mix), "seed": a.seed,
                     "sampling": "greedy, ignore_eos"},
             "levels": out}
 
 
 def main(a: argparse.Namespace) -> int:
-    if a.requests_per_client < 1:
-        raise ValueError("--requests-per-client must be >= 1")
+    requests_per_client(a.requests_per_client, _ints(a.clients, "--clients"))  # bad values fail before any work
     if a.url:
         import httpx
 

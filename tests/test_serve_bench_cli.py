@@ -31,8 +31,11 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     assert result["env"]["git"]["sha"] == "0123456789abcdef"  # a copied tree records the commit it was given
     assert [lv["clients"] for lv in result["levels"]] == [1, 3]
     assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
-    # closed loop, ignore_eos: every request yields exactly its max_tokens (the mix cycles 3, 6, 3, 6 ...)
-    assert result["levels"][1]["output_tokens"] == 3 * (3 + 6)
+    # closed loop, ignore_eos: every request yields exactly its max_tokens. The mix has max(3 clients, 2 x 2
+    # combinations) = 4 distinct requests (lengths 4, 9, 4, 9; outputs 3, 3, 6, 6); client c's k-th request
+    # is request (2c + k) % 4: 3, 3, 6, 6, 3, 3
+    assert result["mix"]["distinct_requests"] == 4
+    assert result["levels"][1]["output_tokens"] == 24
     assert [lv["requests"] for lv in result["levels"]] == [3, 6]  # --requests-per-client per level
     assert result["levels"][0]["ttft_p50_ms"] > 0 and result["levels"][1]["tpot_p99_ms"] > 0
     # each level says how its decode steps ran (from the server's /metrics): eager on the CPU
@@ -62,3 +65,13 @@ def test_requests_per_client_takes_one_value_or_one_per_level():
         requests_per_client("5,2", [1, 4, 16])
     with pytest.raises(ValueError, match=">= 1"):
         requests_per_client("0", [1])
+
+
+def test_the_mix_gives_every_request_its_own_prompt_and_covers_every_combination():
+    from moe_offload.serve.bench import make_mix
+
+    mix = make_mix([4, 9], [3, 6], vocab=1000, seed=0, distinct=64)
+    assert len(mix) == 64 and len({job.prompt_ids for job in mix}) == 64  # 64 concurrent clients: 64 sequences
+    assert {(len(j.prompt_ids), j.max_tokens) for j in mix[:4]} == {(4, 3), (9, 3), (4, 6), (9, 6)}
+    assert len(make_mix([4, 9], [3, 6], vocab=1000, seed=0, distinct=1)) == 4  # never fewer than the combinations
+    assert make_mix([4], [3], vocab=1000, seed=5, distinct=3) == make_mix([4], [3], vocab=1000, seed=5, distinct=3)

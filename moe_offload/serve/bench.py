@@ -3,8 +3,11 @@
 Without ``--url`` the benchmark starts the server itself (engine from ``--config``/``--set``, uvicorn on
 127.0.0.1, an ephemeral port) and talks to it over HTTP like any client. Each client is a closed loop:
 it sends its next request when the previous stream ends. The request mix is stated in the result:
-prompts of ``--prompt-lens`` tokens (seeded random ids) crossed with ``--max-tokens`` outputs, greedy,
-``ignore_eos`` (so every request produces exactly its max_tokens).
+``--distinct`` requests, each with its own seeded random prompt, cycling through the ``--prompt-lens`` x
+``--max-tokens`` combinations, greedy, ``ignore_eos`` (so every request produces exactly its max_tokens).
+By default there are as many distinct requests as the largest level has clients, so no two concurrent
+streams are the same sequence (identical rows route to the same experts and would flatter decode
+throughput; the 032db7c run in benchmarks/results/ had one prompt for every client, which is why).
 
 Correctness: every distinct request of the mix is first run alone (one client); each concurrent stream
 must return exactly those token ids (``wrong`` counts the ones that do not).
@@ -59,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(e.g. 5,2,1,1: more requests where few clients give few samples)")
     p.add_argument("--prompt-lens", default="16,128", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--max-tokens", default="16,64", help="output lengths in tokens, comma-separated")
+    p.add_argument("--distinct", type=int, default=None,
+                   help="distinct requests in the mix, each its own seeded prompt, each first run alone as the "
+                        "reference (default: the largest --clients level, at least every length x output combination)")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn from [3, vocab) (default: the model's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -87,10 +93,13 @@ def requests_per_client(text: str, levels: list[int]) -> list[int]:
     return vals
 
 
-def make_mix(prompt_lens: list[int], max_tokens: list[int], vocab: int, seed: int) -> list[Job]:
-    """The distinct requests: every prompt length crossed with every output length (seeded ids)."""
+def make_mix(prompt_lens: list[int], max_tokens: list[int], vocab: int, seed: int, distinct: int = 0) -> list[Job]:
+    """``max(distinct, lengths x outputs)`` requests, each with its own seeded prompt; request j has length
+    ``prompt_lens[j % L]`` and output ``max_tokens[(j // L) % M]`` (every combination within the first L x M)."""
     rng = random.Random(seed)
-    return [Job(tuple(rng.randrange(3, vocab) for _ in range(n)), m) for n in prompt_lens for m in max_tokens]
+    L, M = len(prompt_lens), len(max_tokens)
+    return [Job(tuple(rng.randrange(3, vocab) for _ in range(prompt_lens[j % L])), max_tokens[(j // L) % M])
+            for j in range(max(distinct, L * M))]
 
 
 async def _one(client, url: str, job: Job, timeout: float) -> dict:
@@ -298,7 +307,8 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     ``scheduler`` (in-process runs): the server's scheduler, whose per-request timings are reported too."""
     levels = _ints(a.clients, "--clients")
     per_client = requests_per_client(a.requests_per_client, levels)
-    mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed)
+    mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed,
+                   a.distinct if a.distinct is not None else max(levels))
     alone, _ = asyncio.run(_level(url, mix, 1, len(mix), a.timeout))
     bad = [r["error"] for r in alone if r["error"] is not None]
     if bad:
@@ -326,6 +336,8 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
 
 def main(a: argparse.Namespace) -> int:
     requests_per_client(a.requests_per_client, _ints(a.clients, "--clients"))  # bad values fail before any work
+    if a.distinct is not None and a.distinct < 1:
+        raise ValueError(f"--distinct {a.distinct}: must be >= 1")
     if a.url:
         import httpx
 

@@ -234,6 +234,11 @@ class ServeConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2, description="prompt + max_tokens limit; null = the model's max positions")
     default_max_tokens: int = Field(16, ge=1, description="max_tokens of a request that gives none")
     model_name: str | None = Field(None, description="the id /v1/models reports; null = the checkpoint dir's name")
+    prefill_batch_tokens: int = Field(
+        0, ge=0, le=1 << 20, description="prefill several waiting prompts in one forward, left-padded, while "
+        "prompts x the longest of them stays within this many tokens (each layer's missing experts are then copied "
+        "once for all of them); 0 = one prompt per forward. Full-attention models only (others: one event, one at "
+        "a time). Off by default until measured on a GPU (serve/scheduler.py says why)")
     kv_cache: Literal["auto", "static", "dynamic"] = Field(
         "auto", description="decode batch KV: static (per-row preallocated cache, each step a CUDA graph replay on "
         "CUDA), dynamic (one left-padded transformers cache, eager); auto = static on CUDA with decode.cuda_graphs")

@@ -22,7 +22,7 @@ import torch
 from moe_offload import log
 from moe_offload.config import ServeConfig
 from moe_offload.serve.config import decode_kv_kind
-from moe_offload.serve.kv import LeftPaddedBatch
+from moe_offload.serve.kv import LeftPaddedBatch, left_padded_inputs, split_rows
 from moe_offload.serve.static_batch import CudaGraphs, StaticBatch
 
 
@@ -64,6 +64,16 @@ class LocalExecutor:
         ids_1T = torch.tensor([ids], dtype=torch.long, device=self.engine.device)
         logits, self.pasts[rid] = self.engine.forward(ids_1T, self.pasts.get(rid), 1)
         return logits[:, -1]
+
+    def prefill_batch(self, rids: list[str], prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Whole prompts of several new requests in one left-padded forward -> each one's last-position
+        logits ``[1, V]``; each request's cache (its own positions only) is kept as after ``prefill``."""
+        eng = self.engine
+        ids_BT, mask_BT, pos_BT = left_padded_inputs(prompts, eng.device)
+        logits, past = eng.forward(ids_BT, None, 1, attention_mask=mask_BT, position_ids=pos_BT)
+        for rid, one in zip(rids, split_rows(past, [len(p) for p in prompts], eng.model.config)):
+            self.pasts[rid] = one
+        return [logits[b:b + 1, -1] for b in range(len(rids))]
 
     def join(self, rid: str, batch_len: int, one_len: int) -> None:
         """Move request ``rid``'s cache into the decode batch as its last row."""
@@ -117,6 +127,10 @@ class BroadcastExecutor(LocalExecutor):
     def prefill(self, rid, ids):
         self._send("prefill", rid, ids)
         return super().prefill(rid, ids)
+
+    def prefill_batch(self, rids, prompts):
+        self._send("prefill_batch", rids, prompts)
+        return super().prefill_batch(rids, prompts)
 
     def join(self, rid, batch_len, one_len):
         self._send("join", rid, batch_len, one_len)

@@ -141,3 +141,45 @@ class LeftPaddedBatch:
 
     def seq_len(self) -> int:
         return seq_len(self.past) if self.past is not None else 0
+
+
+# ---------------------------------------------------------------------------- batched prefill
+def batched_prefill_unsupported(model_config) -> str | None:
+    """Why prompts of ``model_config``'s model cannot be prefilled together left-padded (None: they can).
+    Only full-attention layers qualify: a linear-attention state (qwen3_next) would take the padding in,
+    and a sliding-window layer keeps the padded tail of a long row."""
+    from transformers import DynamicCache
+
+    for layer in DynamicCache(config=model_config).layers:
+        name = type(layer).__name__
+        if name != "DynamicLayer":
+            return f"cache layer {name} (only full-attention DynamicLayer caches are prefilled together)"
+    return None
+
+
+def left_padded_inputs(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``prompts`` -> (ids ``[B, T]``, attention mask ``[B, T]``, position ids ``[B, T]``), left-padded to the
+    longest T: pad ids 0 at mask 0 and position 0, row b's tokens at positions 0..T_b-1 on the right."""
+    lens = [len(p) for p in prompts]
+    T = max(lens)
+    ids_BT = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids_BT[b, T - len(p):] = torch.as_tensor(p, dtype=torch.long)
+    mask_BT = attention_mask(lens, T, "cpu")
+    pos_BT = (mask_BT.cumsum(-1) - 1).clamp_(min=0)
+    return ids_BT.to(device), mask_BT.to(device), pos_BT.to(device)
+
+
+def split_rows(past, lens: list[int], model_config) -> list:
+    """A left-padded batch cache of a prefill (rows of ``lens`` tokens, padded to max(lens)) -> one
+    single-sequence DynamicCache per row, holding only its own positions (views of the batch tensors)."""
+    from transformers import DynamicCache
+
+    T = max(lens)
+    rows = [DynamicCache(config=model_config) for _ in lens]
+    for i, layer in enumerate(past.layers):
+        if not _has_kv(layer):
+            raise UnsupportedCacheLayer(f"layer {i} of the batched prefill cache holds no keys ({type(layer).__name__})")
+        for b, n in enumerate(lens):
+            rows[b].update(layer.keys[b:b + 1, :, T - n:], layer.values[b:b + 1, :, T - n:], i)
+    return rows

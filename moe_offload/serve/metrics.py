@@ -33,6 +33,10 @@ class _SchedulerCollector:
         for path, n in s.decode_steps.items():
             c.add_metric([path], n)
         yield c
+        c = CounterMetricFamily("moe_offload_prefill_batches", "prefill forwards that took several waiting prompts "
+                                "together (serve.prefill_batch_tokens)")
+        c.add_metric([], s.prefill_batches)
+        yield c
         steps = CounterMetricFamily("moe_offload_decode_rows_steps", "decode forwards by rows in the batch",
                                     labels=["rows"])
         secs = CounterMetricFamily("moe_offload_decode_rows_seconds", "seconds in decode forwards (forward + "

@@ -6,7 +6,12 @@
 # build: the preset of TTFT_CONFIG into /tmp/moe-cache first, alone (beside other work it takes ~3 x longer).
 # soak_bg starts one detached soak per residency in SOAK_RESIDENCIES (concurrently: a soak checks outputs and
 # memory, not speed) and returns; soak_wait waits for them (at most SOAK_WAIT_S) in this call or a later one
-# made while the machine is still held, so one soak can run longer than one call's 10 minutes.
+# made while the machine is still held, so one soak can run longer than one call's 10 minutes (measured: a
+# detached soak survives the end of its call while the next call follows within the ~30 s hold).
+# Measured at 032db7c: two soaks started together, each with torch's default 16 CPU threads, loaded experts
+# at ~3 per second (the 16.3 GB store needs 6144) and a pytest beside them finished one test in 7 minutes:
+# CPU oversubscription of many small CPU ops per expert (scale checks). Each background soak now gets
+# SOAK_THREADS (4) OpenMP threads; not yet measured.
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -82,7 +87,7 @@ fi
 if has soak_bg; then
   for r in ${SOAK_RESIDENCIES:-0.1 0.5}; do
     mkdir -p "$RES/soak-r$r"
-    setsid nohup timeout ${SOAK_TIMEOUT:-1500} moe-offload bench soak --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    OMP_NUM_THREADS=${SOAK_THREADS:-4} setsid nohup timeout ${SOAK_TIMEOUT:-1500} moe-offload bench soak --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --residencies $r ${SOAK_ARGS:-} --out "$RES/soak-r$r" --json \
       > "$RES/soak-r$r/soak.json" 2> "$RES/soak-r$r/soak.log" < /dev/null &
     echo $! >> /tmp/soak.pids

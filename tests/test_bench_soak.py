@@ -166,3 +166,55 @@ def test_one_residency_per_run_merges_into_one_report_and_other_settings_are_ref
     parts[1].write_text(json.dumps(other))
     assert cli_main(["bench", "soak", "--merge", *map(str, parts), "--out", str(out)]) == 2
     assert "not the same model, commit, device and settings" in capsys.readouterr().err
+
+
+class Killed(Exception):
+    """Stands for the end of the process mid-request (a time limit's signal)."""
+
+
+def test_a_soak_cut_short_leaves_a_partial_report_of_what_it_measured(tmp_path, presets, monkeypatch):
+    # what a command time limit or a machine taken back does to a GPU soak: the process ends mid-residency.
+    # The soak writes a partial report (the same files, "partial" set) every CHECKPOINT_S of soaking.
+    from moe_offload.bench import soak
+
+    monkeypatch.setattr(soak, "CHECKPOINT_S", 0.3)
+    real, calls = Engine.generate_batch, []
+
+    def killed_after_a_while(self, prompts, *args, **kw):
+        if self.cache.num_slots < len(self.store.layers) * self.store.num_experts:  # the soak, not the reference
+            calls.append(1)
+            if len(calls) == 40:
+                raise Killed("the command's time limit")
+        return real(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(Engine, "generate_batch", killed_after_a_while)
+    try:
+        rc = _soak(tmp_path, presets, "--residencies", "0.5", "--minutes", "5")[0]
+    except Killed:
+        rc = None
+    assert rc != 0 and len(calls) == 40
+    (written,) = sorted(tmp_path.glob("soak-*.json"))
+    result = json.loads(written.read_text())
+    assert result["partial"]["residency"] == 0.5 and 0 < result["partial"]["seconds"] < 300
+    (run,) = result["runs"]
+    assert 0 < len(run["requests"]) < 40 and run["mismatch_count"] == 0 and len(run["samples"]) > 0
+    assert run["verdicts"] and "growth" in run  # derived like a whole run, on the data so far
+    assert "**PARTIAL**" in written.with_suffix(".md").read_text()
+    assert written.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_whole_run_replaces_its_partial_reports(tmp_path, presets, monkeypatch):
+    from moe_offload.bench import soak
+
+    monkeypatch.setattr(soak, "CHECKPOINT_S", 0.3)
+    real_write, partials = soak_report.write, []
+
+    def spy(result, out):
+        partials.append(bool(result.get("partial")))
+        return real_write(result, out)
+
+    monkeypatch.setattr(soak_report, "write", spy)
+    rc, _, result = _soak(tmp_path, presets, "--residencies", "0.5", "--minutes", "0.03")
+    assert rc == 0 and partials[:-1] and all(partials[:-1]) and partials[-1] is False  # partials, then the whole
+    assert "partial" not in result
+    assert all("**PARTIAL**" not in p.read_text() for p in tmp_path.glob("*.md"))

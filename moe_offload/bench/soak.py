@@ -60,6 +60,9 @@ DEFAULTS = {"smoke": {"prompt_lens": "16..256", "max_batch": 3, "max_batch_token
 WARM_PASSES = 2  # passes over the workloads before the warmup may end (at least compute.graph_after: module doc)
 WARMUP_FRACTION = 0.2  # and at least this fraction of the residency's run
 MISMATCHES_KEPT = 20  # mismatches described in the JSON (all are counted)
+#: a partial report (the same files, ``"partial"`` set) is written this often while a residency runs, so a run cut
+#: short (a command's time limit, a machine taken back) still leaves its samples and verdicts so far
+CHECKPOINT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -208,9 +211,10 @@ def _counters(stats: dict) -> dict:
 
 
 def soak_residency(engine, r: float, workloads: list[Workload], reference: list, plan: Plan, warm_passes: int,
-                   seed: int) -> dict:
+                   seed: int, progress=None) -> dict:
     """Requests at residency ``r`` for ``plan.minutes``, the first ``warm_passes`` passes over every workload
-    in shuffled order (see the module docstring); the raw figures."""
+    in shuffled order (see the module docstring); the raw figures. ``progress(record)`` gets the figures so
+    far every ``CHECKPOINT_S`` seconds."""
     rng = random.Random(seed)
     cache, dev = engine.cache, engine.device
     duration = plan.minutes * 60
@@ -223,6 +227,7 @@ def soak_residency(engine, r: float, workloads: list[Workload], reference: list,
     log._logger.addHandler(handler)
     bar = tqdm(total=round(duration), desc=f"soak residency {r:g}", unit="s")
     t0 = time.perf_counter()
+    last_checkpoint = 0.0
     sampler = Sampler(engine, plan.sample_s, t0)
     sampler.start()
     try:
@@ -250,15 +255,24 @@ def soak_residency(engine, r: float, workloads: list[Workload], reference: list,
                              "batch": w.batch, "ok": diff is None})
             bar.n = min(round(end), bar.total)
             bar.set_postfix(requests=n, mismatches=len(mismatches))
+            if progress is not None and end - last_checkpoint >= CHECKPOINT_S:
+                last_checkpoint = end
+                progress(_record(r, end, warm_end_s, requests, mismatches, counters, handler, stats,
+                                 list(sampler.samples)))
     finally:
         sampler.stop()
         bar.close()
         log._logger.removeHandler(handler)
-    final = cache.stats()
-    return {"residency": r, "seconds": sampler.samples[-1]["t_s"], "warm_passes_end_s": warm_end_s,
-            "requests": requests, "mismatch_count": len(mismatches), "mismatches": mismatches[:MISMATCHES_KEPT],
-            "counters_per_request": counters, "warning_events": dict(handler.events),
-            "stats": {k: v for k, v in final.items() if k != "per_layer"}, "samples": sampler.samples}
+    return _record(r, sampler.samples[-1]["t_s"], warm_end_s, requests, mismatches, counters, handler, cache.stats(),
+                   sampler.samples)
+
+
+def _record(r, seconds, warm_end_s, requests, mismatches, counters, handler, stats, samples) -> dict:
+    """One residency's raw figures (copies: a partial record is derived while the run goes on)."""
+    return {"residency": r, "seconds": seconds, "warm_passes_end_s": warm_end_s,
+            "requests": list(requests), "mismatch_count": len(mismatches), "mismatches": mismatches[:MISMATCHES_KEPT],
+            "counters_per_request": list(counters), "warning_events": dict(handler.events),
+            "stats": {k: v for k, v in stats.items() if k != "per_layer"}, "samples": samples}
 
 
 def references(engine, cfg: OffloadConfig, workloads: list[Workload], plan: Plan) -> tuple[list, dict]:
@@ -284,11 +298,13 @@ def _graph_note(engine, cfg: OffloadConfig, workloads: list[Workload]) -> str | 
             "memory between requests depends on which are kept; lower --workloads or raise compute.max_graphs")
 
 
-def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
+def run(cfg: OffloadConfig, plan: Plan, notes: list[str], on_progress=None) -> dict:
     """References and soaks on one engine (one pinned store). ``prefill.routed_max_tokens: auto`` is resolved
     per cache from its resident fraction (``prefill_path.py``), and a forward on the routed path computes
     with other kernels than on the staged path: so each residency's threshold is resolved on its own pool,
-    then fixed for its reference cache, and the references are computed once per distinct threshold."""
+    then fixed for its reference cache, and the references are computed once per distinct threshold.
+    ``on_progress(part)`` gets the result so far (``part`` as returned, the running residency last) every
+    ``CHECKPOINT_S`` seconds."""
     from moe_offload.checkpoint.reader import CheckpointReader
     from moe_offload.engine import Engine, ensure_checkpoint
 
@@ -308,6 +324,12 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     sets = resident_sets(engine.store.layers, E, counts, plan.seed)
     refs: dict[int, tuple[list, dict]] = {}
     runs = []
+    store = engine.store.describe()
+
+    def part_of(runs_so_far: list[dict]) -> dict:
+        return {"path": path, "geometry": geo, "store": store, "workloads": workloads,
+                "references": [info for _, info in refs.values()], "warm_passes": warm_passes, "runs": runs_so_far}
+
     for k, r in enumerate(plan.residencies):
         if k:
             use_cache(engine, cell_config(cfg, hit, slots[r]))
@@ -322,10 +344,14 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
             notes.append(note)
         engine.cache.set_residency(sets[r])
         engine.cache.reset()
-        runs.append({"resident_per_layer": counts[r], "slots": engine.cache.num_slots, "routed_max_tokens": threshold,
-                     **soak_residency(engine, r, workloads, refs[threshold][0], plan, warm_passes, plan.seed + 1 + k)})
-    part = {"path": path, "geometry": geo, "store": engine.store.describe(), "workloads": workloads,
-            "references": [info for _, info in refs.values()], "warm_passes": warm_passes, "runs": runs}
+        head = {"resident_per_layer": counts[r], "slots": engine.cache.num_slots, "routed_max_tokens": threshold}
+
+        def progress(record, head=head):
+            on_progress(part_of(runs + [{**head, **record}]))
+
+        runs.append({**head, **soak_residency(engine, r, workloads, refs[threshold][0], plan, warm_passes,
+                                              plan.seed + 1 + k, progress if on_progress else None)})
+    part = part_of(runs)
     engine.close()
     return part
 
@@ -370,7 +396,15 @@ def main(a: argparse.Namespace) -> int:
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         cfg, plan, notes = bench_config(a)
         log.configure(cfg.logging.level, cfg.logging.format)
-        part = run(cfg, plan, notes)
+        def write_partial(part: dict) -> None:
+            partial = assemble(a, cfg, plan, part, list(notes), started)
+            last = part["runs"][-1]
+            partial["partial"] = {"residency": last["residency"], "seconds": round(last["seconds"], 1),
+                                  "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            soak_report.derive(partial)
+            soak_report.write(partial, Path(a.out))
+
+        part = run(cfg, plan, notes, write_partial)
         result = assemble(a, cfg, plan, part, notes, started)
         soak_report.derive(result)
     paths = soak_report.write(result, Path(a.out))

@@ -156,6 +156,9 @@ def markdown(result: dict) -> str:
         f"# Soak: {m['label']} ({m['moe_layers']} MoE layers, {m['format']}) on {result['device']['name']}", "",
         f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
         f"{v['transformers']} · triton {v['triton']} · CUDA runtime {v['cuda_runtime']} · {result['created']}", "",
+        *([f"**PARTIAL**: written while residency {result['partial']['residency']:g} was running, "
+           f"{result['partial']['seconds']:g} s into it ({result['partial']['written']}); the run had not ended.", ""]
+          if result.get("partial") else []),
         f"**{'PASSED' if result['passed'] else 'FAILED'}.** {s['minutes']:g} min per residency; {s['workloads']} "
         f"seeded workloads (prompts {s['prompt_lens'][0]}..{s['prompt_lens'][1]} tokens log-uniform, batch 1.."
         f"{s['max_batch']}, at most {s['max_batch_tokens']} prompt tokens per batch), {s['new_tokens']} greedy "

@@ -174,6 +174,11 @@ class OffloadMoeCache:
 
     def _begin(self) -> None:
         self.resolve_hit_path()
+        # decode admissions enqueued at the last step boundary enter the map now (their copies were issued
+        # a step ago): left pending until the next decode step, their slots were neither resident nor free
+        # for this prefill (after a request ended, up to cache.admit_per_step slots sat out every prefill
+        # until the next request decoded)
+        self.decode.commit_pending()
         self.counters.prefills += 1
         self.staging.begin()
         res = self._resolution

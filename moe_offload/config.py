@@ -104,7 +104,12 @@ class ModelConfig(_Strict):
 
 class CacheConfig(_Strict):
     budget: Budget = Budget(kind="fraction", value=0.5)
-    policy: Literal["lru"] = "lru"
+    policy: Literal["balanced", "lru"] = Field(
+        "balanced", description="which slot a new expert takes. balanced: each MoE layer owns an equal share of the "
+        "slots (S // L, the first S % L layers one more) and evicts its own least recently used expert; lru: one "
+        "least-recently-used order over every layer. Prefill copies a layer's misses behind the layer before it, so a "
+        "layer with no residents is PCIe-bound while a fully resident one has nothing to hide: residents spread "
+        "evenly give the fastest prefill at a given budget (moe_offload/slot_pool.py)")
     auto_reserve: str = "8GiB"
     admit_per_step: int = Field(64, ge=0, le=65536, description="experts missed by a decode step that enter "
                                 "slots before the next step (copied between steps; 0 = never admit in decode)")

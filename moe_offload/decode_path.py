@@ -142,10 +142,11 @@ class DecodeResidency:
                 experts, slots = ids_LM[i][first_LM[i]], slots_LM[i][first_LM[i]]
                 missed = experts[slots < 0][:budget]
                 protected = set(slots[slots >= 0].tolist()) | reserved | self._just_committed
-                n = min(int(missed.size), self.pool.num_slots - len(protected))
-                if n <= 0:
+                # victims leave the map and the device table now; the policy may give fewer than asked
+                victims = self.pool.reserve_for(layer, int(missed.size), protected)
+                n = len(victims)
+                if n == 0:
                     continue
-                victims = self.pool.reserve(n, protected)  # victims leave the map and the device table now
                 reserved.update(victims)
                 plans.append((layer, missed[:n], victims))
                 budget -= n

@@ -50,6 +50,18 @@ class LruPolicy:
         self.touch(picked)
         return picked
 
+    def choose_where(self, n: int, ok) -> list[int]:
+        """Up to ``n`` filled slots for which ``ok(slot)`` holds, least recently used first (free slots are
+        the caller's to take with ``choose_free``); most-recent use order is updated."""
+        picked = []
+        for s in self._order:
+            if len(picked) == n:
+                break
+            if s not in self._free_set and ok(s):
+                picked.append(s)
+        self.touch(picked)
+        return picked
+
     def choose(self, n: int, protected: set[int]) -> list[int]:
         """``n`` slots to (re)fill, never one in ``protected``; most-recent use order is updated."""
         picked = [s for s in reversed(self._free) if s not in protected][:n]
@@ -71,7 +83,16 @@ class LruPolicy:
         return picked
 
 
+class BalancedLruPolicy(LruPolicy):
+    """LRU order within equal per-layer shares of the slots; the shares themselves are kept by the slot pool,
+    which knows each slot's layer (``slot_pool.SlotPool.reserve_for``)."""
+
+    name = "balanced"
+
+
 def make_policy(name: str, num_slots: int):
     if name == "lru":
         return LruPolicy(num_slots)
-    raise PolicyError(f"unknown cache.policy {name!r}; accepted: lru")
+    if name == "balanced":
+        return BalancedLruPolicy(num_slots)
+    raise PolicyError(f"unknown cache.policy {name!r}; accepted: balanced, lru")

@@ -12,6 +12,18 @@ The map never lies: ``admit`` takes victims out of the map first (they are about
 enqueues the copy, and only then records the new owners; when the copy raises, the victims are
 returned to the policy as free and the map still says exactly what the slots hold. Device-table writes
 go to the current stream; the caller orders them after the copy they describe.
+
+Shares (``cache.policy: balanced``, the default): layer ``lp`` may hold ``share_L[lp]`` experts (S // L, the
+first S % L layers one more). A prefill admission into free slots stops at the share (``admit(...,
+within_share=True)``); a decode admission (``reserve_for``) takes free slots up to the share, then evicts
+the least recently used expert of its own layer when the layer is at its share, else of a layer above its
+share. Why: prefill copies layer l+1's misses while layer l computes, so per layer it costs about
+max(compute, misses x row bytes / PCIe bandwidth). First-come admission filled the slots in layer order: at
+``cache.budget=0.37`` on Qwen3-30B-A3B the warm-up left layers 0-17 fully resident and 18-47 empty, and
+18 x 1.9 ms + 30 x 6.1 ms = 217 ms predicts the 220.5 ms ``Engine.measure_ttft`` the H200 measured on the
+serving engine (benchmarks/results/serve-qwen3-30b-a3b-r0.37-032db7c87464.json), against 190.0 ms with
+the same number of residents spread evenly (``bench ttft``, c6e05d5). ``set_residency`` places exactly
+the experts it is given (no share applies); later admissions move the layers back to their shares.
 """
 
 from __future__ import annotations
@@ -43,6 +55,11 @@ class SlotPool:
         self.table_LE = torch.full((len(store.layers), self.E), -1, dtype=torch.int32, device=device)
         self.owner_S = np.full(num_slots, -1, dtype=np.int64)
         self.policy = make_policy(policy, num_slots)
+        L = len(store.layers)
+        self.balanced = self.policy.name == "balanced"
+        self.share_L = np.full(L, num_slots // L, dtype=np.int64)
+        self.share_L[:num_slots % L] += 1
+        self.count_L = np.zeros(L, dtype=np.int64)  # residents per layer (``owner_S`` summarized)
 
     # ---------------------------------------------------------------- reading the map
     def resident(self, layer: int) -> np.ndarray:
@@ -95,6 +112,7 @@ class SlotPool:
                   for lp, es in by_layer.items()]
         for lp, es in by_layer.items():
             self.slot_of_LE[lp, es] = -1
+            self.count_L[lp] -= len(es)
             self.stats.layer(self.store.layers[lp]).evictions += len(es)
         self.owner_S[slots] = -1
         self._apply(writes)
@@ -110,6 +128,35 @@ class SlotPool:
             self._evict(slots)
         except BaseException:
             self.release([s for s in slots if self.owner_S[s] < 0])  # owned ones stay resident
+            raise
+        return slots
+
+    def reserve_for(self, layer: int, n: int, protected: set[int]) -> list[int]:
+        """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``;
+        taken out of the map like ``reserve``. ``lru``: any slot, least recently used first. ``balanced``:
+        free slots while the layer is below its share, then the least recently used expert of the layer
+        itself when it is at its share, else of a layer above its share (module docstring)."""
+        if not self.balanced:
+            return self.reserve(max(0, min(n, self.num_slots - len(protected))), protected)
+        lp = self.layer_pos[layer]
+        room = int(self.share_L[lp] - self.count_L[lp])
+        n_free = min(n, max(0, room), self.num_free())
+        slots = self.policy.choose_free(n_free) if n_free else []
+        rest = n - n_free
+        if rest > 0:
+            E, owner = self.E, self.owner_S
+            if room - n_free > 0:  # below its share with no free slot: take from layers above theirs
+                over = set(np.flatnonzero(self.count_L > self.share_L).tolist())
+                victims = self.policy.choose_where(
+                    rest, lambda s: s not in protected and owner[s] >= 0 and int(owner[s]) // E in over)
+            else:
+                victims = self.policy.choose_where(
+                    rest, lambda s: s not in protected and owner[s] >= 0 and int(owner[s]) // E == lp)
+            slots += victims
+        try:
+            self._evict(slots)
+        except BaseException:
+            self.release([s for s in slots if self.owner_S[s] < 0])
             raise
         return slots
 
@@ -137,16 +184,21 @@ class SlotPool:
         for e, s in keep.items():
             self.slot_of_LE[lp, e] = s
             self.owner_S[s] = lp * self.E + e
+        self.count_L[lp] += len(keep)
         self._apply([write])
 
     def admit(self, layer: int, experts: np.ndarray, copy: Callable[[list[int]], None],
-              protected: set[int] = frozenset(), free_only: bool = False) -> list[int]:
+              protected: set[int] = frozenset(), free_only: bool = False, within_share: bool = False) -> list[int]:
         """Give ``experts`` (of ``layer``, not resident) slots and fill them with ``copy(slots)``.
 
         Victims come from the policy, never from ``protected``; ``free_only`` takes free slots only
-        (at most as many as there are; the rest of ``experts`` stay out). Returns the slots, in the
-        order of the admitted experts (the first ``len(slots)`` of ``experts``)."""
+        (at most as many as there are; the rest of ``experts`` stay out); ``within_share`` (with
+        ``cache.policy: balanced``) at most up to the layer's share. Returns the slots, in the order of
+        the admitted experts (the first ``len(slots)`` of ``experts``)."""
         n = min(int(experts.size), self.num_free()) if free_only else int(experts.size)
+        if within_share and self.balanced:
+            lp = self.layer_pos[layer]
+            n = min(n, max(0, int(self.share_L[lp] - self.count_L[lp])))
         experts = np.asarray(experts[:n], dtype=np.int64)
         slots = self.reserve(n, protected, free_only)
         if not slots:

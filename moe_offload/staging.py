@@ -150,4 +150,4 @@ class PrefillStaging:
             gather_rows(self.pool.rows_SR, index_tensor(np.asarray(slots), dev), self.rows[b],
                         index_tensor(new_e[:len(slots)], dev))
 
-        self.pool.admit(layer, new_e, copy, free_only=True)
+        self.pool.admit(layer, new_e, copy, free_only=True, within_share=True)

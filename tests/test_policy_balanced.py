@@ -1,0 +1,116 @@
+"""cache.policy: balanced (the default) keeps each MoE layer at its share of the slots; lru is one order over
+every layer. Answers never depend on the policy; where the residents sit does (moe_offload/slot_pool.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload.config import load_config
+from moe_offload.engine import Engine
+from moe_offload.slot_pool import SlotPool
+from moe_offload.stats import CacheStats
+
+
+def make_engine(ckpt: str, *overrides: str) -> Engine:
+    cfg = load_config(None, [f"model.checkpoint={ckpt}", "model.format=auto", "logging.level=WARNING",
+                             "prefill.warmup_tokens=64", "decode.max_tokens=4", *overrides])
+    return Engine.from_config(cfg, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_ckpt):
+    return tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+
+
+def per_layer(engine) -> list[int]:
+    return engine.cache.pool.residency_map().sum(axis=1).tolist()
+
+
+def test_shares_are_the_slots_split_evenly_over_the_layers_first_layers_one_more(ckpt):
+    eng = make_engine(ckpt, "cache.budget=0.37")  # 4 layers x 16 experts: 23 slots
+    pool = eng.cache.pool
+    assert pool.num_slots == 23 and pool.share_L.tolist() == [6, 6, 6, 5]
+
+
+def test_the_warmup_prefill_fills_every_layer_to_its_share_where_lru_fills_the_first_layers(ckpt):
+    # the warm-up prefill admits staged experts into free slots layer by layer: first come took every slot
+    # for the first layers (their prefill then hides nothing while the empty layers are PCIe-bound)
+    assert per_layer(make_engine(ckpt, "cache.budget=0.37")) == [6, 6, 6, 5]
+    assert per_layer(make_engine(ckpt, "cache.budget=0.37", "cache.policy=lru")) == [16, 7, 0, 0]
+
+
+def _pool(eng, num_slots: int) -> SlotPool:
+    return SlotPool(eng.store, num_slots, "balanced", torch.device("cpu"), CacheStats())
+
+
+def _fill(pool: SlotPool, layer_pos: int, experts: list[int]) -> list[int]:
+    layer = pool.store.layers[layer_pos]
+    slots = pool.reserve_for(layer, len(experts), set())
+    pool.commit(layer, np.asarray(experts[:len(slots)]), slots)
+    return slots
+
+
+def test_a_layer_at_its_share_evicts_its_own_least_recently_used_expert(ckpt):
+    eng = make_engine(ckpt, "prefill.warmup=false")
+    pool = _pool(eng, 8)  # 4 layers: shares 2 each
+    for lp in range(4):
+        _fill(pool, lp, [0, 1])
+    assert pool.count_L.tolist() == [2, 2, 2, 2] and pool.num_free() == 0
+    layer0 = pool.store.layers[0]
+    pool.policy.touch([int(pool.slot_of_LE[0, 0])])  # expert 0 of layer 0 used last: expert 1 is its LRU
+    slot_of_1 = int(pool.slot_of_LE[0, 1])
+    got = pool.reserve_for(layer0, 1, set())
+    assert got == [slot_of_1] and pool.slot_of_LE[0, 1] == -1  # not another layer's older expert
+    pool.commit(layer0, np.asarray([5]), got)
+    assert pool.count_L.tolist() == [2, 2, 2, 2] and pool.slot_of_LE[0, 5] == slot_of_1
+    # a protected slot (read by this step) is never a victim: with both protected there is none
+    assert pool.reserve_for(layer0, 1, {int(pool.slot_of_LE[0, 0]), slot_of_1}) == []
+
+
+def test_a_layer_below_its_share_takes_free_slots_then_slots_of_layers_above_theirs(ckpt):
+    eng = make_engine(ckpt, "prefill.warmup=false")
+    pool = _pool(eng, 8)
+    # an uneven start (set_residency places exactly what it is given): layer 0 holds 6, layer 1 holds 2
+    layer0, layer1, layer2 = pool.store.layers[:3]
+    s0 = pool.reserve(6)
+    pool.commit(layer0, np.arange(6), s0)
+    s1 = pool.reserve(2)
+    pool.commit(layer1, np.arange(2), s1)
+    assert pool.num_free() == 0 and pool.count_L.tolist() == [6, 2, 0, 0]
+    got = pool.reserve_for(layer2, 3, set())  # layer 2 (share 2) has no free slot: layer 0 (6 > 2) gives
+    assert len(got) == 3 and set(got) <= set(s0)
+    pool.commit(layer2, np.asarray([7, 8, 9]), got)
+    assert pool.count_L.tolist() == [3, 2, 3, 0]
+    # now at (above) its share, layer 2 only evicts its own experts
+    again = pool.reserve_for(layer2, 1, set())
+    assert again and int(pool.owner_S[again[0]]) == -1 and again[0] in got
+    pool.release(again)
+
+
+def test_decode_admissions_keep_every_layer_at_its_share_and_answers_equal_lru(ckpt):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 40, 17, 64)]
+    balanced = make_engine(ckpt, "cache.budget=0.37")
+    lru = make_engine(ckpt, "cache.budget=0.37", "cache.policy=lru")
+    full = make_engine(ckpt, "cache.budget=1.0")
+    for p in prompts:
+        want = full.generate(p, 12).token_ids
+        assert balanced.generate(p, 12).token_ids == want and lru.generate(p, 12).token_ids == want
+        pool = balanced.cache.pool
+        # residents + admissions in flight fill the pool, no layer above its share
+        assert (pool.count_L <= pool.share_L).all()
+    assert balanced.cache.stats()["total"]["evictions"] > 0  # decode admissions did evict
+
+
+def test_a_prefill_commits_the_decode_admissions_left_in_flight_by_the_last_request(ckpt):
+    eng = make_engine(ckpt, "cache.budget=0.37")
+    eng.generate(list(range(5, 45)), 12)
+    pool = eng.cache.pool
+    in_flight = sum(len(v) for _, _, v in eng.cache.decode._pending)
+    assert in_flight > 0 and pool.resident_count + in_flight == pool.num_slots
+    eng.prefill(list(range(7, 80)), last_only=True)  # the next request's prefill
+    assert eng.cache.decode._pending == [] and pool.resident_count == pool.num_slots

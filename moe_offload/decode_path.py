@@ -105,14 +105,18 @@ class DecodeResidency:
         """Commit last boundary's admissions, then admit from the last step's routing (host). Slots
         just committed are not victims of this boundary: they serve at least one step (at a pool much
         smaller than a step's routed set every admission was otherwise evicted before its first use)."""
-        self._just_committed = set()
         self.commit_pending()
-        if not self._record_ready:
-            return
-        self._record_ready = False
-        if self.streams.is_cuda:
-            self._record_event.synchronize()  # HOST SYNC, between steps: see the module docstring
-        self._admit(self._record_host.numpy(), dict(self._record_T))
+        try:
+            if not self._record_ready:
+                return
+            self._record_ready = False
+            if self.streams.is_cuda:
+                self._record_event.synchronize()  # HOST SYNC, between steps: see the module docstring
+            self._admit(self._record_host.numpy(), dict(self._record_T))
+        finally:
+            # cleared after this boundary's admissions, not before: slots a prefill pass committed (its
+            # ``_begin``) are protected through the next boundary like those committed here
+            self._just_committed = set()
 
     def _admit(self, record_LTK: np.ndarray, tokens: dict[int, int]) -> None:
         """Touch the routed resident slots and admit missed experts, layer by layer in order. The

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
+import numpy as np
+
 
 class PolicyError(RuntimeError):
     pass
@@ -50,18 +52,6 @@ class LruPolicy:
         self.touch(picked)
         return picked
 
-    def choose_where(self, n: int, ok) -> list[int]:
-        """Up to ``n`` filled slots for which ``ok(slot)`` holds, least recently used first (free slots are
-        the caller's to take with ``choose_free``); most-recent use order is updated."""
-        picked = []
-        for s in self._order:
-            if len(picked) == n:
-                break
-            if s not in self._free_set and ok(s):
-                picked.append(s)
-        self.touch(picked)
-        return picked
-
     def choose(self, n: int, protected: set[int]) -> list[int]:
         """``n`` slots to (re)fill, never one in ``protected``; most-recent use order is updated."""
         picked = [s for s in reversed(self._free) if s not in protected][:n]
@@ -85,9 +75,33 @@ class LruPolicy:
 
 class BalancedLruPolicy(LruPolicy):
     """LRU order within equal per-layer shares of the slots; the shares themselves are kept by the slot pool,
-    which knows each slot's layer (``slot_pool.SlotPool.reserve_for``)."""
+    which knows each slot's layer (``slot_pool.SlotPool.reserve_for``). Each touch also stamps the slot with
+    a clock tick, so the least recently used among a layer's few candidates is one numpy argsort (a scan of
+    the global order for them cost up to ~70 ms per decode boundary at 48 layers x 2,270 slots)."""
 
     name = "balanced"
+
+    def __init__(self, num_slots: int):
+        super().__init__(num_slots)
+        self._tick = np.zeros(num_slots, dtype=np.int64)
+        self._clock = 0
+
+    def touch(self, slots: Iterable[int]) -> None:
+        slots = list(slots)
+        super().touch(slots)
+        if slots:
+            self._tick[slots] = np.arange(self._clock + 1, self._clock + 1 + len(slots))
+            self._clock += len(slots)
+
+    def choose_lru(self, candidates: np.ndarray, n: int) -> list[int]:
+        """The ``n`` least recently used of ``candidates`` (filled slots; fewer when there are fewer);
+        most-recent use order is updated."""
+        n = min(n, int(candidates.size))
+        if n <= 0:
+            return []
+        picked = candidates[np.argsort(self._tick[candidates], kind="stable")[:n]].tolist()
+        self.touch(picked)
+        return picked
 
 
 def make_policy(name: str, num_slots: int):

@@ -134,31 +134,42 @@ class SlotPool:
     def reserve_for(self, layer: int, n: int, protected: set[int]) -> list[int]:
         """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``;
         taken out of the map like ``reserve``. ``lru``: any slot, least recently used first. ``balanced``:
-        free slots while the layer is below its share, then the least recently used expert of the layer
-        itself when it is at its share, else of a layer above its share (module docstring)."""
+        free slots while the layer is below its share; below it with none free, the least recently used
+        experts of layers above their share (each down to its share at most); the rest from the layer's
+        own least recently used experts (module docstring)."""
         if not self.balanced:
             return self.reserve(max(0, min(n, self.num_slots - len(protected))), protected)
         lp = self.layer_pos[layer]
         room = int(self.share_L[lp] - self.count_L[lp])
         n_free = min(n, max(0, room), self.num_free())
         slots = self.policy.choose_free(n_free) if n_free else []
-        rest = n - n_free
-        if rest > 0:
-            E, owner = self.E, self.owner_S
-            if room - n_free > 0:  # below its share with no free slot: take from layers above theirs
-                over = set(np.flatnonzero(self.count_L > self.share_L).tolist())
-                victims = self.policy.choose_where(
-                    rest, lambda s: s not in protected and owner[s] >= 0 and int(owner[s]) // E in over)
-            else:
-                victims = self.policy.choose_where(
-                    rest, lambda s: s not in protected and owner[s] >= 0 and int(owner[s]) // E == lp)
-            slots += victims
+        want = n - n_free
+        lend = min(want, max(0, room - n_free))  # still below its share: other layers give back their excess
+        if lend > 0:
+            excess = self.count_L - self.share_L
+            for donor in np.argsort(-excess, kind="stable").tolist():
+                if lend == 0 or excess[donor] <= 0:
+                    break
+                got = self.policy.choose_lru(self._candidates(donor, protected), min(lend, int(excess[donor])))
+                slots += got
+                lend -= len(got)
+                want -= len(got)
+        if want > 0:
+            slots += self.policy.choose_lru(self._candidates(lp, protected), want)
         try:
             self._evict(slots)
         except BaseException:
             self.release([s for s in slots if self.owner_S[s] < 0])
             raise
         return slots
+
+    def _candidates(self, lp: int, protected: set[int]) -> np.ndarray:
+        """Slots holding experts of layer ``lp`` that are not in ``protected``."""
+        row = self.slot_of_LE[lp]
+        held = row[row >= 0]
+        if protected:
+            held = np.asarray([s for s in held.tolist() if s not in protected], dtype=np.int64)
+        return held
 
     def release(self, slots: list[int]) -> None:
         """Reserved slots whose fill failed or was dropped: free again (the map never claimed them)."""

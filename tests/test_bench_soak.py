@@ -214,7 +214,9 @@ def test_a_whole_run_replaces_its_partial_reports(tmp_path, presets, monkeypatch
         return real_write(result, out)
 
     monkeypatch.setattr(soak_report, "write", spy)
-    rc, _, result = _soak(tmp_path, presets, "--residencies", "0.5", "--minutes", "0.03")
+    # two residencies: the second one's partials hold the first (whole) run too
+    rc, _, result = _soak(tmp_path, presets, "--residencies", "0.1,0.5", "--minutes", "0.03")
     assert rc == 0 and partials[:-1] and all(partials[:-1]) and partials[-1] is False  # partials, then the whole
-    assert "partial" not in result
+    assert "partial" not in result and [r["residency"] for r in result["runs"]] == [0.1, 0.5]
+    assert len(list(tmp_path.glob("soak-*.json"))) == 1  # the partials were written under the whole one's name
     assert all("**PARTIAL**" not in p.read_text() for p in tmp_path.glob("*.md"))

@@ -71,6 +71,19 @@ def test_a_layer_at_its_share_evicts_its_own_least_recently_used_expert(ckpt):
     assert pool.reserve_for(layer0, 1, {int(pool.slot_of_LE[0, 0]), slot_of_1}) == []
 
 
+def test_a_donor_gives_back_at_most_its_excess_and_the_rest_comes_from_the_layer_itself(ckpt):
+    eng = make_engine(ckpt, "prefill.warmup=false")
+    pool = _pool(eng, 8)  # shares 2 each
+    layers = pool.store.layers
+    pool.commit(layers[0], np.arange(3), pool.reserve(3))  # layer 0: one above its share
+    pool.commit(layers[1], np.arange(2), pool.reserve(2))
+    pool.commit(layers[2], np.arange(2), pool.reserve(2))
+    pool.commit(layers[3], np.arange(1), pool.reserve(1))  # layer 3: one below, no free slot left
+    assert pool.num_free() == 0 and pool.count_L.tolist() == [3, 2, 2, 1]
+    got = pool.reserve_for(layers[3], 3, set())  # 1 from layer 0's excess, then 2 of its own (it holds 1)
+    assert len(got) == 2 and pool.count_L.tolist() == [2, 2, 2, 0]
+
+
 def test_a_layer_below_its_share_takes_free_slots_then_slots_of_layers_above_theirs(ckpt):
     eng = make_engine(ckpt, "prefill.warmup=false")
     pool = _pool(eng, 8)
@@ -82,10 +95,10 @@ def test_a_layer_below_its_share_takes_free_slots_then_slots_of_layers_above_the
     pool.commit(layer1, np.arange(2), s1)
     assert pool.num_free() == 0 and pool.count_L.tolist() == [6, 2, 0, 0]
     got = pool.reserve_for(layer2, 3, set())  # layer 2 (share 2) has no free slot: layer 0 (6 > 2) gives
-    assert len(got) == 3 and set(got) <= set(s0)
-    pool.commit(layer2, np.asarray([7, 8, 9]), got)
-    assert pool.count_L.tolist() == [3, 2, 3, 0]
-    # now at (above) its share, layer 2 only evicts its own experts
+    assert len(got) == 2 and set(got) <= set(s0)  # back 2 of its excess: up to layer 2's share, not beyond
+    pool.commit(layer2, np.asarray([7, 8]), got)
+    assert pool.count_L.tolist() == [4, 2, 2, 0]
+    # at its share, layer 2 only evicts its own experts (its least recently used)
     again = pool.reserve_for(layer2, 1, set())
     assert again and int(pool.owner_S[again[0]]) == -1 and again[0] in got
     pool.release(again)

@@ -134,3 +134,38 @@ def test_a_model_with_linear_attention_declines_with_one_event_a_count_and_serve
     assert eng.cache.stats()["declined"].get("serve_prefill_batch:cache_layers") == 1
     reqs = submit_then_start(s, PROMPTS[:4], MAX_NEW[:4])
     assert [r.output_ids for r in reqs] == ref and s.prefill_batches == 0
+
+
+def test_a_join_that_fails_after_a_one_prompt_prefill_fails_only_that_request(engine, reference, monkeypatch):
+    # found by review: the single-prompt path removed the head of the prefill queue a second time when the
+    # join raised, so the next queued request was dropped without an answer (its stream hung)
+    s = Scheduler(engine, ServeConfig(max_batch=4, max_queue=64))
+    real, calls = s.executor.join, []
+
+    def join_fails_once(rid, batch_len, one_len):
+        calls.append(rid)
+        if len(calls) == 1:
+            raise RuntimeError("injected: join")
+        return real(rid, batch_len, one_len)
+
+    monkeypatch.setattr(s.executor, "join", join_fails_once)
+    outs: dict[int, list] = {}
+    done = [threading.Event() for _ in range(3)]
+
+    def sink(i):
+        def f(o):
+            outs.setdefault(i, []).append(o)
+            if o.finished:
+                done[i].set()
+        return f
+
+    for i in range(3):
+        s.submit(PROMPTS[i], SamplingParams(max_tokens=MAX_NEW[i], ignore_eos=True), sink(i))
+    s.start()
+    try:
+        assert all(e.wait(120) for e in done)  # every request ends: none dropped
+    finally:
+        s.stop()
+    assert "injected" in outs[0][-1].error
+    for i in (1, 2):
+        assert outs[i][-1].error is None and [t for o in outs[i] for t in o.token_ids] == reference[i]

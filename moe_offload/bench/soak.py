@@ -36,6 +36,7 @@ requests. Warmup, growth and verdicts: ``soak_report.py``.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -347,7 +348,8 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str], on_progress=None) -> d
         head = {"resident_per_layer": counts[r], "slots": engine.cache.num_slots, "routed_max_tokens": threshold}
 
         def progress(record, head=head):
-            on_progress(part_of(runs + [{**head, **record}]))
+            # copies: deriving a report pops keys from its runs, and the finished ones are still this run's
+            on_progress(part_of(copy.deepcopy(runs) + [{**head, **record}]))
 
         runs.append({**head, **soak_residency(engine, r, workloads, refs[threshold][0], plan, warm_passes,
                                               plan.seed + 1 + k, progress if on_progress else None)})

@@ -243,6 +243,8 @@ def plot(result: dict, path: Path) -> None:
 def write(result: dict, out: Path) -> dict:
     """Write ``soak-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
     Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
-    res = "+".join(f"{r['residency']:g}" for r in result["runs"])
+    # named for the planned residencies: a partial report (fewer runs so far) and the whole one share a name
+    planned = result.get("settings", {}).get("residencies") or [r["residency"] for r in result["runs"]]
+    res = "+".join(f"{r:g}" for r in planned)
     stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"
     return write_files(result, out, stem, markdown, plot, "soak")

@@ -137,7 +137,8 @@ async def _level(url: str, jobs: list[Job], clients: int, per_client: int, timeo
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(limits=limits) as client:
         async def loop(c: int) -> list[dict]:
-            return [await _one(client, url, jobs[(c * per_client + k) % len(jobs)], timeout) for k in range(per_client)]
+            # round k of every client takes consecutive jobs: concurrent streams differ while clients <= jobs
+            return [await _one(client, url, jobs[(k * clients + c) % len(jobs)], timeout) for k in range(per_client)]
 
         t0 = time.perf_counter()
         recs = await asyncio.gather(*(loop(c) for c in range(clients)))
@@ -179,8 +180,10 @@ def _delta(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[
 
 def full_batch(after: dict | None, before: dict | None, rows: int) -> dict | None:
     """The level's decode forwards with ``rows`` rows: steps, ms per step, tok/s (None without them)."""
-    a = (after or {}).get("rows") or {}
-    b = (before or {}).get("rows") or {}
+    if after is None or before is None:  # a failed scrape: the level's figures are unknown, not since start
+        return None
+    a = after.get("rows") or {}
+    b = before.get("rows") or {}
     steps = a.get(rows, [0, 0.0])[0] - b.get(rows, [0, 0.0])[0]
     secs = a.get(rows, [0, 0.0])[1] - b.get(rows, [0, 0.0])[1]
     if steps <= 0 or secs <= 0:

@@ -139,9 +139,9 @@ class Scheduler:
         self.steps = 0
         self.cache_stats: dict = {}
         self._stats_t = 0.0
-        #: decode forwards by batch rows: rows -> [steps, seconds] (forward + sampling, host wall time; the
+        #: decode forwards by batch rows: rows -> (steps, seconds) (forward + sampling, host wall time; the
         #: sampled ids are read on the host, so each step's time includes its device work)
-        self.decode_timing: dict[int, list] = {}
+        self.decode_timing: dict[int, tuple[int, float]] = {}
         #: the last finished requests' timings (``timings()``), oldest dropped first
         self.finished: deque[dict] = deque(maxlen=4096)
         #: prompts per forward (serve.prefill_batch_tokens), 0 when off or declined for this model
@@ -306,7 +306,8 @@ class Scheduler:
             except Exception as exc:  # this request fails; the batch keeps going
                 log.event("serve_request_failed", 40, request=req.id, stage="prefill", error=type(exc).__name__,
                           message=str(exc))
-                self._prefilling.popleft()
+                if self._prefilling and self._prefilling[0] is req:  # a failed join: it already left the queue
+                    self._prefilling.popleft()
                 self.executor.drop(req.id)
                 self._finish(req, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
         if self._running:
@@ -404,9 +405,9 @@ class Scheduler:
             self.executor.reset()
             return
         toks = sample(logits_BV, [r.params for r in rows], [r.gen for r in rows])
-        timing = self.decode_timing.setdefault(len(rows), [0, 0.0])
-        timing[0] += 1
-        timing[1] += time.perf_counter() - t0
+        n, secs = self.decode_timing.get(len(rows), (0, 0.0))
+        self.decode_timing[len(rows)] = (n + 1, secs + time.perf_counter() - t0)  # one assignment: a scrape
+        # on the HTTP thread never sees a step without its seconds
         keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t)]
         if len(keep) < len(rows):
             self._shrink(keep)

@@ -25,6 +25,9 @@ TOLERANCE = 0.10
 
 
 def _residency(serve: dict) -> float:
+    if "config" not in serve:
+        raise ValueError("a bench serve result without its config (a --url run): the residency is unknown; "
+                         "compare in-process runs (bench serve --config ... --set cache.budget=R)")
     budget = serve["config"]["cache"]["budget"]
     if isinstance(budget, dict) and budget.get("kind") == "fraction":
         return float(budget["value"])

@@ -241,8 +241,8 @@ class ServeConfig(_Strict):
     model_name: str | None = Field(None, description="the id /v1/models reports; null = the checkpoint dir's name")
     prefill_batch_tokens: int = Field(
         0, ge=0, le=1 << 20, description="prefill several waiting prompts in one forward, left-padded, while "
-        "prompts x the longest of them stays within this many tokens (each layer's missing experts are then copied "
-        "once for all of them); 0 = one prompt per forward. Full-attention models only (others: one event, one at "
+        "prompts x the longest of them stays within this many tokens, at most prefill.chunk_tokens (each layer's "
+        "missing experts are then copied once for all of them); 0 = one prompt per forward. Full-attention models only (others: one event, one at "
         "a time). Off by default until measured on a GPU (serve/scheduler.py says why)")
     kv_cache: Literal["auto", "static", "dynamic"] = Field(
         "auto", description="decode batch KV: static (per-row preallocated cache, each step a CUDA graph replay on "

@@ -42,8 +42,8 @@ def submit_then_start(s: Scheduler, prompts, max_new) -> list:
 
 
 def test_waiting_prompts_prefilled_together_get_the_greedy_tokens_of_engine_generate(engine, reference):
-    # prefill.chunk_tokens=16 (make_engine): PROMPTS[2] (40 tokens) and PROMPTS[4] (43) are prefilled
-    # alone in chunks; the four short ones (1..17 tokens) fit 4 x 17 <= 128 and go in one forward
+    # prefill.chunk_tokens=16 (make_engine) caps the budget at 16 tokens per forward: PROMPTS[2] (40 tokens),
+    # PROMPTS[4] (43) and PROMPTS[5] (17) are prefilled alone in chunks; 5, 3 and 1 tokens go together (3 x 5)
     s = Scheduler(engine, ServeConfig(max_batch=6, max_queue=64, prefill_batch_tokens=128))
     reqs = submit_then_start(s, PROMPTS, MAX_NEW)
     assert [r.output_ids for r in reqs] == reference
@@ -66,7 +66,10 @@ def _queued(s: Scheduler, lens: list[int], prefilled: list[int] | None = None) -
     return reqs
 
 
-def test_a_group_is_the_head_and_the_later_whole_prompts_that_fit_the_budget(engine):
+def test_a_group_is_the_head_and_the_later_whole_prompts_that_fit_the_budget(engine, monkeypatch):
+    monkeypatch.setattr(engine.cfg.prefill, "chunk_tokens", 64)
+    # no forward carries more tokens than prefill.chunk_tokens: the budget is capped at it
+    assert Scheduler(engine, ServeConfig(max_batch=8, prefill_batch_tokens=1000))._batch_tokens == 64
     s = Scheduler(engine, ServeConfig(max_batch=8, prefill_batch_tokens=40))  # never started
     r = _queued(s, [10, 12, 30, 5, 3])
     # 2 x 12 = 24, 3 x 30 = 90 > 40 (skipped), 3 x 12 = 36, 4 x 12 = 48 > 40
@@ -75,7 +78,7 @@ def test_a_group_is_the_head_and_the_later_whole_prompts_that_fit_the_budget(eng
     r = _queued(s, [20, 4, 4], prefilled=[16, 0, 0])  # the head is part-prefilled: it goes alone
     assert s._prefill_group() == [r[0]]
     s._prefilling.clear()
-    r = _queued(s, [17, 4])  # longer than prefill.chunk_tokens=16: chunked, alone
+    r = _queued(s, [70, 4])  # longer than prefill.chunk_tokens=64: chunked, alone
     assert s._prefill_group() == [r[0]]
     s._prefilling.clear()
     off = Scheduler(engine, ServeConfig(max_batch=8))

@@ -4,6 +4,7 @@ model (``environment``, ``model_section``), and the file-name label of the model
 from __future__ import annotations
 
 import json
+import os
 import logging
 import platform
 import subprocess
@@ -111,6 +112,13 @@ def write_files(result: dict, out: Path, stem: str, markdown, plot=None, kind: s
         paths["png"] = png
     text = markdown(result)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", **paths, "markdown_text": text}
-    paths["json"].write_text(json.dumps(result, indent=2, default=str) + "\n")
-    paths["md"].write_text(text)
+    _replace(paths["json"], json.dumps(result, indent=2, default=str) + "\n")
+    _replace(paths["md"], text)
     return paths
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a process killed mid-write keeps the last good file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

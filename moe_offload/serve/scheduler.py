@@ -150,7 +150,8 @@ class Scheduler:
         self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
 
     def _prefill_batch_budget(self) -> int:
-        budget = self.cfg.prefill_batch_tokens
+        # never more tokens in one forward than prefill.chunk_tokens allows a single prompt's chunk
+        budget = min(self.cfg.prefill_batch_tokens, self.engine.cfg.prefill.chunk_tokens)
         if budget <= 0:
             return 0
         reason = batched_prefill_unsupported(self.engine.model.config)

@@ -2,9 +2,10 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait serve_check
-# serve_check: the "Serve it" targets in one call: bench decode (residency 0.37,1 x batch 1,4,16,64), bench serve
-# per residency (every client its own prompt), then benchmarks/serve_targets.py over them (SERVE_CHECK_SHA).
+#           soak_bg soak_wait check_decode check_serve
+# check_decode + check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench decode (residency 0.37,1 x batch
+# 1,4,16,64), bench serve per residency (SERVE_CHECK_RESIDENCIES; every client its own prompt), then
+# benchmarks/serve_targets.py over them; two or three calls made while the machine is held (/tmp/res persists).
 # build: the preset of TTFT_CONFIG into /tmp/moe-cache first, alone (beside other work it takes ~3 x longer).
 # soak_bg starts one detached soak per residency in SOAK_RESIDENCIES (concurrently: a soak checks outputs and
 # memory, not speed) and returns; soak_wait waits for them (at most SOAK_WAIT_S) in this call or a later one
@@ -86,20 +87,25 @@ if has serve; then  # a live server per residency, N concurrent streaming client
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi
-if has serve_check; then
-  sha=${SERVE_CHECK_SHA:-unknown}
-  timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+if has check_decode; then  # bench decode at the check_serve residencies and batches (~3-5 min)
+  timeout ${DECODE_TIMEOUT:-400} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache --residency 0.37,1 --batch 1,4,16,64 --steps 64 --reps 1 --peers none \
-    --git-sha $sha --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
-  for r in 0.37 1.0; do
-    timeout ${SERVE_TIMEOUT:-200} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has check_serve; then  # bench serve per residency (~4 min each), then serve_targets over what this machine holds
+  for r in ${SERVE_CHECK_RESIDENCIES:-0.37 1.0}; do
+    timeout ${SERVE_TIMEOUT:-280} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set cache.budget=$r --clients 1,4,16,64 --requests-per-client 5,2,1,1 \
-      --prompt-lens 1024 --max-tokens 128 --set serve.max_batch=64 --set decode.max_tokens=64 \
-      --set decode.max_cache_len=1168 ${SERVE_CHECK_ARGS:-} --git-sha $sha --out "$RES/check-serve-r$r" --json \
-      > "$RES/check-serve-r$r.json" 2> "$RES/check-serve-r$r.log"
+      --prompt-lens 1024 --max-tokens 64 --set serve.max_batch=64 --set decode.max_tokens=64 \
+      --set decode.max_cache_len=1104 ${SERVE_CHECK_ARGS:-} --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --out "$RES/check-serve-r$r" --json > "$RES/check-serve-r$r.json" 2> "$RES/check-serve-r$r.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
   done
-  python3 benchmarks/serve_targets.py --serve "$RES"/check-serve-r0.37.json "$RES"/check-serve-r1.0.json \
-    --decode "$RES/check-decode.json" --out "$RES/check" > "$RES/check-targets.log" 2>&1
+  if [[ -s "$RES/check-decode.json" ]]; then
+    python3 benchmarks/serve_targets.py --serve $(ls "$RES"/check-serve-r*.json) --decode "$RES/check-decode.json" \
+      --out "$RES/check" > "$RES/check-targets.log" 2>&1
+  fi
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has soak_bg; then

@@ -52,6 +52,18 @@ class LruPolicy:
         self.touch(picked)
         return picked
 
+    def room(self, lp: int, count_L: np.ndarray) -> int | None:
+        """How many more experts layer ``lp`` may take into free slots (None: no limit)."""
+        return None
+
+    def victims_for(self, lp: int, n: int, protected: set[int], count_L: np.ndarray,
+                    slot_of_LE: np.ndarray) -> list[int]:
+        """Up to ``n`` slots for new experts of layer ``lp``, never one in ``protected``: free slots first,
+        then the least recently used of any layer. ``count_L`` [L] residents per layer, ``slot_of_LE``
+        [L, E] the map (-1 = not resident), both read only."""
+        n = max(0, min(n, self.num_slots - len(protected)))
+        return self.choose(n, protected) if n else []
+
     def choose(self, n: int, protected: set[int]) -> list[int]:
         """``n`` slots to (re)fill, never one in ``protected``; most-recent use order is updated."""
         picked = [s for s in reversed(self._free) if s not in protected][:n]
@@ -74,15 +86,19 @@ class LruPolicy:
 
 
 class BalancedLruPolicy(LruPolicy):
-    """LRU order within equal per-layer shares of the slots; the shares themselves are kept by the slot pool,
-    which knows each slot's layer (``slot_pool.SlotPool.reserve_for``). Each touch also stamps the slot with
-    a clock tick, so the least recently used among a layer's few candidates is one numpy argsort (a scan of
-    the global order for them cost up to ~70 ms per decode boundary at 48 layers x 2,270 slots)."""
+    """LRU within equal per-layer shares of the slots (S // L, the first S % L layers one more): a layer takes
+    free slots up to its share; below it with none free, the least recently used experts of layers above
+    their share (each down to its share at most); the rest from its own least recently used experts. Why
+    shares: ``slot_pool.py``'s module docstring. Each touch also stamps the slot with a clock tick, so the
+    least recently used among a layer's few candidates is one numpy argsort (a scan of the global order
+    for them cost up to ~70 ms per decode boundary at 48 layers x 2,270 slots)."""
 
     name = "balanced"
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, num_layers: int):
         super().__init__(num_slots)
+        self.share_L = np.full(num_layers, num_slots // num_layers, dtype=np.int64)
+        self.share_L[:num_slots % num_layers] += 1
         self._tick = np.zeros(num_slots, dtype=np.int64)
         self._clock = 0
 
@@ -93,9 +109,30 @@ class BalancedLruPolicy(LruPolicy):
             self._tick[slots] = np.arange(self._clock + 1, self._clock + 1 + len(slots))
             self._clock += len(slots)
 
-    def choose_lru(self, candidates: np.ndarray, n: int) -> list[int]:
-        """The ``n`` least recently used of ``candidates`` (filled slots; fewer when there are fewer);
-        most-recent use order is updated."""
+    def room(self, lp: int, count_L: np.ndarray) -> int | None:
+        return int(self.share_L[lp] - count_L[lp])
+
+    def victims_for(self, lp, n, protected, count_L, slot_of_LE) -> list[int]:
+        room = int(self.share_L[lp] - count_L[lp])
+        n_free = min(n, max(0, room), self.num_free)
+        slots = self.choose_free(n_free) if n_free else []
+        want = n - n_free
+        lend = min(want, max(0, room - n_free))  # still below its share: other layers give back their excess
+        if lend > 0:
+            excess = count_L - self.share_L
+            for donor in np.argsort(-excess, kind="stable").tolist():
+                if lend == 0 or excess[donor] <= 0:
+                    break
+                got = self._least_recent(_held(slot_of_LE[donor], protected), min(lend, int(excess[donor])))
+                slots += got
+                lend -= len(got)
+                want -= len(got)
+        if want > 0:
+            slots += self._least_recent(_held(slot_of_LE[lp], protected), want)
+        return slots
+
+    def _least_recent(self, candidates: np.ndarray, n: int) -> list[int]:
+        """The ``n`` least recently used of ``candidates`` (filled slots; fewer when there are fewer)."""
         n = min(n, int(candidates.size))
         if n <= 0:
             return []
@@ -104,9 +141,17 @@ class BalancedLruPolicy(LruPolicy):
         return picked
 
 
-def make_policy(name: str, num_slots: int):
+def _held(slots_E: np.ndarray, protected: set[int]) -> np.ndarray:
+    """The slots of one layer's map row that hold an expert and are not in ``protected``."""
+    held = slots_E[slots_E >= 0]
+    if protected:
+        held = np.asarray([s for s in held.tolist() if s not in protected], dtype=np.int64)
+    return held
+
+
+def make_policy(name: str, num_slots: int, num_layers: int):
     if name == "lru":
         return LruPolicy(num_slots)
     if name == "balanced":
-        return BalancedLruPolicy(num_slots)
+        return BalancedLruPolicy(num_slots, num_layers)
     raise PolicyError(f"unknown cache.policy {name!r}; accepted: balanced, lru")

@@ -13,11 +13,11 @@ enqueues the copy, and only then records the new owners; when the copy raises, t
 returned to the policy as free and the map still says exactly what the slots hold. Device-table writes
 go to the current stream; the caller orders them after the copy they describe.
 
-Shares (``cache.policy: balanced``, the default): layer ``lp`` may hold ``share_L[lp]`` experts (S // L, the
-first S % L layers one more). A prefill admission into free slots stops at the share (``admit(...,
-within_share=True)``); a decode admission (``reserve_for``) takes free slots up to the share, then evicts
-the least recently used expert of its own layer when the layer is at its share, else of a layer above its
-share. Why: prefill copies layer l+1's misses while layer l computes, so per layer it costs about
+Shares (``cache.policy: balanced``, the default; the choice is ``policy.BalancedLruPolicy``'s): layer ``lp``
+may hold ``share_L[lp]`` experts (S // L, the first S % L layers one more). A prefill admission into free
+slots stops at the share (``admit(..., within_share=True)``); a decode admission (``reserve_for``) takes
+free slots up to the share, then evicts the least recently used expert of its own layer when the layer is
+at its share, else of a layer above its share. Why: prefill copies layer l+1's misses while layer l computes, so per layer it costs about
 max(compute, misses x row bytes / PCIe bandwidth). First-come admission filled the slots in layer order: at
 ``cache.budget=0.37`` on Qwen3-30B-A3B the warm-up left layers 0-17 fully resident and 18-47 empty, and
 18 x 1.9 ms + 30 x 6.1 ms = 217 ms predicts the 220.5 ms ``Engine.measure_ttft`` the H200 measured on the
@@ -54,12 +54,8 @@ class SlotPool:
         self.slot_of_LE = np.full((len(store.layers), self.E), -1, dtype=np.int32)
         self.table_LE = torch.full((len(store.layers), self.E), -1, dtype=torch.int32, device=device)
         self.owner_S = np.full(num_slots, -1, dtype=np.int64)
-        self.policy = make_policy(policy, num_slots)
-        L = len(store.layers)
-        self.balanced = self.policy.name == "balanced"
-        self.share_L = np.full(L, num_slots // L, dtype=np.int64)
-        self.share_L[:num_slots % L] += 1
-        self.count_L = np.zeros(L, dtype=np.int64)  # residents per layer (``owner_S`` summarized)
+        self.policy = make_policy(policy, num_slots, len(store.layers))
+        self.count_L = np.zeros(len(store.layers), dtype=np.int64)  # residents per layer (``owner_S`` summarized)
 
     # ---------------------------------------------------------------- reading the map
     def resident(self, layer: int) -> np.ndarray:
@@ -132,44 +128,17 @@ class SlotPool:
         return slots
 
     def reserve_for(self, layer: int, n: int, protected: set[int]) -> list[int]:
-        """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``;
-        taken out of the map like ``reserve``. ``lru``: any slot, least recently used first. ``balanced``:
-        free slots while the layer is below its share; below it with none free, the least recently used
-        experts of layers above their share (each down to its share at most); the rest from the layer's
-        own least recently used experts (module docstring)."""
-        if not self.balanced:
-            return self.reserve(max(0, min(n, self.num_slots - len(protected))), protected)
-        lp = self.layer_pos[layer]
-        room = int(self.share_L[lp] - self.count_L[lp])
-        n_free = min(n, max(0, room), self.num_free())
-        slots = self.policy.choose_free(n_free) if n_free else []
-        want = n - n_free
-        lend = min(want, max(0, room - n_free))  # still below its share: other layers give back their excess
-        if lend > 0:
-            excess = self.count_L - self.share_L
-            for donor in np.argsort(-excess, kind="stable").tolist():
-                if lend == 0 or excess[donor] <= 0:
-                    break
-                got = self.policy.choose_lru(self._candidates(donor, protected), min(lend, int(excess[donor])))
-                slots += got
-                lend -= len(got)
-                want -= len(got)
-        if want > 0:
-            slots += self.policy.choose_lru(self._candidates(lp, protected), want)
+        """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``, as
+        the policy chooses them (``policy.victims_for``); taken out of the map like ``reserve``."""
+        slots = self.policy.victims_for(self.layer_pos[layer], n, protected, self.count_L, self.slot_of_LE)
+        if not slots:
+            return []
         try:
             self._evict(slots)
         except BaseException:
             self.release([s for s in slots if self.owner_S[s] < 0])
             raise
         return slots
-
-    def _candidates(self, lp: int, protected: set[int]) -> np.ndarray:
-        """Slots holding experts of layer ``lp`` that are not in ``protected``."""
-        row = self.slot_of_LE[lp]
-        held = row[row >= 0]
-        if protected:
-            held = np.asarray([s for s in held.tolist() if s not in protected], dtype=np.int64)
-        return held
 
     def release(self, slots: list[int]) -> None:
         """Reserved slots whose fill failed or was dropped: free again (the map never claimed them)."""
@@ -207,9 +176,9 @@ class SlotPool:
         ``cache.policy: balanced``) at most up to the layer's share. Returns the slots, in the order of
         the admitted experts (the first ``len(slots)`` of ``experts``)."""
         n = min(int(experts.size), self.num_free()) if free_only else int(experts.size)
-        if within_share and self.balanced:
-            lp = self.layer_pos[layer]
-            n = min(n, max(0, int(self.share_L[lp] - self.count_L[lp])))
+        room = self.policy.room(self.layer_pos[layer], self.count_L) if within_share else None
+        if room is not None:
+            n = min(n, max(0, room))
         experts = np.asarray(experts[:n], dtype=np.int64)
         slots = self.reserve(n, protected, free_only)
         if not slots:

@@ -33,7 +33,7 @@ def per_layer(engine) -> list[int]:
 def test_shares_are_the_slots_split_evenly_over_the_layers_first_layers_one_more(ckpt):
     eng = make_engine(ckpt, "cache.budget=0.37")  # 4 layers x 16 experts: 23 slots
     pool = eng.cache.pool
-    assert pool.num_slots == 23 and pool.share_L.tolist() == [6, 6, 6, 5]
+    assert pool.num_slots == 23 and pool.policy.share_L.tolist() == [6, 6, 6, 5]
 
 
 def test_the_warmup_prefill_fills_every_layer_to_its_share_where_lru_fills_the_first_layers(ckpt):
@@ -115,7 +115,7 @@ def test_decode_admissions_keep_every_layer_at_its_share_and_answers_equal_lru(c
         assert balanced.generate(p, 12).token_ids == want and lru.generate(p, 12).token_ids == want
         pool = balanced.cache.pool
         # residents + admissions in flight fill the pool, no layer above its share
-        assert (pool.count_L <= pool.share_L).all()
+        assert (pool.count_L <= pool.policy.share_L).all()
     assert balanced.cache.stats()["total"]["evictions"] > 0  # decode admissions did evict
 
 

@@ -119,20 +119,17 @@ class SlotPool:
         with the map unchanged (empty slots free again) when the eviction cannot be written."""
         if n == 0:
             return []
-        slots = self.policy.choose_free(n) if free_only else self.policy.choose(n, set(protected))
-        try:
-            self._evict(slots)
-        except BaseException:
-            self.release([s for s in slots if self.owner_S[s] < 0])  # owned ones stay resident
-            raise
-        return slots
+        return self._take(self.policy.choose_free(n) if free_only else self.policy.choose(n, set(protected)))
 
     def reserve_for(self, layer: int, n: int, protected: set[int]) -> list[int]:
         """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``, as
         the policy chooses them (``policy.victims_for``); taken out of the map like ``reserve``."""
         slots = self.policy.victims_for(self.layer_pos[layer], n, protected, self.count_L, self.slot_of_LE)
-        if not slots:
-            return []
+        return self._take(slots) if slots else []
+
+    def _take(self, slots: list[int]) -> list[int]:
+        """Take the policy's ``slots`` out of the map; when the eviction cannot be written the map is
+        unchanged and the empty ones are free again (owned ones stay resident), and it raises."""
         try:
             self._evict(slots)
         except BaseException:

@@ -7,25 +7,28 @@ from __future__ import annotations
 import logging
 import threading
 
-import pytest
-
 from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.executor import LocalExecutor
 from moe_offload.serve.sampling import SamplingParams
 from moe_offload.serve.scheduler import Request, Scheduler
 from moe_offload.serve.static_batch import StaticBatch
 
-from test_serve_scheduler import MAX_NEW, PROMPTS, make_engine
+from test_serve_scheduler import MAX_NEW, PROMPTS, engine, make_engine, reference  # noqa: F401 (fixtures)
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
-    return make_engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"))
+def collecting_sinks(n: int):
+    """(outputs per request index, a done event per request, ``sink(i)`` for request i)."""
+    outs: dict[int, list] = {}
+    done = [threading.Event() for _ in range(n)]
 
+    def sink(i):
+        def f(o):
+            outs.setdefault(i, []).append(o)
+            if o.finished:
+                done[i].set()
+        return f
 
-@pytest.fixture(scope="module")
-def reference(engine):
-    return [engine.generate(p, n).token_ids for p, n in zip(PROMPTS, MAX_NEW)]
+    return outs, done, sink
 
 
 def submit_then_start(s: Scheduler, prompts, max_new) -> list:
@@ -98,15 +101,7 @@ def test_a_batched_prefill_that_raises_fails_its_requests_and_the_next_ones_are_
         return real(rids, prompts)
 
     monkeypatch.setattr(s.executor, "prefill_batch", fail_once)
-    outs: dict[int, list] = {}
-    done = [threading.Event() for _ in PROMPTS]
-
-    def sink(i):
-        def f(o):
-            outs.setdefault(i, []).append(o)
-            if o.finished:
-                done[i].set()
-        return f
+    outs, done, sink = collecting_sinks(len(PROMPTS))
 
     for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW)):
         s.submit(p, SamplingParams(max_tokens=n, ignore_eos=True), sink(i))
@@ -152,15 +147,7 @@ def test_a_join_that_fails_after_a_one_prompt_prefill_fails_only_that_request(en
         return real(rid, batch_len, one_len)
 
     monkeypatch.setattr(s.executor, "join", join_fails_once)
-    outs: dict[int, list] = {}
-    done = [threading.Event() for _ in range(3)]
-
-    def sink(i):
-        def f(o):
-            outs.setdefault(i, []).append(o)
-            if o.finished:
-                done[i].set()
-        return f
+    outs, done, sink = collecting_sinks(3)
 
     for i in range(3):
         s.submit(PROMPTS[i], SamplingParams(max_tokens=MAX_NEW[i], ignore_eos=True), sink(i))

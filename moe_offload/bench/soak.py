@@ -398,25 +398,11 @@ def main(a: argparse.Namespace) -> int:
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         cfg, plan, notes = bench_config(a)
         log.configure(cfg.logging.level, cfg.logging.format)
+
         def write_partial(part: dict) -> None:
-            partial = assemble(a, cfg, plan, part, list(notes), started)
-            last = part["runs"][-1]
-            partial["partial"] = {"residency": last["residency"], "seconds": round(last["seconds"], 1),
-                                  "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-            try:
-                soak_report.derive(partial)
-                soak_report.write(partial, Path(a.out))
-            except Exception as exc:  # a partial report is a safety net: failing to write one never ends the soak
-                log.event("bench_soak_partial_not_written", 30, error=type(exc).__name__, message=str(exc))
+            soak_report.write_partial(assemble(a, cfg, plan, part, list(notes), started), Path(a.out))
 
-        try:  # the plotting library is loaded before soaking, so its memory is not counted as growth later
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot  # noqa: F401
-        except ImportError:
-            pass
-
+        soak_report.load_plotting()
         part = run(cfg, plan, notes, write_partial)
         result = assemble(a, cfg, plan, part, notes, started)
         soak_report.derive(result)

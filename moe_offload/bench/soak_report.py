@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from collections import Counter
 from pathlib import Path
 
+from moe_offload import log
 from moe_offload.bench.env import write_files
 from moe_offload.bench.soak import WARMUP_FRACTION
 
@@ -238,6 +240,30 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_partial(result: dict, out: Path) -> None:
+    """``result`` of a soak still running (its last run so far) as a partial report under ``write``'s name.
+    A partial report is a safety net: failing to write one logs an event and never ends the soak."""
+    last = result["runs"][-1]
+    result["partial"] = {"residency": last["residency"], "seconds": round(last["seconds"], 1),
+                         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    try:
+        derive(result)
+        write(result, out)
+    except Exception as exc:
+        log.event("bench_soak_partial_not_written", 30, error=type(exc).__name__, message=str(exc))
+
+
+def load_plotting() -> None:
+    """Import the plotting library now (before soaking), so its memory is not counted as growth later."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError:
+        pass
 
 
 def write(result: dict, out: Path) -> dict:

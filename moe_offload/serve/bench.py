@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload import log
+from moe_offload.serve import bench_report
 
 
 @dataclass(frozen=True)
@@ -166,12 +167,6 @@ def scrape(url: str) -> dict | None:
     return {"steps": steps or None, "rows": rows or None}
 
 
-def decode_steps(url: str) -> dict[str, int] | None:
-    """The server's decode steps so far by path, from ``/metrics`` (None when it exports none)."""
-    found = scrape(url)
-    return None if found is None else found["steps"]
-
-
 def _delta(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, int] | None:
     if after is None or before is None:
         return None
@@ -223,71 +218,6 @@ def summarize(records: list[dict], wall_s: float, expected: dict[Job, list[int]]
 
 def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 3)
-
-
-def markdown(result: dict) -> str:
-    mix = result["mix"]
-    head = (f"# bench serve: {result['model']}\n\n"
-            f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
-            f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client (closed loop)"
-            f"{_batch_note(result)}\n\n"
-            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
-            "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
-    rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
-            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} | "
-            f"{_split_cell(r.get('server'))} | {_full_cell(r.get('decode_full_batch'))} |"
-            for r in result["levels"]]
-    tail = ""
-    if result.get("engine_ttft_ms"):
-        tail = ("\nEngine TTFT (`Engine.measure_ttft`, same engine, before the server starts; median of 3): "
-                + ", ".join(f"{n} tokens {ms} ms" for n, ms in result["engine_ttft_ms"].items()) + "\n")
-    return head + "\n".join(rows) + "\n" + tail
-
-
-def _batch_note(result: dict) -> str:
-    eng, batch = result.get("engine") or {}, result.get("decode_batch")
-    gpu = f", {eng['gpu']}" if eng.get("gpu") else ""
-    return f"{gpu}, decode batch: {batch['kind']} KV cache" if batch else gpu
-
-
-def _per_client(k) -> str:
-    if isinstance(k, list) and len(set(k)) > 1:
-        return "/".join(map(str, k)) + " (per level)"
-    return str(k[0] if isinstance(k, list) else k)
-
-
-def _split_cell(split: dict | None) -> str:
-    return "n/a" if not split else f"{split['queue_p50_ms']} / {split['prefill_p50_ms']} / {split['ttft_p50_ms']}"
-
-
-def _full_cell(full: dict | None) -> str:
-    return "n/a" if not full else f"{full['tok_s']} ({full['steps']} x {full['rows']} rows)"
-
-
-def _steps_cell(steps: dict[str, int] | None) -> str:
-    return "n/a" if steps is None else f"{steps.get('graph', 0)} / {steps.get('eager', 0)}"
-
-
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lv = result["levels"]
-    x = [r["clients"] for r in lv]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("tpot_p50_ms", "s-"), ("tpot_p99_ms", "s--")):
-        a1.plot(x, [r[key] for r in lv], style, label=key.replace("_ms", ""))
-    a1.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
-    a1.legend()
-    a2.plot(x, [r["throughput_tok_s"] for r in lv], "o-")
-    a2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput")
-    fig.suptitle(f"bench serve: {result['model']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _environment(git_sha: str | None = None) -> dict:
@@ -348,14 +278,14 @@ def main(a: argparse.Namespace) -> int:
         result = run(a.url.rstrip("/"), a, a.vocab or 256, model)
     else:
         result = _run_in_process(a)
-    text = markdown(result)
+    text = bench_report.markdown(result)
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         stem = out / f"serve-{result['model']}-{result['env']['git']['sha'][:12]}"
         stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
         stem.with_suffix(".md").write_text(text)
-        plot(result, stem.with_suffix(".png"))
+        bench_report.plot(result, stem.with_suffix(".png"))
         log.info_rank0("bench_serve_written", path=str(stem) + ".{json,md,png}")
     print(json.dumps(result, indent=2, default=str) if a.json else text)
     failed = any(r["errors"] or r["wrong"] for r in result["levels"])

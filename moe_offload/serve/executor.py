@@ -22,7 +22,8 @@ import torch
 from moe_offload import log
 from moe_offload.config import ServeConfig
 from moe_offload.serve.config import decode_kv_kind
-from moe_offload.serve.kv import LeftPaddedBatch, left_padded_inputs, split_rows
+from moe_offload.serve.kv import LeftPaddedBatch
+from moe_offload.serve.prefill_batch import left_padded_inputs, split_rows
 from moe_offload.serve.static_batch import CudaGraphs, StaticBatch
 
 

@@ -8,15 +8,7 @@ decodes every running sequence. A finished or cancelled request's rows leave the
 the next step boundary.
 
 With ``serve.prefill_batch_tokens`` > 0 that prefill forward takes the oldest admitted prompt and the
-later waiting ones that fit beside it whole, left-padded to the longest (``attention_mask`` +
-``position_ids``, as transformers' batched generation does), within rows x longest <= the budget; each
-request's cache is then cut back to its own positions (``kv.split_rows``). Under load this is what
-shortens TTFT with offloaded experts: one forward copies each layer's missing experts once for every
-prompt in it, where one prompt per forward copies them once per prompt (the H200 run at 032db7c:
-prefill stays 92-222 ms per prompt at 64 clients, TTFT p50 is 4.8-10.5 s of queueing). Decision: off
-by default. Greedy ids of a batched prefill equal the one-prompt forward on the CPU (tests); on a GPU
-a different token count per expert may pick other GEMM tiles and move the last bits of a logit, which
-``bench serve`` (streams compared with single runs) would report; it has not run on a GPU yet.
+later waiting ones that fit beside it whole (``serve/prefill_batch.py``).
 
 Decision (transformers' continuous batching vs our own): transformers 5.24 ships
 ``generation.continuous_batching`` (``ContinuousBatchingManager``, paged KV cache). It was not adopted:
@@ -53,7 +45,7 @@ from moe_offload import log
 from moe_offload.config import ConfigError
 from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.executor import LocalExecutor
-from moe_offload.serve.kv import batched_prefill_unsupported
+from moe_offload.serve import prefill_batch
 from moe_offload.serve.sampling import RequestError, SamplingParams, sample
 
 
@@ -145,22 +137,9 @@ class Scheduler:
         #: the last finished requests' timings (``timings()``), oldest dropped first
         self.finished: deque[dict] = deque(maxlen=4096)
         #: prompts per forward (serve.prefill_batch_tokens), 0 when off or declined for this model
-        self._batch_tokens = self._prefill_batch_budget()
+        self._batch_tokens = prefill_batch.budget(engine, self.cfg.prefill_batch_tokens)
         self.prefill_batches = 0  # forwards that prefilled several requests together
         self._thread = threading.Thread(target=self._loop, name="moe-offload-scheduler", daemon=True)
-
-    def _prefill_batch_budget(self) -> int:
-        # never more tokens in one forward than prefill.chunk_tokens allows a single prompt's chunk
-        budget = min(self.cfg.prefill_batch_tokens, self.engine.cfg.prefill.chunk_tokens)
-        if budget <= 0:
-            return 0
-        reason = batched_prefill_unsupported(self.engine.model.config)
-        if reason is None:
-            return budget
-        self.engine.cache.counters.declined["serve_prefill_batch:cache_layers"] += 1
-        log.event("serve_prefill_batch_declined", 30, reason=reason, fallback="one_prompt_per_forward",
-                  setting="serve.prefill_batch_tokens")
-        return 0
 
     def _max_model_len(self, model_max: int) -> int:
         """``serve.max_model_len`` (default: the model's), within the static KV cache's positions per row."""
@@ -329,27 +308,10 @@ class Scheduler:
         if req.prefilled < len(req.prompt_ids):
             return
         self._prefilling.popleft()
-        self._first_token(req, logits_1V)
+        self._start(req, self._first_tokens([req], logits_1V)[0])
 
     def _prefill_group(self) -> list[Request]:
-        """The head of the prefill queue and, with ``serve.prefill_batch_tokens``, the later queued requests
-        whose whole prompt fits one forward beside it (rows x the longest prompt within the budget);
-        a request already part-prefilled or longer than ``prefill.chunk_tokens`` goes alone."""
-        head = self._prefilling[0]
-        budget, chunk = self._batch_tokens, self.engine.cfg.prefill.chunk_tokens
-
-        def whole(r: Request) -> bool:
-            return r.prefilled == 0 and len(r.prompt_ids) <= chunk
-
-        if budget <= 0 or not whole(head):
-            return [head]
-        group, longest = [head], len(head.prompt_ids)
-        for r in itertools.islice(self._prefilling, 1, None):
-            n = max(longest, len(r.prompt_ids))
-            if whole(r) and (len(group) + 1) * n <= budget:
-                group.append(r)
-                longest = n
-        return group
+        return prefill_batch.group(self._prefilling, self._batch_tokens, self.engine.cfg.prefill.chunk_tokens)
 
     def _prefill_together(self, group: list[Request]) -> None:
         now = time.perf_counter()
@@ -366,21 +328,26 @@ class Scheduler:
                 self._finish(r, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
             return
         self.prefill_batches += 1
-        for r, logits_1V in zip(group, logits):
+        toks = self._first_tokens(group, torch.cat(logits))  # one device->host read for the group
+        for r, tok in zip(group, toks):
             r.prefilled = len(r.prompt_ids)
             self._prefilling.remove(r)
             try:
-                self._first_token(r, logits_1V)
+                self._start(r, tok)
             except Exception as exc:  # e.g. its rows cannot join the decode batch: this request fails
                 log.event("serve_request_failed", 40, request=r.id, stage="join", error=type(exc).__name__,
                           message=str(exc))
                 self.executor.drop(r.id)
                 self._finish(r, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
 
-    def _first_token(self, req: Request, logits_1V: torch.Tensor) -> None:
-        """Sample a fully prefilled request's first token; it finishes or joins the decode batch."""
-        req.gen = torch.Generator().manual_seed(req.params.seed)
-        tok = sample(logits_1V, [req.params], [req.gen])[0]
+    def _first_tokens(self, reqs: list[Request], logits_BV: torch.Tensor) -> list[int]:
+        """Fully prefilled requests' first tokens (each request's seeded generator made here)."""
+        for r in reqs:
+            r.gen = torch.Generator().manual_seed(r.params.seed)
+        return sample(logits_BV, [r.params for r in reqs], [r.gen for r in reqs])
+
+    def _start(self, req: Request, tok: int) -> None:
+        """Stream a request's first token; it finishes or joins the decode batch."""
         req.t_first = time.perf_counter()
         if self._emit(req, tok):
             self.executor.drop(req.id)
@@ -455,14 +422,12 @@ class Scheduler:
         self._send(req, Output([], finish_reason=reason, error=error))
 
     def _record(self, req: Request) -> None:
-        def since(t):
-            return None if t is None or req.t_prefill is None else t - req.t_prefill
+        def span(a, b):
+            return None if a is None or b is None else b - a
 
         row = {"id": req.id, "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
-               "finish_reason": req.finish_reason,
-               "queue_s": None if req.t_prefill is None else req.t_prefill - req.t_submit,
-               "prefill_s": since(req.t_first),
-               "ttft_s": None if req.t_first is None else req.t_first - req.t_submit,
+               "finish_reason": req.finish_reason, "queue_s": span(req.t_submit, req.t_prefill),
+               "prefill_s": span(req.t_prefill, req.t_first), "ttft_s": span(req.t_submit, req.t_first),
                "total_s": req.t_done - req.t_submit}
         with self._lock:
             self.finished.append(row)

@@ -1,0 +1,70 @@
+"""The report of ``moe-offload bench serve`` (``serve/bench.py`` measures): the markdown table and the PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def markdown(result: dict) -> str:
+    mix = result["mix"]
+    head = (f"# bench serve: {result['model']}\n\n"
+            f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
+            f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client (closed loop)"
+            f"{_batch_note(result)}\n\n"
+            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
+            "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+            f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} | "
+            f"{_split_cell(r.get('server'))} | {_full_cell(r.get('decode_full_batch'))} |"
+            for r in result["levels"]]
+    tail = ""
+    if result.get("engine_ttft_ms"):
+        tail = ("\nEngine TTFT (`Engine.measure_ttft`, same engine, before the server starts; median of 3): "
+                + ", ".join(f"{n} tokens {ms} ms" for n, ms in result["engine_ttft_ms"].items()) + "\n")
+    return head + "\n".join(rows) + "\n" + tail
+
+
+def _batch_note(result: dict) -> str:
+    eng, batch = result.get("engine") or {}, result.get("decode_batch")
+    gpu = f", {eng['gpu']}" if eng.get("gpu") else ""
+    return f"{gpu}, decode batch: {batch['kind']} KV cache" if batch else gpu
+
+
+def _per_client(k) -> str:
+    if isinstance(k, list) and len(set(k)) > 1:
+        return "/".join(map(str, k)) + " (per level)"
+    return str(k[0] if isinstance(k, list) else k)
+
+
+def _split_cell(split: dict | None) -> str:
+    return "n/a" if not split else f"{split['queue_p50_ms']} / {split['prefill_p50_ms']} / {split['ttft_p50_ms']}"
+
+
+def _full_cell(full: dict | None) -> str:
+    return "n/a" if not full else f"{full['tok_s']} ({full['steps']} x {full['rows']} rows)"
+
+
+def _steps_cell(steps: dict[str, int] | None) -> str:
+    return "n/a" if steps is None else f"{steps.get('graph', 0)} / {steps.get('eager', 0)}"
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lv = result["levels"]
+    x = [r["clients"] for r in lv]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("tpot_p50_ms", "s-"), ("tpot_p99_ms", "s--")):
+        a1.plot(x, [r[key] for r in lv], style, label=key.replace("_ms", ""))
+    a1.set(xscale="log", yscale="log", xlabel="concurrent clients", ylabel="ms", title="latency")
+    a1.legend()
+    a2.plot(x, [r["throughput_tok_s"] for r in lv], "o-")
+    a2.set(xscale="log", xlabel="concurrent clients", ylabel="output tokens / s", title="throughput")
+    fig.suptitle(f"bench serve: {result['model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -68,7 +68,9 @@ class OffloadMoeCache:
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_max_tokens,
                                      cache_cfg.admit_per_step)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
-        except torch.OutOfMemoryError as exc:  # a start-up error naming the setting instead of torch's OOM
+        except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
+            if not _is_device_oom(exc):
+                raise
             if decode is not None:
                 decode.close()  # its routing record is registered host memory
             pool = decode = None
@@ -302,6 +304,14 @@ class OffloadMoeCache:
         """Zero the counters (residency is kept)."""
         self.counters.reset()
         self.decode.reset_counts()
+
+
+def _is_device_oom(exc: BaseException) -> bool:
+    """torch's allocator OOM, or CUDA's ``cudaErrorMemoryAllocation`` raised as an ``AcceleratorError`` by a
+    kernel launch: with lazy module loading a kernel's first launch loads its module into device memory, so at
+    cache build with the pool taking what was free the first fill of the residency table fails this way
+    (measured on the H200 at edd2da4: ``torch.full`` in ``SlotPool``, "CUDA error: out of memory")."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
 def _oom_message(budget, plan: BudgetPlan, row_bytes: int, device: torch.device, exc: Exception) -> str:

@@ -361,15 +361,19 @@ def test_a_device_oom_writing_the_residency_table_fails_the_request_and_later_an
         _assert_residency_true(eng.cache)
 
 
-def test_a_device_oom_allocating_the_cache_is_a_budget_error_naming_the_setting(nvfp4, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)"),
+    # a kernel's first launch loading its module into full device memory (the H200 at edd2da4, SlotPool's torch.full)
+    torch.AcceleratorError("CUDA error: out of memory (injected)")], ids=["allocator", "kernel_launch"])
+def test_a_device_oom_allocating_the_cache_is_a_budget_error_naming_the_setting(nvfp4, monkeypatch, capsys, error):
     """torch's OOM text names no setting; the cache's start-up error names cache.budget and the fix (the GPU
     variant with a real allocation is tests/gpu/test_faults_gpu.py)."""
     def staging(*args, **kw):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        raise error
 
     monkeypatch.setattr(cache_mod, "PrefillStaging", staging)
     with pytest.raises(cache_mod.BudgetError, match=r"cache\.budget fraction=0\.5: allocating the expert cache.*"
-                       r"ran out of device memory \(CUDA out of memory.*lower cache\.budget"):
+                       r"ran out of device memory \(CUDA (error: )?out of memory.*lower cache\.budget"):
         _engine(nvfp4)
     code = cli_main(["generate", "--checkpoint", nvfp4, "--prompt-ids", "5,6,7", "--max-new-tokens", "2",
                      "--set", "device=cpu", "--set", "cache.budget=0.5", "--set", "logging.level=WARNING"])
@@ -406,3 +410,13 @@ def test_a_batched_h2d_call_failing_mid_run_is_redone_per_run_and_the_batch_path
     assert torch.equal(dev, want)
     h2d.copy([RowCopy(dev, host, np.array([5]), np.array([0]))], coalesce=False)  # per run from now on
     assert batch.calls == 1 and torch.equal(dev[5], host[0]) and len(failures) == 1
+
+
+def test_a_cuda_error_other_than_out_of_memory_at_cache_build_is_not_reported_as_a_budget_error(nvfp4, monkeypatch):
+    """Only CUDA's out-of-memory becomes the budget error; any other accelerator error keeps its own text."""
+    def staging(*args, **kw):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered (injected)")
+
+    monkeypatch.setattr(cache_mod, "PrefillStaging", staging)
+    with pytest.raises(torch.AcceleratorError, match="illegal memory access"):
+        _engine(nvfp4)

@@ -59,7 +59,10 @@ def compare(serves: list[dict], decode: dict, ttft: dict | None = None) -> dict:
         for lv in s["levels"]:
             full = lv.get("decode_full_batch")
             cell = _decode_cell(decode, r, full["rows"]) if full else None
+            # "diverged": ids differ from the single run; "wrong": not near-argmax under teacher forcing (results
+            # before serve/consistency.py have no "diverged": their "wrong" is the exact comparison)
             row = {"residency": r, "clients": lv["clients"], "errors": lv["errors"], "wrong": lv["wrong"],
+                   "diverged": lv.get("diverged", lv["wrong"]),
                    "ttft_p50_ms": lv["ttft_p50_ms"], "repeated_prompts": distinct < lv["clients"],
                    "decode_rows": full and full["rows"], "decode_tok_s": full and full["tok_s"],
                    "bench_decode_tok_s": cell and round(cell["tok_s"]["median"], 2)}
@@ -94,14 +97,14 @@ def markdown(result: dict) -> str:
 
     lines = [f"# serve targets (serve {', '.join(result['serve_git'])}; bench decode {result['decode_git']}"
              + (f"; bench ttft {result['ttft_git']}" if result["ttft_git"] else "") + ")", "",
-             "| residency | clients | errors / wrong | TTFT p50 ms | engine TTFT ms (x) | bench ttft ms (x) "
+             "| residency | clients | errors / diverged / wrong | TTFT p50 ms | engine TTFT ms (x) | bench ttft ms (x) "
              "| decode rows | serve decode tok/s | bench decode tok/s | x |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         eng = f"{f(r.get('engine_ttft_ms'))} ({f(r.get('ttft_ratio_engine'))})" if "engine_ttft_ms" in r else ""
         bench = f"{f(r.get('bench_ttft_ms'))} ({f(r.get('ttft_ratio_bench'))})" if "bench_ttft_ms" in r else ""
         mark = " *" if r["repeated_prompts"] and r["decode_tok_s"] is not None else ""
-        lines.append(f"| {r['residency']} | {r['clients']} | {r['errors']} / {r['wrong']} | {r['ttft_p50_ms']} | {eng} | "
+        lines.append(f"| {r['residency']} | {r['clients']} | {r['errors']} / {r['diverged']} / {r['wrong']} | {r['ttft_p50_ms']} | {eng} | "
                      f"{bench} | {f(r['decode_rows'])} | {f(r['decode_tok_s'])}{mark} | {f(r['bench_decode_tok_s'])} | "
                      f"{f(r['decode_ratio'])} |")
     v = result["verdict"]

@@ -30,7 +30,10 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     result = json.loads(capsys.readouterr().out)
     assert result["env"]["git"]["sha"] == "0123456789abcdef"  # a copied tree records the commit it was given
     assert [lv["clients"] for lv in result["levels"]] == [1, 3]
-    assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
+    assert all(lv["errors"] == 0 and lv["wrong"] == 0 and lv["diverged"] == 0 for lv in result["levels"])
+    # nothing diverged (fp32 on the CPU is batch-invariant), so nothing was teacher-forced
+    assert result["consistency"]["streams"] == [] and result["consistency"]["reference_max_margin"] is None
+    assert "_diverged" not in result and "_references" not in result
     # closed loop, ignore_eos: every request yields exactly its max_tokens. The mix has max(3 clients, 2 x 2
     # combinations) = 4 distinct requests (lengths 4, 9, 4, 9; outputs 3, 3, 6, 6); client c's k-th request
     # is request (2c + k) % 4: 3, 3, 6, 6, 3, 3

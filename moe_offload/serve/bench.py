@@ -9,8 +9,11 @@ By default there are as many distinct requests as the largest level has clients,
 streams are the same sequence (identical rows route to the same experts and would flatter decode
 throughput; the 032db7c run in benchmarks/results/ had one prompt for every client, which is why).
 
-Correctness: every distinct request of the mix is first run alone (one client); each concurrent stream
-must return exactly those token ids (``wrong`` counts the ones that do not).
+Correctness: every distinct request of the mix is first run alone (one client); ``diverged`` counts the
+concurrent streams whose ids differ from that run. In-process runs then judge each diverged stream by
+teacher forcing on the engine alone (``serve/consistency.py``): ``wrong`` counts the streams with a token
+the model does not rank first within the run's stated tolerance (a greedy flip at a near-tie is batch
+numerics, not an error); a ``--url`` run has no engine to ask, and there ``wrong`` = ``diverged``.
 Per level: TTFT p50/p99 (request sent -> first token), time per output token p50/p99 (per request:
 (last token - first token) / (tokens - 1)), output tokens per second over the level's wall time, errors,
 and the server's decode steps during the level by path (``decode_steps``: ``graph`` = CUDA graph replays
@@ -72,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="directory for serve-<model>-<sha>.{json,md,png}")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--git-sha", help="record this commit when the tree has no .git or a copy reports another")
+    p.add_argument("--tie-tolerance", type=float, default=None,
+                   help="logits: a diverged stream is consistent when every served token's logit is within this of "
+                        "the maximum under teacher forcing (default: 2 x the largest such margin of the reference "
+                        "streams, measured in the same run)")
 
 
 def _ints(text: str, option: str) -> list[int]:
@@ -207,10 +214,10 @@ def summarize(records: list[dict], wall_s: float, expected: dict[Job, list[int]]
     ttft = [r["t_tokens"][0] for r in ok if r["t_tokens"]]
     tpot = [(r["t_tokens"][-1] - r["t_tokens"][0]) / (len(r["t_tokens"]) - 1) for r in ok if len(r["t_tokens"]) > 1]
     tokens = sum(len(r["ids"]) for r in ok)
-    wrong = sum(1 for r in ok if expected and r["ids"] != expected.get(r["job"]))
+    diverged = sum(1 for r in ok if expected and r["ids"] != expected.get(r["job"]))
     errors = [r["error"] for r in records if r["error"] is not None]
     return {"clients": clients, "requests": len(records), "errors": len(errors), "error_examples": errors[:3],
-            "wrong": wrong, "output_tokens": tokens, "wall_s": round(wall_s, 4),
+            "diverged": diverged, "wrong": diverged, "output_tokens": tokens, "wall_s": round(wall_s, 4),
             "throughput_tok_s": round(tokens / wall_s, 2) if wall_s > 0 else None,
             "ttft_p50_ms": _ms(_pct(ttft, 50)), "ttft_p99_ms": _ms(_pct(ttft, 99)),
             "tpot_p50_ms": _ms(_pct(tpot, 50)), "tpot_p99_ms": _ms(_pct(tpot, 99))}
@@ -247,13 +254,16 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     if bad:
         raise RuntimeError(f"the single-client reference pass failed: {bad[0]}")
     expected = {r["job"]: r["ids"] for r in alone}
-    out = []
+    out, diverged = [], []
     for n, k in zip(levels, per_client):
         before = scrape(url)
         seen = {r["id"] for r in scheduler.timings()} if scheduler is not None else set()
         recs, wall = asyncio.run(_level(url, mix, n, k, a.timeout))
         after = scrape(url)
         steps = _delta(*(None if x is None else x["steps"] for x in (after, before)))
+        diverged += [{"clients": n, "job": mix.index(r["job"]), "prompt": list(r["job"].prompt_ids), "ids": r["ids"],
+                      "expected": expected[r["job"]]} for r in recs
+                     if r["error"] is None and r["ids"] != expected[r["job"]]]
         level = {**summarize(recs, wall, expected, n), "decode_steps": steps,
                  "decode_full_batch": full_batch(after, before, min(n, max_batch or n))}
         if scheduler is not None:
@@ -264,7 +274,22 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
                     "requests_per_client": per_client, "distinct_requests": len(mix), "seed": a.seed,
                     "sampling": "greedy, ignore_eos"},
-            "levels": out}
+            "levels": out, "_diverged": diverged,
+            "_references": [(list(job.prompt_ids), expected[job]) for job in mix]}
+
+
+def apply_judgement(result: dict, judgement: dict | None) -> dict:
+    """Set each level's ``wrong`` from ``judgement`` (``consistency.judge``) or, without one (a ``--url`` run),
+    to its ``diverged``; drop the private stream lists."""
+    result.pop("_references", None)
+    result.pop("_diverged", None)
+    if judgement is None:
+        result["consistency"] = {"method": "exact: a --url run has no engine to teacher-force; wrong = diverged"}
+        return result
+    for level in result["levels"]:
+        level["wrong"] = sum(1 for s in judgement["streams"] if s["clients"] == level["clients"] and not s["consistent"])
+    result["consistency"] = judgement
+    return result
 
 
 def main(a: argparse.Namespace) -> int:
@@ -275,7 +300,7 @@ def main(a: argparse.Namespace) -> int:
         import httpx
 
         model = httpx.get(a.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
-        result = run(a.url.rstrip("/"), a, a.vocab or 256, model)
+        result = apply_judgement(run(a.url.rstrip("/"), a, a.vocab or 256, model), None)
     else:
         result = _run_in_process(a)
     text = bench_report.markdown(result)
@@ -314,10 +339,14 @@ def _run_in_process(a: argparse.Namespace) -> dict:
         result = run(http.url, a, vocab, model_name(engine, serve_cfg), extra, scheduler, serve_cfg.max_batch)
         result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
         result["decode_batch"] = {"kind": scheduler.executor.batch.kind, "steps": scheduler.decode_steps}
-        return result
     finally:
         http.stop()
         scheduler.stop()
+    # the loop thread has stopped: the engine is this thread's again (teacher forcing, after the cache stats)
+    from moe_offload.serve.consistency import judge
+
+    judgement = judge(engine, result["_references"], result["_diverged"], getattr(a, "tie_tolerance", None))
+    return apply_judgement(result, judgement)
 
 
 def _engine_ttft(engine, jobs: list[Job], reps: int = 3) -> dict[str, float]:

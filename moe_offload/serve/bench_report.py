@@ -11,10 +11,10 @@ def markdown(result: dict) -> str:
             f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
             f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client (closed loop)"
             f"{_batch_note(result)}\n\n"
-            "| clients | requests | errors | wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
+            "| clients | requests | errors | diverged / wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
             "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
-    rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
+    rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r.get('diverged', r['wrong'])} / {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
             f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} | "
             f"{_split_cell(r.get('server'))} | {_full_cell(r.get('decode_full_batch'))} |"
             for r in result["levels"]]
@@ -22,7 +22,23 @@ def markdown(result: dict) -> str:
     if result.get("engine_ttft_ms"):
         tail = ("\nEngine TTFT (`Engine.measure_ttft`, same engine, before the server starts; median of 3): "
                 + ", ".join(f"{n} tokens {ms} ms" for n, ms in result["engine_ttft_ms"].items()) + "\n")
-    return head + "\n".join(rows) + "\n" + tail
+    return head + "\n".join(rows) + "\n" + tail + _consistency(result.get("consistency"))
+
+
+def _consistency(c: dict | None) -> str:
+    """How the diverged streams were judged (serve/consistency.py), one line per stream."""
+    if not c:
+        return ""
+    if "tolerance" not in c:
+        return f"\nStreams: {c['method']}.\n"
+    lines = [f"\nStreams that differ from their single run: judged by {c['method']}; tolerance {c['tolerance']} logits "
+             f"({c['tolerance_source']}; largest reference margin {c['reference_max_margin']}).\n"]
+    if c["streams"]:
+        lines += ["| clients | request | first different token | margin there | largest margin | consistent |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {s['clients']} | {s['job']} | {s['first_difference']} of {s['tokens']} | {s['margin_at_difference']} | "
+                  f"{s['max_margin']} | {'yes' if s['consistent'] else '**no**'} |" for s in c["streams"]]
+    return "\n".join(lines) + "\n"
 
 
 def _batch_note(result: dict) -> str:

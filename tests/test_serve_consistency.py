@@ -1,0 +1,91 @@
+"""Judging streams that differ from their single run (serve/consistency.py, bench serve's ``wrong``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_offload.config import load_config
+from moe_offload.engine import Engine
+from moe_offload.serve.bench import apply_judgement
+from moe_offload.serve.consistency import first_difference, judge, margins
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    cfg = load_config(None, [f"model.checkpoint={tiny_ckpt('tiny-qwen3-moe', 'nvfp4-modelopt')}", "model.format=auto",
+                             "device=cpu", "cache.budget=0.5", "logging.level=WARNING"])
+    eng = Engine.from_config(cfg, progress=False)
+    yield eng
+    eng.close()
+
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 12]
+
+
+def _logits_after(engine, ids: list[int]) -> torch.Tensor:
+    logits, _ = engine.prefill(ids, None, last_only=True)
+    return logits[0, -1].float()
+
+
+def _forced(engine, ref: list[int], j: int, token: int) -> list[int]:
+    """``ref`` with token ``j`` replaced by ``token`` and greedy after it (what a flip at j looks like)."""
+    head = ref[:j] + [token]
+    rest = engine.generate(PROMPT + head, len(ref) - j - 1).token_ids if len(ref) - j - 1 > 0 else []
+    return head + list(rest)
+
+
+def test_the_greedy_single_run_has_zero_margins_on_the_cpu(engine):
+    ref = engine.generate(PROMPT, 8).token_ids
+    m = margins(engine, PROMPT, ref)
+    assert len(m) == 8 and max(m) < 1e-4  # fp32: the prefill forward ranks each greedy pick first
+
+
+def test_a_flip_at_the_runner_up_is_consistent_within_its_gap_and_a_low_ranked_token_is_wrong(engine):
+    ref = engine.generate(PROMPT, 8).token_ids
+    j = 3
+    logits = _logits_after(engine, PROMPT + ref[:j])
+    top2 = logits.topk(2)
+    gap = float(top2.values[0] - top2.values[1])
+    assert int(top2.indices[0]) == ref[j] and gap > 0
+    flipped = _forced(engine, ref, j, int(top2.indices[1]))
+    bug = _forced(engine, ref, j, int(logits.argmin()))
+    assert first_difference(flipped, ref) == j and first_difference(bug, ref) == j
+    diverged = [{"clients": 4, "job": 0, "prompt": PROMPT, "ids": flipped, "expected": ref},
+                {"clients": 4, "job": 0, "prompt": PROMPT, "ids": bug, "expected": ref}]
+
+    lenient = judge(engine, [(PROMPT, ref)], diverged, tolerance=gap * 1.01)
+    assert [s["consistent"] for s in lenient["streams"]] == [True, False]
+    assert lenient["streams"][0]["margin_at_difference"] == pytest.approx(gap, rel=1e-3)
+    assert lenient["streams"][1]["max_margin"] > 10 * gap or lenient["streams"][1]["max_margin"] > 1.0
+    assert lenient["tolerance_source"] == "--tie-tolerance"
+
+    strict = judge(engine, [(PROMPT, ref)], diverged, tolerance=gap / 2)
+    assert [s["consistent"] for s in strict["streams"]] == [False, False]
+
+    auto = judge(engine, [(PROMPT, ref)], diverged)  # 2 x the reference margins: ~0 on the CPU in fp32
+    assert auto["reference_max_margin"] < 1e-4 and auto["tolerance"] == pytest.approx(2 * auto["reference_max_margin"])
+    assert auto["streams"][1]["consistent"] is False
+
+
+def test_nothing_diverged_costs_no_teacher_forcing(engine, monkeypatch):
+    import moe_offload.serve.consistency as mod
+
+    monkeypatch.setattr(mod, "margins", lambda *a: pytest.fail("teacher forcing without a diverged stream"))
+    out = judge(engine, [(PROMPT, [1, 2])], [])
+    assert out["streams"] == [] and out["reference_max_margin"] is None
+
+
+def _result(levels):
+    return {"levels": [{"clients": n, "diverged": d, "wrong": d} for n, d in levels], "_diverged": [1],
+            "_references": [2]}
+
+
+def test_wrong_counts_only_the_inconsistent_streams_of_each_level_and_a_url_run_counts_every_divergence():
+    judgement = {"streams": [{"clients": 4, "consistent": True}, {"clients": 4, "consistent": False},
+                             {"clients": 16, "consistent": True}]}
+    out = apply_judgement(_result([(1, 0), (4, 2), (16, 1)]), judgement)
+    assert [(lv["diverged"], lv["wrong"]) for lv in out["levels"]] == [(0, 0), (2, 1), (1, 0)]
+    assert "_diverged" not in out and "_references" not in out and out["consistency"] is judgement
+    remote = apply_judgement(_result([(4, 2)]), None)
+    assert remote["levels"][0]["wrong"] == 2 and remote["consistency"]["method"].startswith("exact")

@@ -14,7 +14,11 @@
 # Measured at 032db7c: two soaks started together, each with torch's default 16 CPU threads, loaded experts
 # at ~3 per second (the 16.3 GB store needs 6144) and a pytest beside them finished one test in 7 minutes:
 # CPU oversubscription of many small CPU ops per expert (scale checks). Each background soak now gets
-# SOAK_THREADS (4) OpenMP threads; not yet measured.
+# SOAK_THREADS (4) OpenMP threads: at edd2da4 two soaks loaded normally that way beside pytest (OMP_NUM_THREADS=4).
+# A detached soak dies with the machine: at edd2da4 the next call came too late for the ~30 s hold, started a
+# fresh machine and the soaks were lost after 6-7 minutes (their 60 s partial reports came back with the call
+# before). Chain the calls at once, and keep the device-memory hog tests (test_faults_gpu.py -k budget) away
+# from running soaks: they take all free device memory.
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail

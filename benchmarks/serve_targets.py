@@ -108,7 +108,9 @@ def markdown(result: dict) -> str:
                      f"{bench} | {f(r['decode_rows'])} | {f(r['decode_tok_s'])}{mark} | {f(r['bench_decode_tok_s'])} | "
                      f"{f(r['decode_ratio'])} |")
     v = result["verdict"]
-    lines += ["", "\\* the mix repeated prompts at this level: not judged.", "",
+    if any(r["repeated_prompts"] and r["decode_tok_s"] is not None for r in result["rows"]):
+        lines += ["", "\\* the mix repeated prompts at this level: not judged."]
+    lines += ["",
               f"Verdict (tolerance {int(TOLERANCE * 100)}%): streams {'ok' if v['streams'] else 'FAILED'}; one-client "
               f"TTFT {_word(v['ttft'])}; full-batch decode {_word(v['decode'])}."]
     return "\n".join(lines) + "\n"

@@ -200,7 +200,12 @@ def test_a_soak_cut_short_leaves_a_partial_report_of_what_it_measured(tmp_path, 
     assert 0 < len(run["requests"]) < 40 and run["mismatch_count"] == 0 and len(run["samples"]) > 0
     assert run["verdicts"] and "growth" in run  # derived like a whole run, on the data so far
     assert "**PARTIAL**" in written.with_suffix(".md").read_text()
-    assert written.with_suffix(".png").stat().st_size > 0
+    # no PNG while soaking (drawing one grows the process's RSS, which the soak measures); --merge draws it
+    assert not written.with_suffix(".png").exists()
+    merged = tmp_path / "merged"
+    assert cli_main(["bench", "soak", "--merge", str(written), "--out", str(merged)]) in (0, 1)
+    (png,) = merged.glob("soak-*.png")
+    assert png.stat().st_size > 0 and "**PARTIAL**" in png.with_suffix(".md").read_text()
 
 
 def test_a_whole_run_replaces_its_partial_reports(tmp_path, presets, monkeypatch):
@@ -209,9 +214,10 @@ def test_a_whole_run_replaces_its_partial_reports(tmp_path, presets, monkeypatch
     monkeypatch.setattr(soak, "CHECKPOINT_S", 0.3)
     real_write, partials = soak_report.write, []
 
-    def spy(result, out):
+    def spy(result, out, png=True):
         partials.append(bool(result.get("partial")))
-        return real_write(result, out)
+        assert png is not bool(result.get("partial"))  # the PNG only with the whole run
+        return real_write(result, out, png)
 
     monkeypatch.setattr(soak_report, "write", spy)
     # two residencies: the second one's partials hold the first (whole) run too

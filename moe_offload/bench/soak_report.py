@@ -243,14 +243,18 @@ def plot(result: dict, path: Path) -> None:
 
 
 def write_partial(result: dict, out: Path) -> None:
-    """``result`` of a soak still running (its last run so far) as a partial report under ``write``'s name.
+    """``result`` of a soak still running (its last run so far) as a partial report under ``write``'s name:
+    the JSON and markdown, not the PNG. Drawing the PNG grows the soaking process's RSS by 4-10 MiB a time
+    (matplotlib's render buffers; measured with this module's ``write``), and the H200 soaks at edd2da4 showed
+    a +5.5-8 MiB RSS step at each 60 s partial report (~+30 MiB in 6-7 minutes, counted as the runtime's
+    growth); without the PNG a report adds ~1 MiB once. ``bench soak --merge PARTIAL.json`` draws it later.
     A partial report is a safety net: failing to write one logs an event and never ends the soak."""
     last = result["runs"][-1]
     result["partial"] = {"residency": last["residency"], "seconds": round(last["seconds"], 1),
                          "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     try:
         derive(result)
-        write(result, out)
+        write(result, out, png=False)
     except Exception as exc:
         log.event("bench_soak_partial_not_written", 30, error=type(exc).__name__, message=str(exc))
 
@@ -266,11 +270,11 @@ def load_plotting() -> None:
         pass
 
 
-def write(result: dict, out: Path) -> dict:
+def write(result: dict, out: Path, png: bool = True) -> dict:
     """Write ``soak-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
-    Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
+    Without matplotlib (or with ``png=False``) the PNG is not written; without matplotlib a note says so."""
     # named for the planned residencies: a partial report (fewer runs so far) and the whole one share a name
     planned = result.get("settings", {}).get("residencies") or [r["residency"] for r in result["runs"]]
     res = "+".join(f"{r:g}" for r in planned)
     stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"
-    return write_files(result, out, stem, markdown, plot, "soak")
+    return write_files(result, out, stem, markdown, plot if png else None, "soak")

@@ -97,12 +97,14 @@ if has check_decode; then  # bench decode at the check_serve residencies and bat
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has check_serve; then  # bench serve per residency (~4 min each), then serve_targets over what this machine holds
+if has check_serve; then  # bench serve per residency (~2-5 min each), then serve_targets over what this machine holds
   for r in ${SERVE_CHECK_RESIDENCIES:-0.37 1.0}; do
-    timeout ${SERVE_TIMEOUT:-280} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    # 128 tokens: at 64 clients the prompts are prefilled one at a time (64 x 90-200 ms), so with the 64 tokens
+    # of the edd2da4 run no decode step held all 64 rows; 128-step streams outlast the admissions
+    timeout ${SERVE_TIMEOUT:-400} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set cache.budget=$r --clients 1,4,16,64 --requests-per-client 5,2,1,1 \
-      --prompt-lens 1024 --max-tokens 64 --set serve.max_batch=64 --set decode.max_tokens=64 \
-      --set decode.max_cache_len=1104 ${SERVE_CHECK_ARGS:-} --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --prompt-lens 1024 --max-tokens 128 --set serve.max_batch=64 --set decode.max_tokens=64 \
+      --set decode.max_cache_len=1152 ${SERVE_CHECK_ARGS:-} --git-sha ${SERVE_CHECK_SHA:-unknown} \
       --out "$RES/check-serve-r$r" --json > "$RES/check-serve-r$r.json" 2> "$RES/check-serve-r$r.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done

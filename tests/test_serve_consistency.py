@@ -8,7 +8,7 @@ import torch
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.serve.bench import apply_judgement
-from moe_offload.serve.consistency import first_difference, judge, margins
+from moe_offload.serve.consistency import dtype_step, first_difference, judge, margins
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,13 @@ def test_bf16_serving_on_the_cpu_diverges_only_at_ties_and_bench_serve_calls_non
     assert all(s["consistent"] and s["max_margin"] <= c["tolerance"] for s in c["streams"])
     if c["streams"]:  # the batch compositions depend on timing: how many diverge varies, not where they may
         assert c["tolerance"] < 0.02 and all(s["first_difference"] is not None for s in c["streams"])
+
+
+def test_one_step_of_the_logits_dtype_is_the_spacing_of_that_dtype_at_the_top_logit():
+    top = torch.tensor([0.3, 1.0, 12.0, -12.0])
+    assert dtype_step(top, torch.bfloat16).tolist() == [2 ** -9, 2 ** -7, 2 ** -4, 2 ** -4]
+    for v in (0.3, 12.0):  # the next bf16 value above v is v + one step
+        b = torch.tensor(v, dtype=torch.bfloat16)
+        nxt = (b.view(torch.int16) + 1).view(torch.bfloat16)
+        assert float(nxt) - float(b) == float(dtype_step(torch.tensor([v]), torch.bfloat16)[0])
+    assert float(dtype_step(torch.tensor([1.0]), torch.float32)[0]) == 2 ** -23

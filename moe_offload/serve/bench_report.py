@@ -32,12 +32,14 @@ def _consistency(c: dict | None) -> str:
     if "tolerance" not in c:
         return f"\nStreams: {c['method']}.\n"
     lines = [f"\nStreams that differ from their single run: judged by {c['method']}; tolerance {c['tolerance']} logits "
-             f"({c['tolerance_source']}; largest reference margin {c['reference_max_margin']}).\n"]
+             f"({c['tolerance_source']}; largest reference margin {c['reference_max_margin']}; a margin within one step of the "
+             "logits' dtype at the top logit is a tie whatever the tolerance).\n"]
     if c["streams"]:
-        lines += ["| clients | request | first different token | margin there | largest margin | consistent |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += ["| clients | request | first different token | margin there | largest margin | logits' dtype step | consistent |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         lines += [f"| {s['clients']} | {s['job']} | {s['first_difference']} of {s['tokens']} | {s['margin_at_difference']} | "
-                  f"{s['max_margin']} | {'yes' if s['consistent'] else '**no**'} |" for s in c["streams"]]
+                  f"{s['max_margin']} | {s.get('max_dtype_step', 'n/a')} | {'yes' if s['consistent'] else '**no**'} |"
+                  for s in c["streams"]]
     return "\n".join(lines) + "\n"
 
 

@@ -113,7 +113,7 @@ class BalancedLruPolicy(LruPolicy):
         return int(self.share_L[lp] - count_L[lp])
 
     def victims_for(self, lp, n, protected, count_L, slot_of_LE) -> list[int]:
-        room = int(self.share_L[lp] - count_L[lp])
+        room = self.room(lp, count_L)
         n_free = min(n, max(0, room), self.num_free)
         slots = self.choose_free(n_free) if n_free else []
         want = n - n_free

@@ -43,6 +43,26 @@ def tiny_ckpt(tmp_path_factory):
     return get
 
 
+@pytest.fixture
+def bf16_serve_bench(tiny_ckpt, capsys):
+    """``bf16_serve_bench(device)`` -> (exit code, JSON result) of ``bench serve`` on the tiny model in bf16:
+    1 / 4 / 16 clients, prompts of 64 and 256 tokens, 48 tokens each (tests/test_serve_consistency.py and its
+    GPU twin)."""
+    import json
+
+    from moe_offload.cli import main
+
+    def run(device: str) -> tuple[int, dict]:
+        ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+        rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
+                   "--set", f"device={device}", "--set", "dtype=bfloat16", "--set", "logging.level=WARNING",
+                   "--clients", "1,4,16", "--requests-per-client", "2,2,1", "--prompt-lens", "64,256",
+                   "--max-tokens", "48", "--json"])
+        return rc, json.loads(capsys.readouterr().out)
+
+    return run
+
+
 @pytest.fixture(autouse=True)
 def _fresh_log_once():
     from moe_offload import log

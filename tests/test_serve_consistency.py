@@ -91,20 +91,11 @@ def test_wrong_counts_only_the_inconsistent_streams_of_each_level_and_a_url_run_
     assert remote["levels"][0]["wrong"] == 2 and remote["consistency"]["method"].startswith("exact")
 
 
-def test_bf16_serving_on_the_cpu_diverges_only_at_ties_and_bench_serve_calls_none_wrong(tiny_ckpt, tmp_path, capsys):
+def test_bf16_serving_on_the_cpu_diverges_only_at_ties_and_bench_serve_calls_none_wrong(bf16_serve_bench):
     """bf16 on the CPU shows what the H200 run at edd2da4 did in bf16 (streams differing from their single
     runs); every difference here is at a margin of at most a bf16 ulp of the logits, so none is wrong.
     Measured when written: 1 of 8 and 3 of 16 streams diverged, at margins 0 and 0.00195."""
-    import json
-
-    from moe_offload.cli import main
-
-    ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
-               "--set", "device=cpu", "--set", "dtype=bfloat16", "--set", "logging.level=WARNING",
-               "--clients", "1,4,16", "--requests-per-client", "2,2,1", "--prompt-lens", "64,256",
-               "--max-tokens", "48", "--json"])
-    result = json.loads(capsys.readouterr().out)
+    rc, result = bf16_serve_bench("cpu")
     c = result["consistency"]
     assert rc == 0 and all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
     assert all(s["consistent"] and s["max_margin"] <= c["tolerance"] for s in c["streams"])

@@ -52,6 +52,7 @@ from moe_offload.bench.soak_sampler import Sampler, WarningCounter
 from moe_offload.bench.sweep import cell_config, pool_slots, resident_sets, use_cache
 from moe_offload.bench.ttft import BenchError, _csv
 from moe_offload.config import OffloadConfig, load_config
+from moe_offload.serve.consistency import first_difference as first_index
 
 # The embedded default is the CI smoke test: seconds on a CPU, so short prompts, small batches.
 DEFAULTS = {"smoke": {"prompt_lens": "16..256", "max_batch": 3, "max_batch_tokens": 1024, "new_tokens": 8,
@@ -196,11 +197,10 @@ def answer(engine, w: Workload, new_tokens: int) -> list[list[int]]:
 def first_difference(got: list[list[int]], want: list[list[int]]) -> dict | None:
     """Where two answers first differ (sequence, position, tokens), or None when equal."""
     for b, (g, r) in enumerate(zip(got, want)):
-        for pos in range(max(len(g), len(r))):
-            tg = g[pos] if pos < len(g) else None
-            tr = r[pos] if pos < len(r) else None
-            if tg != tr:
-                return {"sequence": b, "position": pos, "got": tg, "want": tr}
+        pos = first_index(g, r)
+        if pos is not None:
+            return {"sequence": b, "position": pos, "got": g[pos] if pos < len(g) else None,
+                    "want": r[pos] if pos < len(r) else None}
     if len(got) != len(want):
         return {"sequence": min(len(got), len(want)), "position": 0, "got": None, "want": None}
     return None

@@ -62,7 +62,8 @@ def dtype_step(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where the two id lists differ (the shorter one's length when one is a prefix)."""
+    """The first index where the two id lists differ (the shorter one's length when one is a prefix; None
+    when equal). ``bench/soak.py`` compares its answers with it too."""
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return i

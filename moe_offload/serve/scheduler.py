@@ -288,8 +288,7 @@ class Scheduler:
                           message=str(exc))
                 if self._prefilling and self._prefilling[0] is req:  # a failed join: it already left the queue
                     self._prefilling.popleft()
-                self.executor.drop(req.id)
-                self._finish(req, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+                self._fail_prefill(req, exc)
         if self._running:
             self._decode_step()
         self.steps += 1
@@ -324,8 +323,7 @@ class Scheduler:
                       error=type(exc).__name__, message=str(exc))
             for r in group:
                 self._prefilling.remove(r)
-                self.executor.drop(r.id)
-                self._finish(r, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+                self._fail_prefill(r, exc)
             return
         self.prefill_batches += 1
         toks = self._first_tokens(group, torch.cat(logits))  # one device->host read for the group
@@ -337,8 +335,12 @@ class Scheduler:
             except Exception as exc:  # e.g. its rows cannot join the decode batch: this request fails
                 log.event("serve_request_failed", 40, request=r.id, stage="join", error=type(exc).__name__,
                           message=str(exc))
-                self.executor.drop(r.id)
-                self._finish(r, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
+                self._fail_prefill(r, exc)
+
+    def _fail_prefill(self, req: Request, exc: BaseException) -> None:
+        """End a request whose prefill (or join) raised ``exc``: its per-request state goes, it gets the error."""
+        self.executor.drop(req.id)
+        self._finish(req, None, error=f"prefill failed: {type(exc).__name__}: {exc}")
 
     def _first_tokens(self, reqs: list[Request], logits_BV: torch.Tensor) -> list[int]:
         """Fully prefilled requests' first tokens (each request's seeded generator made here)."""

@@ -8,18 +8,12 @@ import json
 import pytest
 import torch
 
-from moe_offload.cli import main
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_bf16_serving_on_cuda_differs_from_single_runs_only_at_ties(tiny_ckpt, capsys):
-    ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
-               "--set", "device=cuda", "--set", "dtype=bfloat16", "--set", "logging.level=WARNING",
-               "--clients", "1,4,16", "--requests-per-client", "2,2,1", "--prompt-lens", "64,256",
-               "--max-tokens", "48", "--json"])
-    result = json.loads(capsys.readouterr().out)
+def test_bf16_serving_on_cuda_differs_from_single_runs_only_at_ties(bf16_serve_bench):
+    rc, result = bf16_serve_bench("cuda")
     c = result["consistency"]
     print(json.dumps({"levels": [(lv["clients"], lv["diverged"], lv["wrong"]) for lv in result["levels"]],
                       "tolerance": c["tolerance"], "reference_max_margin": c["reference_max_margin"],

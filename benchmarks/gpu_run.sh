@@ -19,6 +19,7 @@
 # fresh machine and the soaks were lost after 6-7 minutes (their 60 s partial reports came back with the call
 # before). Chain the calls at once, and keep the device-memory hog tests (test_faults_gpu.py -k budget) away
 # from running soaks: they take all free device memory.
+# PYTEST_K: a pytest -k expression (may hold spaces), e.g. PYTEST_K="not budget" keeps the memory hogs out.
 # e.g. TTFT_ARGS="--prompt-lens 1024 --residency 0,0.37,0.5,0.75 --modes gather,batch_memcpy,off --git-sha <sha>"
 # Carry .whl (pydantic and its needs, from ../shared/tools/device-wheels.sh).
 set -uo pipefail
@@ -47,7 +48,7 @@ if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event p
 fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
-has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
 has kernels && timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/decode_kernels.py --out "$RES" > "$RES/decode_kernels.log" 2>&1
 if has decode_smoke; then  # generate on a truncated real-size model: decode tok/s per residency, graphs on/off
   timeout ${SMOKE_TIMEOUT:-300} python3 - > "$RES/decode_smoke.log" 2>&1 <<'PY'
@@ -130,9 +131,9 @@ if has soak; then  # SOAK_ARGS: --residencies ... --minutes ...
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has soak_wait; then
-  t0=$(date +%s)
+  t0=$(date +%s); until=${SOAK_UNTIL:-$(( t0 + ${SOAK_WAIT_S:-560} ))}  # SOAK_UNTIL: an epoch second (a call's deadline)
   for pid in $(cat /tmp/soak.pids 2>/dev/null); do
-    while kill -0 "$pid" 2>/dev/null && (( $(date +%s) - t0 < ${SOAK_WAIT_S:-560} )); do sleep 5; done
+    while kill -0 "$pid" 2>/dev/null && (( $(date +%s) < until )); do sleep 5; done
   done
   { echo "soak_wait $(( $(date +%s) - t0 )) s"; for pid in $(cat /tmp/soak.pids 2>/dev/null); do
     kill -0 "$pid" 2>/dev/null && echo "$pid still running" || echo "$pid done"; done; } >> "$RES/soak_bg.log"

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+from moe_offload import log
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.serve.bench import apply_judgement
@@ -81,11 +84,17 @@ def _result(levels):
             "_references": [2]}
 
 
-def test_wrong_counts_only_the_inconsistent_streams_of_each_level_and_a_url_run_counts_every_divergence():
-    judgement = {"streams": [{"clients": 4, "consistent": True}, {"clients": 4, "consistent": False},
+def test_wrong_counts_only_the_inconsistent_streams_of_each_level_and_a_url_run_counts_every_divergence(caplog):
+    judgement = {"method": "teacher-forced", "tolerance": 0.125,
+                 "streams": [{"clients": 4, "consistent": True}, {"clients": 4, "consistent": False},
                              {"clients": 16, "consistent": True}]}
-    out = apply_judgement(_result([(1, 0), (4, 2), (16, 1)]), judgement)
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        out = apply_judgement(_result([(1, 0), (4, 2), (16, 1)]), judgement)
     assert [(lv["diverged"], lv["wrong"]) for lv in out["levels"]] == [(0, 0), (2, 1), (1, 0)]
+    # the H200 run at e153b4d logged wrong = diverged per level before the judge ran: the judged counts are
+    # logged once, by the judge
+    judged = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "bench_serve_judged"]
+    assert len(judged) == 1 and judged[0]["wrong"] == {1: 0, 4: 1, 16: 0} and judged[0]["tolerance"] == 0.125
     assert "_diverged" not in out and "_references" not in out and out["consistency"] is judgement
     remote = apply_judgement(_result([(4, 2)]), None)
     assert remote["levels"][0]["wrong"] == 2 and remote["consistency"]["method"].startswith("exact")

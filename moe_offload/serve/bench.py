@@ -269,7 +269,8 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
         if scheduler is not None:
             level["server"] = server_split([r for r in scheduler.timings() if r["id"] not in seen])
         out.append(level)
-        log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k != "error_examples"})
+        # "wrong" is provisional (= diverged) until apply_judgement: the event leaves it out, bench_serve_judged has it
+        log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k not in ("error_examples", "wrong")})
     return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
             "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
                     "requests_per_client": per_client, "distinct_requests": len(mix), "seed": a.seed,
@@ -285,10 +286,15 @@ def apply_judgement(result: dict, judgement: dict | None) -> dict:
     result.pop("_diverged", None)
     if judgement is None:
         result["consistency"] = {"method": "exact: a --url run has no engine to teacher-force; wrong = diverged"}
-        return result
-    for level in result["levels"]:
-        level["wrong"] = sum(1 for s in judgement["streams"] if s["clients"] == level["clients"] and not s["consistent"])
-    result["consistency"] = judgement
+    else:
+        for level in result["levels"]:
+            level["wrong"] = sum(1 for s in judgement["streams"]
+                                 if s["clients"] == level["clients"] and not s["consistent"])
+        result["consistency"] = judgement
+    log.info_rank0("bench_serve_judged", method=result["consistency"].get("method"),
+                   tolerance=result["consistency"].get("tolerance"),
+                   wrong={lv["clients"]: lv["wrong"] for lv in result["levels"]},
+                   diverged={lv["clients"]: lv["diverged"] for lv in result["levels"]})
     return result
 
 

@@ -48,9 +48,11 @@ class OffloadMoeCache:
     """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
-                 decode_max_tokens: int = 16, fused_decode: bool = True):
+                 decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed"):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
+        ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
+        where the cost model says staging pays; steps above it are then staged.
         ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -59,7 +61,7 @@ class OffloadMoeCache:
         self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
         self.counters = CacheStats()
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
-                                                 fused_decode)
+                                                 fused_decode, decode_path)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None

@@ -138,7 +138,8 @@ class PrefillConfig(_Strict):
     dequant_chunk_bytes: str = Field("2GiB", description="dequantized weights held at once by the torch compute path")
     dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
     routed_max_tokens: Literal["auto"] | int = Field(
-        "auto", description="forwards of at most this many tokens (and never fewer than decode.max_tokens) read only "
+        "auto", description="forwards of at most this many tokens (and never fewer than decode.max_tokens unless "
+        "decode.path is auto) read only "
         "their routed experts (resident ones in place, missing ones over PCIe by SMs) instead of staging the whole "
         "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
         f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
@@ -197,6 +198,11 @@ class DecodeConfig(_Strict):
                             "decoders' batch cap (prefill.routed_max_tokens may route longer forwards the same way)")
     cuda_graphs: bool = Field(True, description="on CUDA, replay each decode step (every layer + LM head) as one "
                               "CUDA graph over a static KV cache (one graph per batch size)")
+    path: Literal["routed", "auto"] = Field(
+        "routed", description="routed: every step of at most decode.max_tokens rows reads only its routed experts "
+        "(graph-captured); auto: prefill.routed_max_tokens may be lower than decode.max_tokens, and steps of more "
+        "rows than it take the staged path (whole missing layers over the copy engine, eagerly: large batches at "
+        "low residency, where the cost model predicts staging is cheaper)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

@@ -116,7 +116,7 @@ class Engine:
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
-                                fused_decode=cfg.compute.backend != "torch")
+                                fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path)
         fmt = get_format(fmt_name)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
@@ -125,7 +125,8 @@ class Engine:
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
-        attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, cfg.decode.max_tokens, reduce,
+        routed_rows = min(cfg.decode.max_tokens, cache.routed_max_tokens)  # < max_tokens only with decode.path auto
+        attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, routed_rows, reduce,
                                                                  graphed, decode))
         model.to(device).eval()
         check_no_meta(model)
@@ -222,6 +223,12 @@ class Engine:
             return None
         if batch > self.cfg.decode.max_tokens:  # the step would take the prefill path (host work per layer)
             self.cache.counters.declined["decode_graph:batch_above_decode_max_tokens"] += 1
+            return None
+        if batch > self.cache.routed_max_tokens:  # decode.path auto: the cost model stages steps this large
+            self.cache.counters.declined["decode_graph:batch_staged"] += 1
+            log.log_once(f"decode_graph_declined:batch_staged:{batch}", "decode_graph_declined", logging.INFO,
+                         reason="batch_staged", fallback="eager_staged", rows=batch,
+                         routed_max_tokens=self.cache.routed_max_tokens, setting="decode.path")
             return None
         if batch not in self._decoders:
             from moe_offload.decode_graph import StaticDecoder

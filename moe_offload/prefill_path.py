@@ -22,7 +22,11 @@ few tokens route few experts: a 16-token prompt on 512 experts at top-10 routes 
 
 ``auto`` picks the largest T (up to the entry's ``max_tokens``, the largest T its constants were
 measured at) such that routed-only is cheaper for every T' <= T; ``decode.max_tokens`` is a floor
-(decode steps must take the routed path: it is the one a CUDA graph can capture). The threshold is
+(decode steps must take the routed path: it is the one a CUDA graph can capture) unless ``decode.path`` is
+``auto``: then the model's (or the setting's) threshold stands even below ``decode.max_tokens`` (at least 1),
+and decode steps of more rows than it run eagerly on the staged path, where the model says a whole missing
+layer over the copy engine (55 GB/s, overlapped with the previous layer) beats SM reads of the routed misses
+(~48 GB/s, not overlapped): e.g. 64 rows at residency 0.37 on the H200 constants, 3.9 vs 5.3 ms per layer. The threshold is
 computed once per cache, sizes the decode scratch rows (``min(threshold * K, E)``) and the routing
 record, is logged as one ``prefill_path_chosen`` event and reported by ``cache.stats()``.
 """
@@ -150,6 +154,7 @@ class RoutedPath:
     resident_fraction: float | None = None
     staged_ms_per_layer: dict | None = None  # model estimates at a few T, for the log and stats
     routed_ms_per_layer: dict | None = None
+    decode_path: str = "routed"  # decode.path: "auto" lets max_tokens fall below decode_max_tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -162,18 +167,23 @@ def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict
 
 
 def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, resident: float, device,
-            fused_decode: bool) -> RoutedPath:
-    """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``."""
+            fused_decode: bool, decode_path: str = "routed") -> RoutedPath:
+    """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``.
+    ``decode_path`` "auto": a setting or the cost model may put the threshold below ``decode_max_tokens``
+    (never below 1: a one-token step always reads only its routed experts); without a model (a CPU, the
+    unfused decode compute) the threshold stays ``decode_max_tokens``."""
     floor = decode_max_tokens
+    lowest = floor if decode_path == "routed" else 1
     if setting != "auto":
-        choice = RoutedPath(max(floor, int(setting)), setting, floor, "setting")
+        choice = RoutedPath(max(lowest, int(setting)), setting, floor, "setting", decode_path=decode_path)
     elif device.type != "cuda":
         # no PCIe link, no UVA: both paths are host copies and the table's constants are GPU measurements
-        choice = RoutedPath(floor, setting, floor, "cpu_device", resident_fraction=resident)
+        choice = RoutedPath(floor, setting, floor, "cpu_device", resident_fraction=resident, decode_path=decode_path)
     elif not fused_decode:
         # the unfused decode compute gathers T*K expert rows (compute/decode.py): not modelled, and it grows
         # with T where the staged path does not
-        choice = RoutedPath(floor, setting, floor, "row_gather_decode", resident_fraction=resident)
+        choice = RoutedPath(floor, setting, floor, "row_gather_decode", resident_fraction=resident,
+                            decode_path=decode_path)
     else:
         import torch
 
@@ -181,17 +191,18 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
         model, entry = cost_model(name, E, K, R)
         chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT)
         staged, routed = _estimates(model, E, K, R, resident)
-        choice = RoutedPath(max(floor, chosen), setting, floor, "cost_model", chosen, entry, round(resident, 4),
-                            staged, routed)
+        choice = RoutedPath(max(lowest, chosen), setting, floor, "cost_model", chosen, entry, round(resident, 4),
+                            staged, routed, decode_path)
     log.info_rank0("prefill_path_chosen", routed_max_tokens=choice.max_tokens, setting=setting,
-                   decode_max_tokens=floor, reason=choice.reason, model_tokens=choice.model_tokens,
+                   decode_max_tokens=floor, decode_path=decode_path, reason=choice.reason, model_tokens=choice.model_tokens,
                    entry=choice.entry, resident_fraction=choice.resident_fraction, experts=E, top_k=K, row_bytes=R,
                    staged_ms_per_layer=choice.staged_ms_per_layer, routed_ms_per_layer=choice.routed_ms_per_layer,
                    change_with="prefill.routed_max_tokens")
     return choice
 
 
-def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool):
+def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
+               decode_path: str = "routed"):
     """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
     with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
     byte or ``auto`` budget then buys slightly fewer slots)."""
@@ -202,7 +213,8 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     base_rows = scratch_rows(decode_max_tokens, K, E)
     plan = plan_budget(store, budget, device, reserve, base_rows)
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
-                     resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized)
+                     resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
+                     decode_path)
     rows = scratch_rows(choice.max_tokens, K, E)
     if rows != base_rows:
         plan = plan_budget(store, budget, device, reserve, rows)

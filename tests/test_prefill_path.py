@@ -186,3 +186,68 @@ def test_the_h200_entries_are_what_the_fit_script_makes_of_the_committed_results
                            f"benchmarks/results/{dk.name}", f"benchmarks/results/{fm.name}")
     assert gpu == H200
     assert entries == json.loads(TABLE_PATH.read_text())["devices"][H200]
+
+
+# ------------------------------------------------------------------ decode.path: auto (large decode batches staged)
+def _resolve_on_h200(monkeypatch, decode_max_tokens, decode_path, resident=0.37, setting="auto"):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H200)  # the table's entry, no GPU needed
+    return resolve(setting, decode_max_tokens, *QWEN3, resident, torch.device("cuda", 0), True, decode_path)
+
+
+def test_decode_path_routed_keeps_decode_max_tokens_as_the_floor_and_auto_lets_the_model_stage_64_row_steps(monkeypatch):
+    model, _ = cost_model(H200, *QWEN3)
+    chosen = model.threshold(*QWEN3, 0.37, ROUTED_MAX_TOKENS_LIMIT)
+    assert 1 <= chosen < 64  # the H200 constants: a 64-row step at residency 0.37 is cheaper staged
+    assert not _routed_prefers(model, 64, QWEN3, 0.37)
+    assert _resolve_on_h200(monkeypatch, 64, "routed").max_tokens == 64
+    auto = _resolve_on_h200(monkeypatch, 64, "auto")
+    assert (auto.max_tokens, auto.model_tokens, auto.decode_path) == (chosen, chosen, "auto")
+    # all resident: nothing to copy, the routed path stays cheaper through the measured 64 tokens
+    assert _resolve_on_h200(monkeypatch, 64, "auto", resident=1.0).max_tokens == 64
+
+
+def test_decode_path_auto_honours_a_setting_below_decode_max_tokens_but_never_below_one(monkeypatch):
+    assert _resolve_on_h200(monkeypatch, 16, "auto", setting=4).max_tokens == 4
+    assert _resolve_on_h200(monkeypatch, 16, "auto", setting=0).max_tokens == 1
+    assert _resolve_on_h200(monkeypatch, 16, "routed", setting=4).max_tokens == 16
+
+
+def test_decode_path_auto_without_a_cost_model_keeps_decode_max_tokens(store):
+    cache = OffloadMoeCache(store, CacheConfig(budget=0.5), PrefillConfig(), "cpu", decode_max_tokens=8,
+                            decode_path="auto")
+    assert cache.routed_max_tokens == 8 and cache.routed_path.reason == "cpu_device"
+
+
+@pytest.fixture(scope="module")
+def batch_engines(tiny_ckpt):
+    """decode.max_tokens 8 on both; decode.path routed (4-row steps routed) and auto with the threshold set
+    to 2 (4-row steps staged, as the cost model stages 64-row steps at low residency on the H200)."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    return (_engine(path, "decode.max_tokens=8", "prefill.routed_max_tokens=2"),
+            _engine(path, "decode.max_tokens=8", "prefill.routed_max_tokens=2", "decode.path=auto"))
+
+
+def test_decode_steps_above_the_auto_threshold_are_staged_and_give_the_routed_steps_greedy_tokens(batch_engines):
+    routed, auto = batch_engines
+    assert (routed.cache.routed_max_tokens, auto.cache.routed_max_tokens) == (8, 2)
+    prompts = [list(range(10 + 7 * b, 50 + 7 * b)) for b in range(4)]  # 4 rows of 40 tokens
+    for eng in batch_engines:
+        eng.cache.reset()
+    want = [r.token_ids for r in routed.generate_batch(prompts, 10)]
+    st_routed = routed.cache.stats()
+    got = [r.token_ids for r in auto.generate_batch(prompts, 10)]
+    st_auto = auto.cache.stats()
+    assert got == want
+    # routed: 9 decode steps of 4 rows on the routed path, 1 staged prefill; auto: all 10 forwards staged
+    assert (st_routed["decode_steps"], st_routed["prefills"]) == (9, 1)
+    assert (st_auto["decode_steps"], st_auto["prefills"]) == (0, 10)
+    # a one-row step is still routed under auto
+    auto.cache.reset()
+    auto.generate(prompts[0], 4)
+    assert auto.cache.stats()["decode_steps"] == 3
+
+
+def test_decode_path_is_validated_by_name():
+    with pytest.raises(ConfigError, match="decode.path"):
+        load_config(None, ["decode.path=staged"])
+    assert load_config(None).decode.path == "routed"

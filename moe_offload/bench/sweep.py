@@ -124,7 +124,7 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     engine.cache.close()  # the old pool and staging go before the new ones are allocated
     free_memory()
     engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
-                                         fused_decode=cfg.compute.backend != "torch"))
+                                         fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()

@@ -232,6 +232,12 @@ class StaticBatch:
                          logging.WARNING, path="serve", reason="batch_above_decode_max_tokens", fallback="eager",
                          detail=f"a step of {B} rows takes the experts' prefill path", setting="decode.max_tokens")
             return False
+        if B > self.engine.cache.routed_max_tokens:  # decode.path auto: the cost model stages steps this large
+            self.engine.cache.counters.declined["serve_graph:batch_staged"] += 1
+            log.log_once(f"decode_graph_declined:serve:batch_staged:{B}", "decode_graph_declined", logging.INFO,
+                         path="serve", reason="batch_staged", fallback="eager_staged", rows=B,
+                         routed_max_tokens=self.engine.cache.routed_max_tokens, setting="decode.path")
+            return False
         return True
 
     def _capture(self, key: tuple[int, int]):

@@ -133,3 +133,22 @@ def test_graph_decode_logits_match_the_oracle_at_every_step(tiny_ckpt, preset, f
         # fp32 both sides; kernel and cuBLAS summation orders differ: 1e-3 is ~100x that noise and far
         # below what a wrong expert or a stale slot gives (> 1e-2)
         torch.testing.assert_close(logits[0].cpu(), want, atol=1e-3, rtol=0, msg=f"step {step}")
+
+
+def test_decode_path_auto_runs_batches_above_its_threshold_eagerly_staged_with_a_count_and_the_same_tokens(tiny_ckpt):
+    """decode.path auto with the threshold at 2: a 4-row generate declines the graph (counted as
+    decode_graph:batch_staged), stages every step, and its greedy tokens equal the routed, graph-replayed
+    engine's within bf16 ties (the compute differs: grouped GEMMs vs the fused decode kernels); a one-row
+    generate still replays a graph."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    common = ("cache.budget=0.37", "decode.max_tokens=8", "prefill.routed_max_tokens=2")
+    routed, auto = _engine(path, *common), _engine(path, *common, "decode.path=auto")
+    prompts = [list(range(10 + 7 * b, 42 + 7 * b)) for b in range(4)]
+    want = [r.token_ids for r in routed.generate_batch(prompts, 8)]
+    auto.cache.reset()
+    got = [r.token_ids for r in auto.generate_batch(prompts, 8)]
+    st = auto.cache.stats()
+    assert st["declined"].get("decode_graph:batch_staged") == 1 and st["decode_steps"] == 0
+    assert sum(a == b for a, b in zip(got, want)) >= 3, (got, want)  # at most one stream flips at a tie
+    auto.generate(prompts[0], 4)
+    assert auto.cache.stats()["compute"].get("decode_graph_replays", 0) > 0

@@ -278,3 +278,22 @@ def test_short_prompts_get_the_routed_floor_target(bench_paths):
     routed = [t for t in result["targets"] if t["id"] == "ttft_within_1.10x_routed_floor"]
     assert {(t["prompt_len"], t["mode"]) for t in routed} == {
         (n, v) for n in (16, 64) for v in ("gather/staged", "gather/routed", "gather/auto")}
+
+
+def test_a_chunked_prompt_reports_its_chunks_and_a_chunked_floor_that_matches_the_bytes_staged(tmp_path, presets):
+    """64 tokens in chunks of 32, both staged (decode.max_tokens 8, routed threshold 0): each chunk copies
+    every layer's missing experts again, exactly what the chunked PCIe floor counts."""
+    out = tmp_path / "r"
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "64", "--residency", "0.5",
+            "--modes", "gather", "--set", "device=cpu", "--set", f"model.cache_dir={presets}",
+            "--set", "logging.level=WARNING", "--set", "prefill.chunk_tokens=32", "--set", "decode.max_tokens=8",
+            "--set", "prefill.routed_max_tokens=0"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(argv) == 0
+    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    cell = _cell(result, "gather", 0.5)
+    all_bytes = result["model"]["all_expert_bytes"]
+    assert cell["chunks"] == 2 and cell["path"] == "staged"
+    assert cell["bytes"]["h2d"] == 2 * all_bytes // 2  # each of the 2 chunks staged half of every layer
+    assert cell["pcie_floor_chunked_s"] == pytest.approx(2 * cell["pcie_floor_s"])
+    assert "chunked_definition" in result["floors"]

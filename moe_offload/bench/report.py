@@ -13,6 +13,7 @@ were really served from the device (copied D2D, or read in place on the routed p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from moe_offload.bench.env import on_cuda, write_files
@@ -64,11 +65,21 @@ def derive(result: dict) -> None:
                                               "served from the device (copied D2D, or read in place when routed)")
     result["floors"]["routed_definition"] = ("bytes of the distinct missing experts the prompt routed, every layer "
                                              "(ids from the variant's untimed pass), / H2D bandwidth")
+    chunk = result.get("config", {}).get("prefill", {}).get("chunk_tokens")
+    result["floors"]["chunked_definition"] = ("a prompt longer than prefill.chunk_tokens is prefilled in chunks and "
+                                              "every staged chunk copies each layer's missing experts again: "
+                                              "chunked PCIe floor = chunks x PCIe floor")
     for c in result["cells"]:
         med = c["ttft_s"]["median"]
         cf = compute[str(c["prompt_len"])]
         hit = c["hit_fraction"] if c["hit_fraction"] is not None else c.get("resident_fraction", 0.0)
         c["pcie_floor_s"] = (1.0 - hit) * all_bytes / bw
+        c["chunks"] = math.ceil(c["prompt_len"] / chunk) if chunk else 1
+        if c["chunks"] > 1:  # what this design copies (each chunk stages again); pcie_floor_s stays the lower bound
+            c["pcie_floor_chunked_s"] = c["chunks"] * c["pcie_floor_s"]
+            chunked_floor = max(c["pcie_floor_chunked_s"], compute[str(c["prompt_len"])]["ttft_s"]
+                                if compute[str(c["prompt_len"])] else 0.0)
+            c["ratio_to_chunked_floor"] = med / chunked_floor if chunked_floor > 0 else None
         # the bytes this pass really moved over PCIe: copy engine (staging, admissions) and SM reads (UVA)
         c["h2d_at_bandwidth_s"] = (c["bytes"]["h2d"] + c["bytes"].get("uva", 0)) / bw
         c["compute_floor_s"] = None if cf is None else cf["ttft_s"]
@@ -227,7 +238,14 @@ def _ttft_table(result: dict, n: int) -> list[str]:
     extra = [f"best hit-D2D ms at {m['full_layers']} layers"] if truncated else []
     head = ["residency", "hit %", "PCIe floor ms", "routed floor ms",
             *(f"{mo} ms | ×floor | ×routed | path" for mo in modes), *extra]
-    lines = ["", f"## {n} tokens", "", f"Compute floor (all experts resident): {floor}.", "",
+    chunked = [c for c in result["cells"] if c["prompt_len"] == n and c.get("chunks", 1) > 1]
+    chunk_note = ""
+    if chunked and on_cuda(result):
+        chunk_note = (f" Prefilled in {chunked[0]['chunks']} chunks (prefill.chunk_tokens): staged chunks copy each "
+                      "layer's misses again, so this design's PCIe floor is chunks x the PCIe floor; ×chunked "
+                      "(TTFT / max(that, compute floor)) by residency and variant: " + "; ".join(
+                          f"{c['residency']:g} {_variant(c)} {_num(c.get('ratio_to_chunked_floor'))}" for c in chunked) + ".")
+    lines = ["", f"## {n} tokens", "", f"Compute floor (all experts resident): {floor}.{chunk_note}", "",
              "| " + " | ".join(head) + " |", "| " + " | ".join(["---"] * (4 + 4 * len(modes) + len(extra))) + " |"]
     for r in s["residencies"]:
         row = {mo: _cell(result, n, mo, r) for mo in modes}

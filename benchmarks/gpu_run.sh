@@ -2,7 +2,8 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve
+#           soak_bg soak_wait check_decode check_serve decode_paths
+# decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.
 # check_decode + check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench decode (residency 0.37,1 x batch
 # 1,4,16,64), bench serve per residency (SERVE_CHECK_RESIDENCIES; every client its own prompt), then
 # benchmarks/serve_targets.py over them; two or three calls made while the machine is held (/tmp/res persists).
@@ -97,6 +98,15 @@ if has check_decode; then  # bench decode at the check_serve residencies and bat
     --set model.cache_dir=/tmp/moe-cache --residency 0.37,1 --batch 1,4,16,64 --steps 64 --reps 1 --peers none \
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has decode_paths; then  # decode.path routed vs auto (large batches staged) at low residency, same session (~2 x 2 min)
+  for dp in routed auto; do
+    timeout ${DECODE_TIMEOUT:-300} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set decode.path=$dp --residency ${DECODE_PATHS_RESIDENCIES:-0.1,0.37} \
+      --batch 16,32,64 --steps 32 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --out "$RES/decode-path-$dp" --json > "$RES/decode-path-$dp.json" 2> "$RES/decode-path-$dp.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 if has check_serve; then  # bench serve per residency (~2-5 min each), then serve_targets over what this machine holds
   for r in ${SERVE_CHECK_RESIDENCIES:-0.37 1.0}; do

@@ -112,3 +112,25 @@ def test_the_env_header_records_git_versions_and_device(bench):
     assert result["git"]["sha"] and result["versions"]["torch"] and result["device"]["type"] == "cpu"
     assert result["config"]["decode"]["max_tokens"] == 2  # the largest batch takes the decode path
     assert result["config"]["decode"]["max_cache_len"] >= PROMPT_LEN + STEPS + 1
+
+
+def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):
+    """decode.path auto with the routed threshold at 1: batch 1 stays routed, batch 2 stages every step;
+    the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of
+    all expert bytes at residency 0.5) and, having no routed misses to floor it by, no floor ratio."""
+    out = tmp_path / "r"
+    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0.5", "--batch", "1,2",
+            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
+            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING",
+            "--set", "decode.path=auto", "--set", "prefill.routed_max_tokens=1"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(argv) == 0
+    result = json.loads(next(out.glob("decode-*.json")).read_text())
+    one, two = _cell(result, 0.5, 1), _cell(result, 0.5, 2)
+    assert (one["path"], two["path"]) == ("routed", "staged")
+    assert one["ratio_to_floor"] is not None and one["pcie_bytes_per_step"]["staged_h2d"] == 0
+    staged = two["pcie_bytes_per_step"]
+    assert staged["decode_uva"] == staged["decode_h2d"] == 0
+    assert staged["staged_h2d"] == staged["total"] == result["model"]["all_expert_bytes"] // 2
+    assert two["ratio_to_floor"] is None and two["floor_bound"].startswith("n/a: staged")
+    assert "staged (decode.path auto)" in next(out.glob("decode-*.md")).read_text()

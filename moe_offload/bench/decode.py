@@ -223,7 +223,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
     B, tok_s, per_step = len(prompts), [], []
-    hits = misses = uva = h2d = 0
+    hits = misses = uva = h2d = staged = staged_h2d = 0
     per_layer: dict = {}
     for _ in range(plan.reps):
         engine.cache.set_residency(resident)
@@ -234,6 +234,13 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         t = stats["total"]
         hits, misses = hits + t["hits"], misses + t["misses"]
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
+        # decode.path auto: steps above the routed threshold are staged forwards like the prompt's prefill;
+        # with the pool full every staged forward copies the same missing experts, so a step's share is exact
+        forwards = stats["prefills"]
+        if forwards > 1:
+            staged += forwards - 1
+            copied = t["bytes"]["prefill_miss_h2d"] + t["bytes"]["prefill_full_h2d"]
+            staged_h2d += copied * (forwards - 1) / forwards
         for layer, c in stats["per_layer"].items():
             per_layer[str(layer)] = per_layer.get(str(layer), 0) + c["hits"] + c["misses"]
     n = plan.reps * plan.steps
@@ -245,7 +252,9 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "routed_experts_per_step": (hits + misses) / n, "missed_experts_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
-        "pcie_bytes_per_step": {"total": (uva + h2d) / n, "decode_uva": uva / n, "decode_h2d": h2d / n},
+        "pcie_bytes_per_step": {"total": (uva + h2d + staged_h2d) / n, "decode_uva": uva / n, "decode_h2d": h2d / n,
+                                "staged_h2d": staged_h2d / n},
+        "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
                   "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
     }

@@ -42,6 +42,12 @@ def derive(result: dict) -> None:
         read = expert + m["non_expert_bytes"] + kv
         c["hbm_bytes_per_step"] = {"total": read, "experts": expert, "non_expert": m["non_expert_bytes"], "kv": kv}
         c["hbm_floor_ms"] = read / hbm * 1e3
+        if c.get("path", "routed") != "routed":
+            # decode.path auto staged these steps: no routed-miss count to floor them by (a staged step copies
+            # whole missing layers); judge them against the routed run's floor of the same cell
+            c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
+            c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
+            continue
         c["pcie_floor_ms"] = c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3
         c["floor_ms"] = max(c["hbm_floor_ms"], c["pcie_floor_ms"])
         c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
@@ -113,17 +119,20 @@ def _header(result: dict) -> list[str]:
 
 
 def _cells_table(result: dict) -> list[str]:
-    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d) | HBM floor ms "
-            "| PCIe floor ms | ×floor | graph |")
+    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d [+ staged]) | "
+            "HBM floor ms | PCIe floor ms | ×floor | graph |")
     lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 11) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
         g = c["graph"]
         graph = "replayed" if g.get("replays") else ("declined" if g["declined"] else "eager")
+        if c.get("path", "routed") != "routed":
+            graph += f", {c['path']} (decode.path auto)"
+        staged = f" + {p['staged_h2d'] / 1e6:.3g}" if p.get("staged_h2d") else ""
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
-                     f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}) | "
+                     f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}{staged}) | "
                      f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
                      f"{graph} |")
     return lines

@@ -209,3 +209,21 @@ def test_a_step_takes_the_smallest_bucket_of_rows_and_positions_holding_it(engin
     assert batch.bucket(5, 70) == (6, 100)  # capped at the positions per row
     with pytest.raises(ValueError, match="decode.max_cache_len"):
         batch.bucket(1, 100)
+
+
+def test_with_decode_path_auto_buckets_above_the_routed_threshold_run_eagerly_staged_and_give_the_same_tokens(
+        tiny_ckpt, reference):
+    # decode.path auto, routed threshold 1: the 1-row bucket is captured (routed), the 2- and 4-row buckets
+    # are declined (counted once per step as serve_graph:batch_staged) and run eagerly on the staged path
+    eng = make_engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "decode.path=auto", "prefill.routed_max_tokens=1")
+    assert eng.cache.routed_max_tokens == 1
+    graphs = RerunGraphs()
+    s = static_scheduler(eng, graphs)
+    try:
+        assert run_concurrently(s, PROMPTS, MAX_NEW) == reference
+    finally:
+        s.stop()
+    st = eng.cache.stats()
+    assert st["declined"].get("serve_graph:batch_staged", 0) > 0
+    assert st["prefills"] > len(PROMPTS)  # staged decode steps beside the prompts' own prefills
+    assert all(rows == 1 for rows, _positions in s.executor.batch._graph)  # only routed buckets were captured

@@ -4,8 +4,9 @@
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths
 # decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.
-# check_decode + check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench decode (residency 0.37,1 x batch
-# 1,4,16,64), bench serve per residency (SERVE_CHECK_RESIDENCIES; every client its own prompt), then
+# check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench serve per residency (SERVE_CHECK_RESIDENCIES; every
+# client its own prompt; --decode-reference times bench decode's cell on the same engine first, so check_decode,
+# bench decode at residency 0.37,1 x batch 1,4,16,64, is optional), then
 # benchmarks/serve_targets.py over them; two or three calls made while the machine is held (/tmp/res persists).
 # build: the preset of TTFT_CONFIG into /tmp/moe-cache first, alone (beside other work it takes ~3 x longer).
 # soak_bg starts one detached soak per residency in SOAK_RESIDENCIES (concurrently: a soak checks outputs and
@@ -115,14 +116,13 @@ if has check_serve; then  # bench serve per residency (~2-5 min each), then serv
     timeout ${SERVE_TIMEOUT:-400} moe-offload bench serve --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set cache.budget=$r --clients 1,4,16,64 --requests-per-client 5,2,1,1 \
       --prompt-lens 1024 --max-tokens 128 --set serve.max_batch=64 --set decode.max_tokens=64 \
-      --set decode.max_cache_len=1152 ${SERVE_CHECK_ARGS:-} --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --set decode.max_cache_len=1152 --decode-reference ${SERVE_CHECK_ARGS:-} --git-sha ${SERVE_CHECK_SHA:-unknown} \
       --out "$RES/check-serve-r$r" --json > "$RES/check-serve-r$r.json" 2> "$RES/check-serve-r$r.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
-  if [[ -s "$RES/check-decode.json" ]]; then
-    python3 benchmarks/serve_targets.py --serve $(ls "$RES"/check-serve-r*.json) --decode "$RES/check-decode.json" \
-      --out "$RES/check" > "$RES/check-targets.log" 2>&1
-  fi
+  # levels carry their same-run decode reference (--decode-reference); check-decode.json only adds its sha
+  python3 benchmarks/serve_targets.py --serve $(ls "$RES"/check-serve-r*.json) \
+    $([[ -s "$RES/check-decode.json" ]] && echo --decode "$RES/check-decode.json") --out "$RES/check" > "$RES/check-targets.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has soak_bg; then

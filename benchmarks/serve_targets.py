@@ -1,6 +1,6 @@
 """Serving against its targets: ``bench serve`` results beside ``bench decode`` (and optionally ``bench ttft``).
 
-    python benchmarks/serve_targets.py --serve serve-r0.37.json serve-r1.0.json --decode decode.json \
+    python benchmarks/serve_targets.py --serve serve-r0.37.json serve-r1.0.json [--decode decode.json] \
         [--ttft ttft.json] [--out DIR]
 
 The "Serve it" issue's targets, per residency (``cache.budget`` of the serve run = ``residency`` of the
@@ -10,7 +10,9 @@ other benches):
   measurement in the same run) and, when ``--ttft`` is given, against that run's median;
 - aggregate decode within 10% of ``bench decode`` at the same batch: each level's ``decode_full_batch``
   (the server's decode forwards with every client's row in the batch) against the decode cell of the same
-  residency and batch. A serve run whose mix repeated prompts (``distinct_requests`` below the level's
+  residency and batch; a level with ``decode_reference`` (``bench serve --decode-reference``: the same cell
+  timed on the serving engine before it served) is compared with that instead (same run). A serve run whose
+  mix repeated prompts (``distinct_requests`` below the level's
   clients) is marked: identical rows route to the same experts and flatter decode.
 Writes ``serve-targets-<sha>.{json,md}`` under ``--out`` (stdout only without it).
 """
@@ -49,7 +51,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None or b == 0 else round(a / b, 3)
 
 
-def compare(serves: list[dict], decode: dict, ttft: dict | None = None) -> dict:
+def compare(serves: list[dict], decode: dict | None = None, ttft: dict | None = None) -> dict:
     """One row per (serve run, level): the measured figures, their references and ratios, and verdicts."""
     rows = []
     for s in serves:
@@ -58,14 +60,17 @@ def compare(serves: list[dict], decode: dict, ttft: dict | None = None) -> dict:
         distinct = s["mix"].get("distinct_requests", 0)
         for lv in s["levels"]:
             full = lv.get("decode_full_batch")
-            cell = _decode_cell(decode, r, full["rows"]) if full else None
+            same_run = lv.get("decode_reference")
+            cell = _decode_cell(decode, r, full["rows"]) if full and decode and not same_run else None
             # "diverged": ids differ from the single run; "wrong": not near-argmax under teacher forcing (results
             # before serve/consistency.py have no "diverged": their "wrong" is the exact comparison)
             row = {"residency": r, "clients": lv["clients"], "errors": lv["errors"], "wrong": lv["wrong"],
                    "diverged": lv.get("diverged", lv["wrong"]),
                    "ttft_p50_ms": lv["ttft_p50_ms"], "repeated_prompts": distinct < lv["clients"],
                    "decode_rows": full and full["rows"], "decode_tok_s": full and full["tok_s"],
-                   "bench_decode_tok_s": cell and round(cell["tok_s"]["median"], 2)}
+                   "bench_decode_tok_s": same_run["tok_s"] if same_run else cell and round(cell["tok_s"]["median"], 2),
+                   "decode_source": "same run" if same_run else (decode.get("git") or {}).get("sha", "")[:12]
+                   if cell else None}
             row["decode_ratio"] = _ratio(row["decode_tok_s"], row["bench_decode_tok_s"])
             if lv["clients"] == 1 and len(lens) == 1:
                 row["engine_ttft_ms"] = (s.get("engine_ttft_ms") or {}).get(str(lens[0]))
@@ -74,7 +79,7 @@ def compare(serves: list[dict], decode: dict, ttft: dict | None = None) -> dict:
                 row["ttft_ratio_bench"] = _ratio(lv["ttft_p50_ms"], row["bench_ttft_ms"])
             rows.append(row)
     return {"serve_git": sorted({s["env"]["git"]["sha"][:12] for s in serves}),
-            "decode_git": (decode.get("git") or {}).get("sha", "")[:12],
+            "decode_git": ((decode or {}).get("git") or {}).get("sha", "")[:12] or None,
             "ttft_git": ((ttft or {}).get("git") or {}).get("sha", "")[:12] or None,
             "tolerance": TOLERANCE, "rows": rows, "verdict": verdict(rows)}
 
@@ -95,7 +100,8 @@ def markdown(result: dict) -> str:
     def f(v):
         return "n/a" if v is None else v
 
-    lines = [f"# serve targets (serve {', '.join(result['serve_git'])}; bench decode {result['decode_git']}"
+    lines = [f"# serve targets (serve {', '.join(result['serve_git'])}; bench decode "
+             f"{result['decode_git'] or 'from the serve run (--decode-reference)'}"
              + (f"; bench ttft {result['ttft_git']}" if result["ttft_git"] else "") + ")", "",
              "| residency | clients | errors / diverged / wrong | TTFT p50 ms | engine TTFT ms (x) | bench ttft ms (x) "
              "| decode rows | serve decode tok/s | bench decode tok/s | x |",
@@ -123,12 +129,13 @@ def _word(v: bool | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--serve", nargs="+", required=True, help="bench serve JSON files (one per residency)")
-    p.add_argument("--decode", required=True, help="bench decode JSON (cells per residency and batch)")
+    p.add_argument("--decode", help="bench decode JSON (cells per residency and batch); levels with a same-run "
+                   "decode_reference (bench serve --decode-reference) use that instead")
     p.add_argument("--ttft", help="bench ttft JSON (cells per residency and prompt length)")
     p.add_argument("--out", help="directory for serve-targets-<sha>.{json,md}")
     a = p.parse_args(argv)
     load = lambda path: json.loads(Path(path).read_text())  # noqa: E731
-    result = compare([load(x) for x in a.serve], load(a.decode), load(a.ttft) if a.ttft else None)
+    result = compare([load(x) for x in a.serve], load(a.decode) if a.decode else None, load(a.ttft) if a.ttft else None)
     text = markdown(result)
     if a.out:
         stem = Path(a.out) / f"serve-targets-{'-'.join(result['serve_git'])}"

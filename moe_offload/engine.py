@@ -245,6 +245,10 @@ class Engine:
             self.cache.counters.declined["decode_graph:static_cache_unavailable"] += 1
         return dec
 
+    def drop_decoders(self) -> None:
+        """Free the batch decoders' static KV caches and graphs (made again on the next ``generate_batch``)."""
+        self._decoders.clear()
+
     def replace_cache(self, cache) -> None:
         """Serve from ``cache`` (a new OffloadMoeCache over the same store) from now on; the old one is
         closed (its streams synchronized, its device memory dropped)."""

@@ -78,3 +78,27 @@ def test_the_mix_gives_every_request_its_own_prompt_and_covers_every_combination
     assert {(len(j.prompt_ids), j.max_tokens) for j in mix[:4]} == {(4, 3), (9, 3), (4, 6), (9, 6)}
     assert len(make_mix([4, 9], [3, 6], vocab=1000, seed=0, distinct=1)) == 4  # never fewer than the combinations
     assert make_mix([4], [3], vocab=1000, seed=5, distinct=3) == make_mix([4], [3], vocab=1000, seed=5, distinct=3)
+
+
+def test_bench_serve_decode_reference_times_bench_decodes_cell_on_the_serving_engine_per_full_batch(tiny_ckpt, capsys):
+    ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    rc = main(["bench", "serve", "--set", f"model.checkpoint={ckpt}", "--set", "model.format=auto",
+               "--set", "prefill.warmup_tokens=8", "--set", "logging.level=WARNING", "--set", "cache.budget=0.5",
+               "--set", "serve.max_batch=2", "--clients", "1,3", "--requests-per-client", "2,1", "--prompt-lens", "9",
+               "--max-tokens", "6", "--decode-reference", "--json"])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    ref = result["decode_reference"]
+    # one cell per full batch: min(clients, serve.max_batch) = 1 and 2 rows; 6 tokens = 5 timed steps
+    assert sorted(ref["cells"]) == ["1", "2"] and (ref["prompt_len"], ref["steps"]) == (9, 5)
+    assert ref["resident_per_layer"] == 8  # half of the tiny model's 16 experts per layer
+    assert all(c["tok_s"] > 0 and c["path"] == "routed" and 0 <= c["hit_rate"] <= 1 for c in ref["cells"].values())
+    for lv in result["levels"]:
+        full, r = lv["decode_full_batch"], lv["decode_reference"]
+        assert r["rows"] == full["rows"] and r["tok_s"] == ref["cells"][str(full["rows"])]["tok_s"]
+        assert r["ratio"] == round(full["tok_s"] / r["tok_s"], 3)
+    assert all(lv["errors"] == 0 and lv["wrong"] == 0 for lv in result["levels"])
+    from moe_offload.serve import bench_report
+
+    text = bench_report.markdown(result)
+    assert "Decode reference" in text and "1 clients" in text and "3 clients" in text

@@ -39,3 +39,19 @@ def test_the_032db7c_serve_run_against_bench_decode_and_bench_ttft():
     assert v == {"streams": True, "ttft": False, "decode": True}
     text = st.markdown(result)
     assert "not judged" in text and "| 1.0 | 64 |" in text
+
+
+def test_a_level_with_a_same_run_decode_reference_is_compared_with_it_not_with_the_decode_file():
+    st = _module()
+    serve = _load("serve-qwen3-30b-a3b-r0.37-e153b4d6bc05.json")
+    for lv in serve["levels"]:  # as bench serve --decode-reference writes it: 10 % above what the server decoded
+        rows = lv["decode_full_batch"]["rows"]
+        lv["decode_reference"] = {"rows": rows, "tok_s": round(lv["decode_full_batch"]["tok_s"] * 1.1, 2)}
+    result = st.compare([serve], None)
+    assert result["decode_git"] is None
+    assert all(r["decode_source"] == "same run" and r["decode_ratio"] == round(1 / 1.1, 3) for r in result["rows"])
+    assert result["verdict"]["decode"] is True  # 0.909 >= 0.90
+    assert "from the serve run (--decode-reference)" in st.markdown(result)
+    # without a reference the decode file is used, and names its commit
+    plain = st.compare([_load("serve-qwen3-30b-a3b-r0.37-e153b4d6bc05.json")], _load("decode-qwen3-30b-a3b-edd2da44f57a.json"))
+    assert {r["decode_source"] for r in plain["rows"]} == {"edd2da44f57a"}

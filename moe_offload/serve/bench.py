@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", help="directory for serve-<model>-<sha>.{json,md,png}")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--git-sha", help="record this commit when the tree has no .git or a copy reports another")
+    p.add_argument("--decode-reference", action="store_true",
+                   help="in-process runs: before serving, time bench decode's cell on the same engine at each level's "
+                        "full batch (min(clients, serve.max_batch) rows of the first prompt length, the first output "
+                        "length in tokens, the budget's seeded resident set), so full-batch decode is compared "
+                        "within one run (JSON: decode_reference; levels[*].decode_reference)")
     p.add_argument("--tie-tolerance", type=float, default=None,
                    help="logits: a diverged stream is consistent when every served token's logit is within this of "
                         "the maximum under teacher forcing (default: 2 x the largest such margin of the reference "
@@ -335,6 +340,11 @@ def _run_in_process(a: argparse.Namespace) -> dict:
     engine = Engine.from_config(cfg, progress=not a.json)
     vocab = a.vocab or int(engine.reader.geometry.vocab)
     engine_ttft = _engine_ttft(engine, make_mix(_ints(a.prompt_lens, "--prompt-lens"), [1], vocab, a.seed))
+    reference = None
+    if getattr(a, "decode_reference", False):
+        rows = sorted({min(n, serve_cfg.max_batch) for n in _ints(a.clients, "--clients")})
+        reference = decode_reference(engine, rows, _ints(a.prompt_lens, "--prompt-lens")[0],
+                                     _ints(a.max_tokens, "--max-tokens")[0], vocab, a.seed)
     scheduler = Scheduler(engine, serve_cfg).start()
     http = ServerThread(build_app(scheduler, serve_cfg)).start()
     try:
@@ -342,7 +352,14 @@ def _run_in_process(a: argparse.Namespace) -> dict:
                  "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
                             "gpu": _gpu_name(engine.device)},
                  "engine_ttft_ms": engine_ttft}
+        if reference is not None:
+            extra["decode_reference"] = reference
         result = run(http.url, a, vocab, model_name(engine, serve_cfg), extra, scheduler, serve_cfg.max_batch)
+        for level in result["levels"] if reference is not None else []:
+            full = level.get("decode_full_batch")
+            ref = reference["cells"].get(str(full["rows"])) if full else None
+            level["decode_reference"] = ref and {"rows": full["rows"], "tok_s": ref["tok_s"],
+                                                 "ratio": round(full["tok_s"] / ref["tok_s"], 3) if ref["tok_s"] else None}
         result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
         result["decode_batch"] = {"kind": scheduler.executor.batch.kind, "steps": scheduler.decode_steps}
     finally:
@@ -353,6 +370,37 @@ def _run_in_process(a: argparse.Namespace) -> dict:
 
     judgement = judge(engine, result["_references"], result["_diverged"], getattr(a, "tie_tolerance", None))
     return apply_judgement(result, judgement)
+
+
+def decode_reference(engine, rows: list[int], prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
+    """``bench decode``'s cell (``bench/decode.py`` ``measure_cell``: one untimed run, then one timed) on this
+    engine for each batch in ``rows``: seeded prompts of ``prompt_len`` tokens, ``new_tokens`` tokens (so prompt
+    + output fit a static cache sized for the served requests), the residency this cache's slots buy as
+    ``bench decode`` sets it (the first slots-per-layer experts of a seeded permutation). The serving run then
+    starts from that residency."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from moe_offload.bench.decode import measure_cell
+    from moe_offload.bench.sweep import resident_sets
+
+    store, cache = engine.store, engine.cache
+    per_layer = min(store.num_experts, cache.num_slots // len(store.layers))
+    resident = resident_sets(store.layers, store.num_experts, {0: per_layer}, seed)[0]
+    steps = max(1, new_tokens - 1)
+    prompts = torch.randint(3, vocab, (max(rows), prompt_len), generator=torch.Generator().manual_seed(seed)).tolist()
+    cells = {}
+    for B in rows:
+        c = measure_cell(engine, prompts[:B], resident, SimpleNamespace(reps=1, steps=steps))
+        cells[str(B)] = {"tok_s": round(c["tok_s"]["median"], 2), "ms_per_step_median": round(c["ms_per_step"]["median"], 3),
+                         "ms_per_step_p90": round(c["ms_per_step"]["p90"], 3), "hit_rate": c["hit_rate"],
+                         "path": c["path"], "graph": c["graph"]}
+        log.info_rank0("bench_serve_decode_reference", rows=B, **{k: v for k, v in cells[str(B)].items() if k != "graph"})
+    engine.cache.reset()
+    engine.drop_decoders()  # their static KV caches would sit beside the server's rows
+    return {"method": "bench decode's measure_cell on the serving engine before it served", "prompt_len": prompt_len,
+            "steps": steps, "resident_per_layer": per_layer, "cells": cells}
 
 
 def _engine_ttft(engine, jobs: list[Job], reps: int = 3) -> dict[str, float]:

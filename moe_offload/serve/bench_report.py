@@ -22,7 +22,20 @@ def markdown(result: dict) -> str:
     if result.get("engine_ttft_ms"):
         tail = ("\nEngine TTFT (`Engine.measure_ttft`, same engine, before the server starts; median of 3): "
                 + ", ".join(f"{n} tokens {ms} ms" for n, ms in result["engine_ttft_ms"].items()) + "\n")
-    return head + "\n".join(rows) + "\n" + tail + _consistency(result.get("consistency"))
+    return head + "\n".join(rows) + "\n" + tail + _decode_reference(result) + _consistency(result.get("consistency"))
+
+
+def _decode_reference(result: dict) -> str:
+    """``--decode-reference``: bench decode's cell on the same engine, and each level's full-batch decode over it."""
+    ref = result.get("decode_reference")
+    if not ref:
+        return ""
+    ratios = [f"{lv['clients']} clients {lv['decode_reference']['ratio']} x ({lv['decode_reference']['rows']} rows)"
+              for lv in result["levels"] if lv.get("decode_reference")]
+    return (f"\nDecode reference (`bench decode`'s cell on the same engine before serving; {ref['prompt_len']}-token "
+            f"prompts, {ref['steps']} steps, {ref['resident_per_layer']} resident experts per layer): "
+            + ", ".join(f"{rows} rows {c['tok_s']} tok/s" for rows, c in ref["cells"].items())
+            + ". Full-batch decode over it: " + (", ".join(ratios) or "no level ran a full batch") + ".\n")
 
 
 def _consistency(c: dict | None) -> str:

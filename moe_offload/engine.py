@@ -221,14 +221,13 @@ class Engine:
         ``decode.cuda_graphs`` is off or the device is not CUDA."""
         if not (self.cfg.decode.cuda_graphs and self.device.type == "cuda"):
             return None
-        if batch > self.cfg.decode.max_tokens:  # the step would take the prefill path (host work per layer)
-            self.cache.counters.declined["decode_graph:batch_above_decode_max_tokens"] += 1
-            return None
-        if batch > self.cache.routed_max_tokens:  # decode.path auto: the cost model stages steps this large
-            self.cache.counters.declined["decode_graph:batch_staged"] += 1
-            log.log_once(f"decode_graph_declined:batch_staged:{batch}", "decode_graph_declined", logging.INFO,
-                         reason="batch_staged", fallback="eager_staged", rows=batch,
-                         routed_max_tokens=self.cache.routed_max_tokens, setting="decode.path")
+        reason = self.graph_decline_reason(batch)
+        if reason is not None:
+            self.cache.counters.declined[f"decode_graph:{reason}"] += 1
+            if reason == "batch_staged":
+                log.log_once(f"decode_graph_declined:batch_staged:{batch}", "decode_graph_declined", logging.INFO,
+                             reason=reason, fallback="eager_staged", rows=batch,
+                             routed_max_tokens=self.cache.routed_max_tokens, setting="decode.path")
             return None
         if batch not in self._decoders:
             from moe_offload.decode_graph import StaticDecoder
@@ -244,6 +243,17 @@ class Engine:
         if dec is None:
             self.cache.counters.declined["decode_graph:static_cache_unavailable"] += 1
         return dec
+
+    def graph_decline_reason(self, rows: int) -> str | None:
+        """Why a decode step of ``rows`` rows cannot be graph-captured (None: it can): above ``decode.max_tokens``
+        (``batch_above_decode_max_tokens``) or above the cache's routed threshold (``batch_staged``, only with
+        ``decode.path: auto``), the experts take the staged path, which does host work per layer.
+        ``Engine.decoder`` and the serving batch (``serve/static_batch.py``) both decide by it."""
+        if rows > self.cfg.decode.max_tokens:
+            return "batch_above_decode_max_tokens"
+        if rows > self.cache.routed_max_tokens:
+            return "batch_staged"
+        return None
 
     def drop_decoders(self) -> None:
         """Free the batch decoders' static KV caches and graphs (made again on the next ``generate_batch``)."""

@@ -77,8 +77,7 @@ def derive(result: dict) -> None:
         c["chunks"] = math.ceil(c["prompt_len"] / chunk) if chunk else 1
         if c["chunks"] > 1:  # what this design copies (each chunk stages again); pcie_floor_s stays the lower bound
             c["pcie_floor_chunked_s"] = c["chunks"] * c["pcie_floor_s"]
-            chunked_floor = max(c["pcie_floor_chunked_s"], compute[str(c["prompt_len"])]["ttft_s"]
-                                if compute[str(c["prompt_len"])] else 0.0)
+            chunked_floor = max(c["pcie_floor_chunked_s"], cf["ttft_s"] if cf else 0.0)
             c["ratio_to_chunked_floor"] = med / chunked_floor if chunked_floor > 0 else None
         # the bytes this pass really moved over PCIe: copy engine (staging, admissions) and SM reads (UVA)
         c["h2d_at_bandwidth_s"] = (c["bytes"]["h2d"] + c["bytes"].get("uva", 0)) / bw

@@ -28,7 +28,8 @@ Where the time goes (to compare with ``bench ttft`` and ``bench decode`` of the 
 - in-process runs only: the scheduler's own split of each request (``server``: queue wait, prefill,
   TTFT p50 on the scheduler's clock, without the HTTP layer) and ``engine_ttft_ms``, ``Engine.measure_ttft``
   of each prompt length on the same engine before the server starts (the ``bench ttft`` measurement,
-  one warm-up and three timed runs, median).
+  one warm-up and three timed runs, median; with ``--decode-reference`` also ``bench decode``'s cell per
+  full batch: ``serve/bench_reference.py``).
 """
 
 from __future__ import annotations
@@ -331,6 +332,7 @@ def main(a: argparse.Namespace) -> int:
 def _run_in_process(a: argparse.Namespace) -> dict:
     from moe_offload.config import config_to_dict, load_config
     from moe_offload.engine import Engine
+    from moe_offload.serve.bench_reference import attach_decode_reference, decode_reference, engine_ttft
     from moe_offload.serve.scheduler import Scheduler
     from moe_offload.serve.server import ServerThread, build_app, model_name
 
@@ -339,7 +341,8 @@ def _run_in_process(a: argparse.Namespace) -> dict:
     log.configure(cfg.logging.level, cfg.logging.format)
     engine = Engine.from_config(cfg, progress=not a.json)
     vocab = a.vocab or int(engine.reader.geometry.vocab)
-    engine_ttft = _engine_ttft(engine, make_mix(_ints(a.prompt_lens, "--prompt-lens"), [1], vocab, a.seed))
+    ttft_ms = engine_ttft(engine, [job.prompt_ids for job in make_mix(_ints(a.prompt_lens, "--prompt-lens"), [1],
+                                                                        vocab, a.seed)])
     reference = None
     if getattr(a, "decode_reference", False):
         rows = sorted({min(n, serve_cfg.max_batch) for n in _ints(a.clients, "--clients")})
@@ -351,15 +354,12 @@ def _run_in_process(a: argparse.Namespace) -> dict:
         extra = {"config": config_to_dict(cfg), "serve_config": serve_cfg.model_dump(),
                  "engine": {"device": str(engine.device), "dtype": str(engine.dtype).replace("torch.", ""),
                             "gpu": _gpu_name(engine.device)},
-                 "engine_ttft_ms": engine_ttft}
+                 "engine_ttft_ms": ttft_ms}
         if reference is not None:
             extra["decode_reference"] = reference
         result = run(http.url, a, vocab, model_name(engine, serve_cfg), extra, scheduler, serve_cfg.max_batch)
-        for level in result["levels"] if reference is not None else []:
-            full = level.get("decode_full_batch")
-            ref = reference["cells"].get(str(full["rows"])) if full else None
-            level["decode_reference"] = ref and {"rows": full["rows"], "tok_s": ref["tok_s"],
-                                                 "ratio": round(full["tok_s"] / ref["tok_s"], 3) if ref["tok_s"] else None}
+        if reference is not None:
+            attach_decode_reference(result["levels"], reference)
         result["cache"] = {k: v for k, v in scheduler.cache_stats.items() if k != "per_layer"}
         result["decode_batch"] = {"kind": scheduler.executor.batch.kind, "steps": scheduler.decode_steps}
     finally:
@@ -370,47 +370,6 @@ def _run_in_process(a: argparse.Namespace) -> dict:
 
     judgement = judge(engine, result["_references"], result["_diverged"], getattr(a, "tie_tolerance", None))
     return apply_judgement(result, judgement)
-
-
-def decode_reference(engine, rows: list[int], prompt_len: int, new_tokens: int, vocab: int, seed: int) -> dict:
-    """``bench decode``'s cell (``bench/decode.py`` ``measure_cell``: one untimed run, then one timed) on this
-    engine for each batch in ``rows``: seeded prompts of ``prompt_len`` tokens, ``new_tokens`` tokens (so prompt
-    + output fit a static cache sized for the served requests), the residency this cache's slots buy as
-    ``bench decode`` sets it (the first slots-per-layer experts of a seeded permutation). The serving run then
-    starts from that residency."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from moe_offload.bench.decode import measure_cell
-    from moe_offload.bench.sweep import resident_sets
-
-    store, cache = engine.store, engine.cache
-    per_layer = min(store.num_experts, cache.num_slots // len(store.layers))
-    resident = resident_sets(store.layers, store.num_experts, {0: per_layer}, seed)[0]
-    steps = max(1, new_tokens - 1)
-    prompts = torch.randint(3, vocab, (max(rows), prompt_len), generator=torch.Generator().manual_seed(seed)).tolist()
-    cells = {}
-    for B in rows:
-        c = measure_cell(engine, prompts[:B], resident, SimpleNamespace(reps=1, steps=steps))
-        cells[str(B)] = {"tok_s": round(c["tok_s"]["median"], 2), "ms_per_step_median": round(c["ms_per_step"]["median"], 3),
-                         "ms_per_step_p90": round(c["ms_per_step"]["p90"], 3), "hit_rate": c["hit_rate"],
-                         "path": c["path"], "graph": c["graph"]}
-        log.info_rank0("bench_serve_decode_reference", rows=B, **{k: v for k, v in cells[str(B)].items() if k != "graph"})
-    engine.cache.reset()
-    engine.drop_decoders()  # their static KV caches would sit beside the server's rows
-    return {"method": "bench decode's measure_cell on the serving engine before it served", "prompt_len": prompt_len,
-            "steps": steps, "resident_per_layer": per_layer, "cells": cells}
-
-
-def _engine_ttft(engine, jobs: list[Job], reps: int = 3) -> dict[str, float]:
-    """``Engine.measure_ttft`` per prompt length (one warm-up, then the median of ``reps``), in ms."""
-    out = {}
-    for job in jobs:
-        engine.measure_ttft(list(job.prompt_ids))
-        times = sorted(engine.measure_ttft(list(job.prompt_ids)) for _ in range(reps))
-        out[str(len(job.prompt_ids))] = round(times[reps // 2] * 1000, 3)
-    return out
 
 
 def _gpu_name(device) -> str | None:

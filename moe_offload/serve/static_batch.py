@@ -226,19 +226,19 @@ class StaticBatch:
     def _capturable(self, B: int) -> bool:
         if self.graphs is None or self._declined is not None:
             return False
-        if B > self.engine.cfg.decode.max_tokens:  # the experts' prefill path does host work per layer
-            self.engine.cache.counters.declined["serve_graph:batch_above_decode_max_tokens"] += 1
+        reason = self.engine.graph_decline_reason(B)
+        if reason is None:
+            return True
+        self.engine.cache.counters.declined[f"serve_graph:{reason}"] += 1
+        if reason == "batch_above_decode_max_tokens":
             log.log_once("decode_graph_declined:serve:batch_above_decode_max_tokens", "decode_graph_declined",
-                         logging.WARNING, path="serve", reason="batch_above_decode_max_tokens", fallback="eager",
+                         logging.WARNING, path="serve", reason=reason, fallback="eager",
                          detail=f"a step of {B} rows takes the experts' prefill path", setting="decode.max_tokens")
-            return False
-        if B > self.engine.cache.routed_max_tokens:  # decode.path auto: the cost model stages steps this large
-            self.engine.cache.counters.declined["serve_graph:batch_staged"] += 1
+        else:
             log.log_once(f"decode_graph_declined:serve:batch_staged:{B}", "decode_graph_declined", logging.INFO,
-                         path="serve", reason="batch_staged", fallback="eager_staged", rows=B,
+                         path="serve", reason=reason, fallback="eager_staged", rows=B,
                          routed_max_tokens=self.engine.cache.routed_max_tokens, setting="decode.path")
-            return False
-        return True
+        return False
 
     def _capture(self, key: tuple[int, int]):
         B, L = key

@@ -48,26 +48,31 @@ class OffloadMoeCache:
     """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
-                 decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed"):
+                 decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
+                 cost_model=None):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
         where the cost model says staging pays; steps above it are then staged.
-        ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model)."""
+        ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model).
+        ``cost_model``: ``(prefill_path.CostModel, entry)`` to decide paths with instead of the table's entry
+        for this GPU (one measured elsewhere; the CPU has none)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.store, self.device = store, device
         self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
         self.counters = CacheStats()
+        tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
-                                                 fused_decode, decode_path)
+                                                 fused_decode, decode_path, cost_model, tp)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
         try:
             pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
-            decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_max_tokens,
+            decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
                                      cache_cfg.admit_per_step)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
@@ -82,6 +87,7 @@ class OffloadMoeCache:
         if message is not None:  # raised outside the except block: the OOM (its frames hold the partial
             raise BudgetError(message)  # allocations) is not kept alive as the error's context
         self.pool, self.decode, self.staging = pool, decode, staging
+        self.observed = self._observed_routing(decode_max_tokens, cost_model)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self._resolution = None
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
@@ -102,8 +108,45 @@ class OffloadMoeCache:
 
     @property
     def routed_max_tokens(self) -> int:
-        """Forwards of at most this many tokens take the routed-only (decode) path, longer ones stage."""
+        """Forwards of at most this many tokens take the routed-only (decode) path; longer ones stage unless
+        observed routing routes them (``takes_routed_path``)."""
         return self.routed_path.max_tokens
+
+    def _observed_routing(self, decode_max_tokens: int, cost_model):
+        rp = self.routed_path
+        if not rp.adaptive_max_tokens:
+            return None
+        from moe_offload.observed_routing import ObservedRouting
+        from moe_offload.prefill_path import AdaptiveRouting
+        from moe_offload.prefill_path import cost_model as table_model
+
+        E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
+        model = (cost_model or table_model(torch.cuda.get_device_name(self.device), E, K, R))[0]
+        adaptive = AdaptiveRouting(model, E, K, R, rp.resident_fraction, rp.max_tokens, rp.adaptive_max_tokens)
+        return ObservedRouting(adaptive, self.layers, E, decode_max_tokens, self.device, self.streams)
+
+    # ------------------------------------------------------------------ the path of a forward
+    def begin_forward(self, tokens: int, sequences: int) -> bool:
+        """An engine's forward of ``tokens`` tokens over ``sequences`` sequences starts -> whether it takes
+        the routed path (``observed_routing.py``); ``end_forward`` must follow."""
+        if self.observed is None:
+            return tokens <= self.routed_max_tokens
+        return self.observed.begin(tokens, sequences)
+
+    def end_forward(self, ok: bool = True) -> None:
+        if self.observed is not None:
+            self.observed.end(ok)
+
+    def takes_routed_path(self, tokens: int) -> bool:
+        """Whether an experts call of ``tokens`` tokens reads only its routed experts (else it is staged)."""
+        if self.observed is None:
+            return tokens <= self.routed_max_tokens
+        return self.observed.routed(tokens)
+
+    def observe_routing(self, layer: int, ids_TK: torch.Tensor) -> None:
+        """An experts call's routed ids, for the observed spread (a no-op unless the forward is observed)."""
+        if self.observed is not None:
+            self.observed.layer(layer, ids_TK)
 
     @property
     def hit_path(self) -> str:
@@ -290,6 +333,8 @@ class OffloadMoeCache:
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count
         snap["routed_path"] = self.routed_path.to_dict()
+        if self.observed is not None:
+            snap["routed_adaptive"] = self.observed.adaptive.to_dict()
         return snap
 
     @property

@@ -143,6 +143,12 @@ class PrefillConfig(_Strict):
         "their routed experts (resident ones in place, missing ones over PCIe by SMs) instead of staging the whole "
         "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
         f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
+    routed_adaptive_max_tokens: int = Field(
+        256, ge=0, le=ROUTED_MAX_TOKENS_LIMIT, description="with routed_max_tokens auto: single prompts of up to "
+        "this many tokens may also read only their routed experts where the routing this cache observed (distinct "
+        "experts per layer, per prompt length) makes the cost model predict that 20% cheaper than staging; 0 = off. "
+        "Sizes the routing record and the decode scratch rows (min(tokens x top-k, experts)). Off under tensor "
+        "parallelism (moe_offload/prefill_path.py)")
 
     @model_validator(mode="before")
     @classmethod

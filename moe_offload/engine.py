@@ -197,11 +197,21 @@ class Engine:
         """``model(**kwargs).logits``; a forward on the prefill path is one announced prefill pass (layer
         0's copy then overlaps the embedding and the first attention)."""
         first = self._first_experts
+        ids = kwargs.get("input_ids")
+        sequences = int(ids.shape[0]) if ids is not None and ids.dim() == 2 else 1
         with self._exclusive():
-            if first is not None and first.cache is self.cache and not first.uses_decode_path(num_tokens):
-                with self.cache.prefill_pass():
-                    return self.model(**kwargs).logits
-            return self.model(**kwargs).logits
+            ok = False
+            routed = self.cache.begin_forward(num_tokens, sequences)
+            try:
+                if first is not None and first.cache is self.cache and not routed:
+                    with self.cache.prefill_pass():
+                        logits = self.model(**kwargs).logits
+                else:
+                    logits = self.model(**kwargs).logits
+                ok = True
+                return logits
+            finally:
+                self.cache.end_forward(ok)
 
     @torch.inference_mode()
     def forward(self, ids_BT: torch.Tensor, past, logits_to_keep: int = 0, **model_kwargs):

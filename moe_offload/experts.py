@@ -1,7 +1,8 @@
 """OffloadedExperts: a drop-in for transformers' experts modules backed by the OffloadMoeCache.
 
 Call: ``(hidden_TH [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-Path by token count, fixed per cache when it is built (``cache.routed_max_tokens``, ``prefill_path.py``):
+Path by token count, fixed per cache when it is built (``cache.routed_max_tokens``, ``prefill_path.py``;
+single prompts above it may be routed by the routing the cache observed, ``observed_routing.py``):
 - ``T <= cache.routed_max_tokens`` (never below ``decode.max_tokens`` unless ``decode.path`` is auto; ``prefill.routed_max_tokens``
   may extend it to short prompts where the cost model says copying only the routed experts pays) runs
   the routed-only (decode) path: no host sync, resident experts read in place from their slots, the
@@ -50,10 +51,11 @@ class OffloadedExperts(nn.Module):
 
     def uses_decode_path(self, num_tokens: int) -> bool:
         """Whether a forward of ``num_tokens`` tokens takes the routed-only (decode) path."""
-        return num_tokens <= self.cache.routed_max_tokens
+        return self.cache.takes_routed_path(num_tokens)
 
     def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         T = hidden_TH.shape[0]
+        self.cache.observe_routing(self.layer_idx, top_k_index)
         if self.uses_decode_path(T):
             out = self._decode(hidden_TH, top_k_index, top_k_weights)
         else:

@@ -29,13 +29,28 @@ layer over the copy engine (55 GB/s, overlapped with the previous layer) beats S
 (~48 GB/s, not overlapped): e.g. 64 rows at residency 0.37 on the H200 constants, 3.9 vs 5.3 ms per layer. The threshold is
 computed once per cache, sizes the decode scratch rows (``min(threshold * K, E)``) and the routing
 record, is logged as one ``prefill_path_chosen`` event and reported by ``cache.stats()``.
+
+**Observed routing (``prefill.routed_adaptive_max_tokens``, the ``auto`` threshold only).** Uniform routing is
+the worst case; real and synthetic routers are skewed, and a single prompt's tokens route to far fewer experts
+than ``D(T)``: the H200 run at d9f7bae (benchmarks/results/prefill-path-check-d9f7bae91dc5.md) measured the
+routed path faster up to 256 tokens at residency 0.37 and 0.5 (101-126 ms against 199 ms staged) where the
+uniform model's threshold is 19. ``AdaptiveRouting`` therefore learns each prompt length's spread: every
+single-sequence forward of more than ``decode.max_tokens`` tokens counts the distinct experts each layer routed
+(one ``index_fill_`` per layer into a device mask, one non-blocking copy to the host per forward, read at a
+later forward without a sync) and keeps, per power-of-two bucket of T, the share ``s`` with
+``D(s*T) = observed`` (1 = uniform). A later single-sequence forward of T tokens, above the fixed threshold and
+at most ``routed_adaptive_max_tokens``, takes the routed path when the model with ``D(s*T)`` predicts it cheaper
+than staging by ``ADAPTIVE_MARGIN``. An unobserved bucket borrows the share of the nearest smaller observed one
+(a skewed router's share falls as T grows, so that overestimates the spread: it errs towards staging), and
+before any observation the fixed threshold stands. Off under tensor parallelism (ranks read their copies at
+different times and must not choose different paths) and wherever the threshold is not the cost model's.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from moe_offload import log
@@ -70,8 +85,9 @@ class CostModel:
         compute = self.staged_fixed_s + self.staged_hbm_factor * E * R / (self.hbm_GBps * 1e9) + self.staged_pair_s * T * K
         return max(copy, compute)
 
-    def routed_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
-        D = self.distinct(T, E, K)
+    def routed_s(self, T: int, E: int, K: int, R: int, resident: float, distinct: float | None = None) -> float:
+        """``distinct``: the layer's routed experts when known (observed routing), else ``D(T)``."""
+        D = self.distinct(T, E, K) if distinct is None else min(float(distinct), float(E))
         missing = (1.0 - resident) * D
         uva = (self.uva_fixed_s + missing * R / (self.uva_GBps * 1e9)) if missing > 0 else 0.0
         compute = self.routed_fixed_s + self.routed_hbm_factor * D * R / (self.hbm_GBps * 1e9) + self.routed_pair_s * T * K
@@ -155,9 +171,87 @@ class RoutedPath:
     staged_ms_per_layer: dict | None = None  # model estimates at a few T, for the log and stats
     routed_ms_per_layer: dict | None = None
     decode_path: str = "routed"  # decode.path: "auto" lets max_tokens fall below decode_max_tokens
+    adaptive_max_tokens: int = 0  # observed routing may route single prompts up to this many tokens (0: off)
+    adaptive_off: str | None = None  # why observed routing is off, when the setting asked for it
+
+    @property
+    def record_tokens(self) -> int:
+        """Tokens a routed forward may have: what the routing record and the scratch rows are sized for."""
+        return max(self.max_tokens, self.adaptive_max_tokens)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+ADAPTIVE_MARGIN = 0.8  # observed routing takes the routed path only where the model predicts it 20% cheaper
+_ADAPTIVE_MIN_OBSERVED = 2  # forwards of a bucket before its share is used
+_ADAPTIVE_EMA = 0.3
+
+
+class AdaptiveRouting:
+    """Per-prompt-length routing spread observed on this cache and the path decision it drives (see the
+    module docstring). Host-only state; ``observe`` takes a forward's distinct routed experts per layer."""
+
+    def __init__(self, model: CostModel, E: int, K: int, R: int, resident: float, fixed_max_tokens: int,
+                 max_tokens: int):
+        self.model, self.E, self.K, self.R, self.resident = model, E, K, R, resident
+        self.fixed_max_tokens, self.max_tokens = fixed_max_tokens, max_tokens
+        self.buckets: dict[int, list] = {}  # bucket -> [share EMA, forwards observed]
+        self.routed = self.staged = 0  # forwards above the fixed threshold, by the path they were given
+
+    @staticmethod
+    def bucket(T: int) -> int:
+        return max(0, int(T - 1).bit_length())  # 2^(b-1) < T <= 2^b
+
+    def effective_tokens(self, distinct: float) -> float:
+        """``t`` with ``D(t) = distinct`` under uniform routing (``inf`` at or beyond every expert)."""
+        import math
+
+        E, K = self.E, min(self.K, self.E)
+        if distinct <= 0:
+            return 0.0
+        if distinct >= E - 0.5 or K >= E:
+            return math.inf
+        return math.log(1.0 - distinct / E) / math.log(1.0 - K / E)
+
+    def observe(self, T: int, distinct_per_layer) -> None:
+        import numpy as np
+
+        d = float(np.mean(distinct_per_layer))
+        share = min(1.0, self.effective_tokens(d) / T) if T > 0 else 1.0
+        b = self.bucket(T)
+        if b in self.buckets:
+            ema, n = self.buckets[b]
+            self.buckets[b] = [ema + _ADAPTIVE_EMA * (share - ema), n + 1]
+        else:
+            self.buckets[b] = [share, 1]
+
+    def share(self, T: int) -> float | None:
+        """The spread for a forward of T tokens: its bucket's, else the nearest smaller observed bucket's."""
+        b = self.bucket(T)
+        seen = [k for k, (_, n) in self.buckets.items() if n >= _ADAPTIVE_MIN_OBSERVED and k <= b]
+        return self.buckets[max(seen)][0] if seen else None
+
+    def routes(self, T: int) -> bool:
+        """Whether a single-sequence forward of T tokens above the fixed threshold takes the routed path."""
+        s = self.share(T) if self.fixed_max_tokens < T <= self.max_tokens else None
+        ok = False
+        if s is not None:
+            m, E, K, R, f = self.model, self.E, self.K, self.R, self.resident
+            D = m.distinct(s * T, E, K) if s < 1.0 else None
+            ok = m.routed_s(T, E, K, R, f, D) < ADAPTIVE_MARGIN * m.staged_s(T, E, K, R, f)
+        if T > self.fixed_max_tokens:
+            if ok:
+                self.routed += 1
+            else:
+                self.staged += 1
+        return ok
+
+    def to_dict(self) -> dict:
+        return {"max_tokens": self.max_tokens, "margin": ADAPTIVE_MARGIN, "routed_forwards": self.routed,
+                "staged_forwards": self.staged,
+                "share_by_tokens": {f"<={1 << b}": {"share": round(v[0], 4), "forwards": v[1]}
+                                    for b, v in sorted(self.buckets.items())}}
 
 
 def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict, dict]:
@@ -167,42 +261,53 @@ def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict
 
 
 def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, resident: float, device,
-            fused_decode: bool, decode_path: str = "routed") -> RoutedPath:
+            fused_decode: bool, decode_path: str = "routed", adaptive_max_tokens: int = 0,
+            model: tuple[CostModel, str] | None = None) -> RoutedPath:
     """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``.
     ``decode_path`` "auto": a setting or the cost model may put the threshold below ``decode_max_tokens``
     (never below 1: a one-token step always reads only its routed experts); without a model (a CPU, the
-    unfused decode compute) the threshold stays ``decode_max_tokens``."""
+    unfused decode compute) the threshold stays ``decode_max_tokens``. ``adaptive_max_tokens``
+    (``prefill.routed_adaptive_max_tokens``): observed routing may route single prompts up to it (cost model
+    thresholds only; the caller turns it off under tensor parallelism). ``model``: ``(CostModel, entry)`` to
+    decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test)."""
     floor = decode_max_tokens
     lowest = floor if decode_path == "routed" else 1
     if setting != "auto":
         choice = RoutedPath(max(lowest, int(setting)), setting, floor, "setting", decode_path=decode_path)
+    elif model is not None or (device.type == "cuda" and fused_decode):
+        if model is None:
+            import torch
+
+            model = cost_model(torch.cuda.get_device_name(device), E, K, R)  # host-side property, no sync
+        model, entry = model
+        chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT)
+        staged, routed = _estimates(model, E, K, R, resident)
+        top = max(lowest, chosen)
+        adapt = adaptive_max_tokens if adaptive_max_tokens > top else 0
+        choice = RoutedPath(top, setting, floor, "cost_model", chosen, entry, round(resident, 4), staged, routed,
+                            decode_path, adapt, None if adapt or not adaptive_max_tokens
+                            else f"the cost model's threshold {top} is at least prefill.routed_adaptive_max_tokens")
     elif device.type != "cuda":
         # no PCIe link, no UVA: both paths are host copies and the table's constants are GPU measurements
         choice = RoutedPath(floor, setting, floor, "cpu_device", resident_fraction=resident, decode_path=decode_path)
-    elif not fused_decode:
+    else:
         # the unfused decode compute gathers T*K expert rows (compute/decode.py): not modelled, and it grows
         # with T where the staged path does not
         choice = RoutedPath(floor, setting, floor, "row_gather_decode", resident_fraction=resident,
                             decode_path=decode_path)
-    else:
-        import torch
-
-        name = torch.cuda.get_device_name(device)  # host-side property, no sync
-        model, entry = cost_model(name, E, K, R)
-        chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT)
-        staged, routed = _estimates(model, E, K, R, resident)
-        choice = RoutedPath(max(lowest, chosen), setting, floor, "cost_model", chosen, entry, round(resident, 4),
-                            staged, routed, decode_path)
+    if choice.reason != "cost_model" and adaptive_max_tokens:
+        choice = replace(choice, adaptive_off=f"no cost model ({choice.reason})")
     log.info_rank0("prefill_path_chosen", routed_max_tokens=choice.max_tokens, setting=setting,
                    decode_max_tokens=floor, decode_path=decode_path, reason=choice.reason, model_tokens=choice.model_tokens,
                    entry=choice.entry, resident_fraction=choice.resident_fraction, experts=E, top_k=K, row_bytes=R,
                    staged_ms_per_layer=choice.staged_ms_per_layer, routed_ms_per_layer=choice.routed_ms_per_layer,
+                   adaptive_max_tokens=choice.adaptive_max_tokens, adaptive_off=choice.adaptive_off,
                    change_with="prefill.routed_max_tokens")
     return choice
 
 
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
-               decode_path: str = "routed"):
+               decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False):
     """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
     with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
     byte or ``auto`` budget then buys slightly fewer slots)."""
@@ -212,10 +317,13 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     budget, reserve = cache_cfg.budget, cache_cfg.auto_reserve
     base_rows = scratch_rows(decode_max_tokens, K, E)
     plan = plan_budget(store, budget, device, reserve, base_rows)
+    adaptive = prefill_cfg.routed_adaptive_max_tokens
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
                      resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
-                     decode_path)
-    rows = scratch_rows(choice.max_tokens, K, E)
+                     decode_path, 0 if tensor_parallel else adaptive, model)
+    if tensor_parallel and adaptive and choice.reason == "cost_model":
+        choice = replace(choice, adaptive_off="tensor parallelism")
+    rows = scratch_rows(choice.record_tokens, K, E)
     if rows != base_rows:
         plan = plan_budget(store, budget, device, reserve, rows)
     return plan, choice

@@ -2,7 +2,9 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed
+# serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles.
+# observed: bench ttft at 16/64/256/1024 tokens, prefill path auto (observed routing on) beside staged.
 # decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.
 # check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench serve per residency (SERVE_CHECK_RESIDENCIES; every
 # client its own prompt; --decode-reference times bench decode's cell on the same engine first, so check_decode,
@@ -147,6 +149,20 @@ if has soak_wait; then
   done
   { echo "soak_wait $(( $(date +%s) - t0 )) s"; for pid in $(cat /tmp/soak.pids 2>/dev/null); do
     kill -0 "$pid" 2>/dev/null && echo "$pid still running" || echo "$pid done"; done; } >> "$RES/soak_bg.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has serve_overhead; then  # ~2 min at 48 layers
+  timeout ${OVERHEAD_TIMEOUT:-300} python3 benchmarks/serve_overhead.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --set model.cache_dir=/tmp/moe-cache --set cache.budget=${OVERHEAD_RESIDENCY:-1.0} --set serve.max_batch=64 \
+    --set decode.max_tokens=64 --set decode.max_cache_len=1152 --profile "$RES/serve-overhead-prof" --out "$RES" \
+    > "$RES/serve_overhead.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has observed; then  # observed routing (prefill path auto) vs staged at short prompts (~2 min)
+  timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --set model.cache_dir=/tmp/moe-cache --prompt-lens 16,64,256,1024 --residency 0.37,0.5 --modes gather \
+    --prefill-path auto,staged --reps 3 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/observed" \
+    --json > "$RES/observed.json" 2> "$RES/observed.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1

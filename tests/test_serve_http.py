@@ -246,3 +246,36 @@ def test_sse_ends_with_done(served):
         data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     assert json.loads(data[0])["object"] == "text_completion"
+
+
+def test_the_mailbox_delivers_every_output_in_order_with_one_wakeup_per_burst():
+    import asyncio
+
+    from moe_offload.serve.server import Mailbox
+
+    def decode_steps(box, queues, steps):  # a decode loop's Outputs: one per row per step
+        for step in range(steps):
+            for row, q in enumerate(queues):
+                box.post(q, (row, step))
+
+    async def main():
+        box = Mailbox(asyncio.get_running_loop())
+        queues = [asyncio.Queue() for _ in range(8)]
+        # the loop is busy (this coroutine blocks it) while 50 steps x 8 rows are posted: one burst
+        t = threading.Thread(target=decode_steps, args=(box, queues, 50))
+        t.start()
+        t.join()
+        burst = box.wakeups
+        got = [[await q.get() for _ in range(50)] for q in queues]
+        # posted while the loop runs: bursts end whenever a drain ran, every Output still arrives in order
+        t = threading.Thread(target=decode_steps, args=(box, queues, 20))
+        t.start()
+        more = [[await q.get() for _ in range(20)] for q in queues]
+        t.join()
+        return box, burst, got, more
+
+    box, burst, got, more = asyncio.run(main())
+    assert burst == 1  # 400 Outputs, one call_soon_threadsafe (it was one each)
+    assert got == [[(row, step) for step in range(50)] for row in range(8)]
+    assert more == [[(row, step) for step in range(20)] for row in range(8)]
+    assert 2 <= box.wakeups <= 1 + 160

@@ -186,3 +186,39 @@ def test_other_families_batch_to_the_greedy_tokens_of_engine_generate(tiny_ckpt,
         assert run_concurrently(s, PROMPTS[:4], MAX_NEW[:4]) == ref
     finally:
         s.stop()
+
+
+def test_a_decode_steps_tokens_are_sent_after_the_next_step_is_enqueued_and_the_last_one_at_once(engine, reference):
+    """The sinks (and the HTTP work behind them) overlap the next device step instead of delaying its launch."""
+    s = Scheduler(engine, ServeConfig(max_batch=4, max_queue=64))
+    log: list[tuple] = []
+    launch = s.executor.decode
+
+    def decode(tokens, lens):  # an observer on the real executor: records when each step is enqueued
+        log.append(("step", len(log)))
+        return launch(tokens, lens)
+
+    s.executor.decode = decode
+    s.start()
+    try:
+        done = threading.Event()
+
+        def sink(out):
+            log.append(("out", list(out.token_ids), out.finish_reason))
+            if out.finished:
+                done.set()
+
+        s.submit(PROMPTS[0], SamplingParams(max_tokens=MAX_NEW[0], ignore_eos=True), sink)
+        assert done.wait(120)
+    finally:
+        s.stop()
+    outs = [e for e in log if e[0] == "out"]
+    assert [t for e in outs for t in e[1]] == reference[0][:MAX_NEW[0]]
+    steps = [i for i, e in enumerate(log) if e[0] == "step"]
+    assert len(steps) == MAX_NEW[0] - 1  # the first token comes from the prefill
+    # the token of step k is sent after step k + 1 was enqueued ...
+    for k in range(len(steps) - 1):
+        sent = [i for i, e in enumerate(log) if e[0] == "out"][k + 1]  # outs[0] is the prefill's token
+        assert steps[k + 1] < sent, (k, log)
+    # ... and the last step's (the request's end) without waiting for a step that will not come
+    assert log[-1] == ("out", [reference[0][MAX_NEW[0] - 1]], "length")

@@ -125,6 +125,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
+        self._outbox: list[tuple[Request, Output]] = []  # a decode step's Outputs, sent once the next step is launched
         self._ids = itertools.count()
         self._stop = False
         self._error: str | None = None
@@ -263,6 +264,7 @@ class Scheduler:
             self._error = f"scheduler loop died: {type(exc).__name__}: {exc}"
             log.event("serve_loop_died", 40, error=type(exc).__name__, message=str(exc))
         with self._lock:
+            self._flush()
             reason = self._error or "the server is shutting down"
             for req in [*self._waiting, *self._prefilling, *self._running]:
                 self._finish(req, None, error=reason)
@@ -277,6 +279,8 @@ class Scheduler:
 
     def _step(self) -> None:
         group = self._prefill_group() if self._prefilling else []
+        if group:
+            self._flush()  # the last decode step's tokens go out before a prefill forward
         if len(group) > 1:
             self._prefill_together(group)
         elif group:
@@ -361,11 +365,16 @@ class Scheduler:
         return max((r.cache_len for r in self._running), default=0)
 
     def _decode_step(self) -> None:
+        """One decode forward of every running row. The previous step's Outputs are sent after this step is
+        enqueued (``_flush``): on CUDA the forward is asynchronous, so the sinks and the HTTP side's work on
+        those tokens overlap the device step instead of delaying its launch; a row's stop is still decided
+        before the next step (its Output just leaves one launch later)."""
         rows = self._running
         t0 = time.perf_counter()
         try:
             logits_BV = self.executor.decode([r.output_ids[-1] for r in rows], [r.cache_len for r in rows])
         except Exception as exc:  # the caches' state is unknown now: fail their requests, keep serving
+            self._flush()
             log.event("serve_request_failed", 40, requests=len(rows) + len(self._prefilling), stage="decode",
                       error=type(exc).__name__, message=str(exc))
             for r in [*rows, *self._prefilling]:
@@ -374,13 +383,16 @@ class Scheduler:
             self._prefilling.clear()
             self.executor.reset()
             return
+        self._flush()
         toks = sample(logits_BV, [r.params for r in rows], [r.gen for r in rows])
         n, secs = self.decode_timing.get(len(rows), (0, 0.0))
         self.decode_timing[len(rows)] = (n + 1, secs + time.perf_counter() - t0)  # one assignment: a scrape
         # on the HTTP thread never sees a step without its seconds
-        keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t)]
+        keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t, defer=True)]
         if len(keep) < len(rows):
             self._shrink(keep)
+        if not self._running:
+            self._flush()  # no next step to overlap with
 
     def _shrink(self, keep: list[int]) -> None:
         """Keep the running rows ``keep``; cut the cache columns that only padded the rows that left."""
@@ -402,23 +414,33 @@ class Scheduler:
             for r in gone:
                 self._finish(r, "cancelled")
 
-    def _emit(self, req: Request, tok: int) -> bool:
-        """Append ``tok`` and stream it; True when the request is finished."""
+    def _emit(self, req: Request, tok: int, defer: bool = False) -> bool:
+        """Append ``tok`` and stream it (``defer``: at the next ``_flush``); True when the request is finished."""
         req.output_ids.append(tok)
         reason = None
         if tok in req.stop_ids:
             reason = "stop"
         elif len(req.output_ids) >= req.params.max_tokens:
             reason = "length"
-        if reason is None:
-            self._send(req, Output([tok]))
-            return False
-        req.finish_reason, req.t_done = reason, time.perf_counter()
-        self._record(req)
-        self._send(req, Output([tok], finish_reason=reason))
-        return True
+        if reason is not None:
+            req.finish_reason, req.t_done = reason, time.perf_counter()
+            self._record(req)
+        out = Output([tok], finish_reason=reason)
+        if defer:
+            self._outbox.append((req, out))
+        else:
+            self._send(req, out)
+        return reason is not None
+
+    def _flush(self) -> None:
+        """Send the Outputs a decode step deferred, in order."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            for req, o in out:
+                self._send(req, o)
 
     def _finish(self, req: Request, reason: str | None, error: str | None = None) -> None:
+        self._flush()  # tokens already decoded go out before the request's last Output
         req.finish_reason, req.t_done = reason or "error", time.perf_counter()
         self._record(req)
         self._send(req, Output([], finish_reason=reason, error=error))

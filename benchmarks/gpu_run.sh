@@ -2,9 +2,11 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles.
 # observed: bench ttft at 16/64/256/1024 tokens, prefill path auto (observed routing on) beside staged.
+# flash: the Flash-Next preset at FLASH_LAYERS (8) layers: build, bench decode batch 1 at residency 0.37 (issue 12's
+# per-layer figure), bench ttft 1024 tokens at residency 0/0.37/0.5/0.75 and 16-256 tokens staged vs routed (512 experts).
 # decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.
 # check_serve: the "Serve it" targets (SERVE_CHECK_SHA): bench serve per residency (SERVE_CHECK_RESIDENCIES; every
 # client its own prompt; --decode-reference times bench decode's cell on the same engine first, so check_decode,
@@ -163,6 +165,17 @@ if has observed; then  # observed routing (prefill path auto) vs staged at short
     --set model.cache_dir=/tmp/moe-cache --prompt-lens 16,64,256,1024 --residency 0.37,0.5 --modes gather \
     --prefill-path auto,staged --reps 3 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/observed" \
     --json > "$RES/observed.json" 2> "$RES/observed.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has flash; then  # ~4 min of build beside nothing, ~3 min of benches
+  F="--config configs/flash-next-nvfp4.yaml --set model.cache_dir=/tmp/moe-cache"
+  timeout ${BUILD_TIMEOUT:-400} python3 -c "from moe_offload.config import load_config; from moe_offload.engine import ensure_checkpoint; ensure_checkpoint(load_config('configs/flash-next-nvfp4.yaml', ['model.cache_dir=/tmp/moe-cache', 'model.layers=${FLASH_LAYERS:-8}']).model, False)" > "$RES/flash-build.log" 2>&1
+  timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode $F --layers ${FLASH_LAYERS:-8} --residency 0.37,1 --batch 1 \
+    --steps 64 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/flash" --json > "$RES/flash-decode.json" 2> "$RES/flash-decode.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+  timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft $F --layers ${FLASH_LAYERS:-8} --prompt-lens 16,64,256,1024 \
+    --residency 0,0.37,0.5,0.75 --modes gather --prefill-path staged,routed --reps 3 --peers none \
+    --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/flash" --json > "$RES/flash-ttft.json" 2> "$RES/flash-ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1

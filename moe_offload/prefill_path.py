@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -205,8 +206,6 @@ class AdaptiveRouting:
 
     def effective_tokens(self, distinct: float) -> float:
         """``t`` with ``D(t) = distinct`` under uniform routing (``inf`` at or beyond every expert)."""
-        import math
-
         E, K = self.E, min(self.K, self.E)
         if distinct <= 0:
             return 0.0
@@ -215,9 +214,7 @@ class AdaptiveRouting:
         return math.log(1.0 - distinct / E) / math.log(1.0 - K / E)
 
     def observe(self, T: int, distinct_per_layer) -> None:
-        import numpy as np
-
-        d = float(np.mean(distinct_per_layer))
+        d = float(sum(distinct_per_layer)) / max(len(distinct_per_layer), 1)
         share = min(1.0, self.effective_tokens(d) / T) if T > 0 else 1.0
         b = self.bucket(T)
         if b in self.buckets:

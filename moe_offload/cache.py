@@ -49,14 +49,17 @@ class OffloadMoeCache:
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
                  decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
-                 cost_model=None):
+                 cost_model=None, observe_routing: bool = False):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
         where the cost model says staging pays; steps above it are then staged.
         ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model).
         ``cost_model``: ``(prefill_path.CostModel, entry)`` to decide paths with instead of the table's entry
-        for this GPU (one measured elsewhere; the CPU has none)."""
+        for this GPU (one measured elsewhere; the CPU has none). ``observe_routing``: the forwards are announced
+        (``begin_forward``/``end_forward``, as ``Engine.run_model`` does), so ``prefill.routed_adaptive_max_tokens``
+        may apply; a cache whose caller announces nothing keeps the fixed threshold and pays no scratch rows
+        for it."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -66,7 +69,7 @@ class OffloadMoeCache:
         tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
-                                                 fused_decode, decode_path, cost_model, tp)
+                                                 fused_decode, decode_path, cost_model, tp, observe_routing)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
@@ -117,12 +120,13 @@ class OffloadMoeCache:
         if not rp.adaptive_max_tokens:
             return None
         from moe_offload.observed_routing import ObservedRouting
-        from moe_offload.prefill_path import AdaptiveRouting
+        from moe_offload.prefill_path import AdaptiveRouting, resident_fraction
         from moe_offload.prefill_path import cost_model as table_model
 
         E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
         model = (cost_model or table_model(torch.cuda.get_device_name(self.device), E, K, R))[0]
-        adaptive = AdaptiveRouting(model, E, K, R, rp.resident_fraction, rp.max_tokens, rp.adaptive_max_tokens)
+        resident = resident_fraction(self.num_slots, len(self.store.layers), E)  # the final plan's (scratch rows taken)
+        adaptive = AdaptiveRouting(model, E, K, R, resident, rp.max_tokens, rp.adaptive_max_tokens)
         return ObservedRouting(adaptive, self.layers, E, decode_max_tokens, self.device, self.streams)
 
     # ------------------------------------------------------------------ the path of a forward
@@ -142,6 +146,11 @@ class OffloadMoeCache:
         if self.observed is None:
             return tokens <= self.routed_max_tokens
         return self.observed.routed(tokens)
+
+    def forget_observations(self) -> None:
+        """Drop the observed routing spreads (e.g. after a warmup on random ids)."""
+        if self.observed is not None:
+            self.observed.adaptive.forget()
 
     def observe_routing(self, layer: int, ids_TK: torch.Tensor) -> None:
         """An experts call's routed ids, for the observed spread (a no-op unless the forward is observed)."""
@@ -348,8 +357,10 @@ class OffloadMoeCache:
         return self.counters.decode_steps
 
     def reset(self) -> None:
-        """Zero the counters (residency is kept)."""
+        """Zero the counters (residency and observed routing spreads are kept)."""
         self.counters.reset()
+        if self.observed is not None:
+            self.observed.adaptive.routed = self.observed.adaptive.staged = 0
         self.decode.reset_counts()
 
 

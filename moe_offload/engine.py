@@ -116,7 +116,8 @@ class Engine:
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
-                                fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path)
+                                fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
+                                observe_routing=True)
         fmt = get_format(fmt_name)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
@@ -169,6 +170,7 @@ class Engine:
             bar.update(1)
         self.cache.synchronize()
         self.cache.reset()
+        self.cache.forget_observations()  # random ids route unlike prompts: learn spreads from real traffic
 
     @property
     def kv_name(self) -> str:
@@ -197,8 +199,8 @@ class Engine:
         """``model(**kwargs).logits``; a forward on the prefill path is one announced prefill pass (layer
         0's copy then overlaps the embedding and the first attention)."""
         first = self._first_experts
-        ids = kwargs.get("input_ids")
-        sequences = int(ids.shape[0]) if ids is not None and ids.dim() == 2 else 1
+        ids = kwargs.get("input_ids", kwargs.get("inputs_embeds"))
+        sequences = int(ids.shape[0]) if ids is not None and ids.dim() >= 2 else 1
         with self._exclusive():
             ok = False
             routed = self.cache.begin_forward(num_tokens, sequences)

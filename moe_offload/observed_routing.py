@@ -32,10 +32,14 @@ class ObservedRouting:
         self.event = streams.event() if cuda else None
         self.pending: int | None = None  # tokens of the observed forward whose counts are in flight
         self.plan: tuple[int, bool, bool] | None = None  # (tokens, routed, observed) of the forward running
+        self.depth = 0  # a forward run inside another (same thread) keeps the outer one's plan
 
     def begin(self, tokens: int, sequences: int) -> bool:
         """Decide the path of a forward of ``tokens`` tokens over ``sequences`` sequences (True: routed)."""
         fixed = self.adaptive.fixed_max_tokens
+        self.depth += 1
+        if self.depth > 1:  # nested: the outer forward's plan stands; this one gets the fixed threshold
+            return tokens <= fixed
         if self.seen_LE.is_cuda and torch.cuda.is_current_stream_capturing():
             self.plan = None
             return tokens <= fixed
@@ -63,6 +67,9 @@ class ObservedRouting:
 
     def end(self, ok: bool) -> None:
         """The forward is enqueued (``ok``) or raised: an observed one sends its counts to the host."""
+        self.depth = max(0, self.depth - 1)
+        if self.depth:
+            return
         plan, self.plan = self.plan, None
         if plan is None or not plan[2] or not ok:
             return

@@ -200,6 +200,9 @@ class AdaptiveRouting:
         self.buckets: dict[int, list] = {}  # bucket -> [share EMA, forwards observed]
         self.routed = self.staged = 0  # forwards above the fixed threshold, by the path they were given
 
+    def forget(self) -> None:
+        self.buckets.clear()
+
     @staticmethod
     def bucket(T: int) -> int:
         return max(0, int(T - 1).bit_length())  # 2^(b-1) < T <= 2^b
@@ -304,7 +307,8 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
 
 
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
-               decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False):
+               decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False,
+               observe_routing: bool = True):
     """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
     with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
     byte or ``auto`` budget then buys slightly fewer slots)."""
@@ -314,7 +318,7 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     budget, reserve = cache_cfg.budget, cache_cfg.auto_reserve
     base_rows = scratch_rows(decode_max_tokens, K, E)
     plan = plan_budget(store, budget, device, reserve, base_rows)
-    adaptive = prefill_cfg.routed_adaptive_max_tokens
+    adaptive = prefill_cfg.routed_adaptive_max_tokens if observe_routing else 0
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
                      resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
                      decode_path, 0 if tensor_parallel else adaptive, model)

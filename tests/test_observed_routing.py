@@ -110,7 +110,8 @@ def engine(tiny_ckpt):
     model = CostModel(h2d_GBps=55.0, uva_GBps=48.0, uva_fixed_s=1e-4, hbm_GBps=4000.0, routed_fixed_s=4e-5,
                       routed_hbm_factor=8.0, routed_pair_s=2e-7, staged_fixed_s=5e-3, staged_hbm_factor=0.0,
                       staged_pair_s=0.0, max_tokens=4)
-    eng.replace_cache(OffloadMoeCache(eng.store, cfg.cache, cfg.prefill, "cpu", 4, cost_model=(model, "test")))
+    eng.replace_cache(OffloadMoeCache(eng.store, cfg.cache, cfg.prefill, "cpu", 4, cost_model=(model, "test"),
+                                      observe_routing=True))
     return eng
 
 
@@ -127,7 +128,7 @@ def test_a_prompt_length_is_staged_until_observed_then_routed_with_the_staged_lo
         outs.append(logits)
     assert paths == ["staged", "staged", "routed"]  # two observed forwards, then the spread decides
     seen = cache.stats()["routed_adaptive"]
-    assert seen["routed_forwards"] == 1 and seen["staged_forwards"] == 2
+    assert seen["routed_forwards"] == 1 and seen["staged_forwards"] == 0  # since the last reset (before the 3rd)
     assert seen["share_by_tokens"]["<=32"]["forwards"] >= 2
     # fp32 on the CPU: the same sums in another order (tests/test_prefill_path.py's tolerance)
     torch.testing.assert_close(outs[2], outs[0], atol=1e-4, rtol=0)
@@ -144,3 +145,17 @@ def test_greedy_generation_is_unchanged_when_prompts_switch_path(engine):
     for _ in range(2):
         assert engine.generate(prompt, 8).token_ids == first
     assert np.isfinite(engine.cache.stats()["routed_adaptive"]["share_by_tokens"]["<=32"]["share"])
+
+
+def test_the_warmup_on_random_ids_leaves_no_observed_spread_and_a_nested_forward_keeps_the_outer_plan(engine):
+    engine.prefill(torch.randint(3, 300, (1, 32), generator=torch.Generator().manual_seed(3)))
+    engine.cache.synchronize()
+    engine.warmup()
+    assert engine.cache.stats()["routed_adaptive"]["share_by_tokens"] == {}
+    obs = engine.cache.observed
+    assert obs.begin(32, 1) is False and obs.plan == (32, False, True)
+    assert obs.begin(2, 1) is True  # a forward inside it: fixed threshold, the outer plan untouched
+    obs.end(True)
+    assert obs.plan == (32, False, True) and obs.routed(32) is False
+    obs.end(False)
+    assert obs.plan is None and obs.depth == 0

@@ -279,3 +279,17 @@ def test_the_mailbox_delivers_every_output_in_order_with_one_wakeup_per_burst():
     assert got == [[(row, step) for step in range(50)] for row in range(8)]
     assert more == [[(row, step) for step in range(20)] for row in range(8)]
     assert 2 <= box.wakeups <= 1 + 160
+
+
+def test_a_mailbox_whose_loop_closed_raises_on_every_post():
+    import asyncio
+
+    from moe_offload.serve.server import Mailbox
+
+    loop = asyncio.new_event_loop()
+    box = Mailbox(loop)
+    loop.close()
+    q = asyncio.Queue()
+    for _ in range(3):  # each request's sink fails, so the scheduler cancels each (not only the first)
+        with pytest.raises(RuntimeError):
+            box.post(q, "out")

@@ -191,6 +191,8 @@ def test_other_families_batch_to_the_greedy_tokens_of_engine_generate(tiny_ckpt,
 def test_a_decode_steps_tokens_are_sent_after_the_next_step_is_enqueued_and_the_last_one_at_once(engine, reference):
     """The sinks (and the HTTP work behind them) overlap the next device step instead of delaying its launch."""
     s = Scheduler(engine, ServeConfig(max_batch=4, max_queue=64))
+    assert s._defer is False  # a CPU forward runs in the call: nothing to overlap, so tokens go out at once
+    s._defer = True  # what CUDA does (its forward is enqueued asynchronously)
     log: list[tuple] = []
     launch = s.executor.decode
 

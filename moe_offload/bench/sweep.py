@@ -124,7 +124,8 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     engine.cache.close()  # the old pool and staging go before the new ones are allocated
     free_memory()
     engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
-                                         fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path))
+                                         fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
+                                         observe_routing=True))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()
@@ -151,6 +152,7 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
     ttft, host_fwd, host_layer, paths = [], [], [], []
     stats = {}
     if getattr(engine.cache, "observed", None) is not None:
+        engine.cache.forget_observations()  # other lengths of the same power-of-two bucket must not count
         for _ in range(2):
             engine.cache.set_residency(resident)
             engine.measure_ttft(ids)

@@ -126,6 +126,9 @@ class Scheduler:
         self._prefilling: deque[Request] = deque()
         self._running: list[Request] = []
         self._outbox: list[tuple[Request, Output]] = []  # a decode step's Outputs, sent once the next step is launched
+        # only where a step is enqueued asynchronously (CUDA): on a CPU the forward runs in the call, and
+        # deferring would hold every token back by one whole forward for nothing
+        self._defer = engine.device.type == "cuda"
         self._ids = itertools.count()
         self._stop = False
         self._error: str | None = None
@@ -365,10 +368,10 @@ class Scheduler:
         return max((r.cache_len for r in self._running), default=0)
 
     def _decode_step(self) -> None:
-        """One decode forward of every running row. The previous step's Outputs are sent after this step is
-        enqueued (``_flush``): on CUDA the forward is asynchronous, so the sinks and the HTTP side's work on
-        those tokens overlap the device step instead of delaying its launch; a row's stop is still decided
-        before the next step (its Output just leaves one launch later)."""
+        """One decode forward of every running row. On CUDA the previous step's Outputs are sent after this
+        step is enqueued (``_flush``): the forward is asynchronous there, so the sinks and the HTTP side's work
+        on those tokens overlap the device step instead of delaying its launch; a row's stop is still decided
+        before the next step (its Output just leaves one launch later). On a CPU they are sent at once."""
         rows = self._running
         t0 = time.perf_counter()
         try:
@@ -383,12 +386,14 @@ class Scheduler:
             self._prefilling.clear()
             self.executor.reset()
             return
+        t_sinks = time.perf_counter()
         self._flush()
+        t_sinks = time.perf_counter() - t_sinks  # the previous step's sinks: not this step's time
         toks = sample(logits_BV, [r.params for r in rows], [r.gen for r in rows])
         n, secs = self.decode_timing.get(len(rows), (0, 0.0))
-        self.decode_timing[len(rows)] = (n + 1, secs + time.perf_counter() - t0)  # one assignment: a scrape
+        self.decode_timing[len(rows)] = (n + 1, secs + time.perf_counter() - t0 - t_sinks)  # one assignment: a scrape
         # on the HTTP thread never sees a step without its seconds
-        keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t, defer=True)]
+        keep = [b for b, (r, t) in enumerate(zip(rows, toks)) if not self._emit(r, t, defer=self._defer)]
         if len(keep) < len(rows):
             self._shrink(keep)
         if not self._running:

@@ -50,7 +50,12 @@ class Mailbox:
             self._items.append((queue, out))
         if first:
             self.wakeups += 1
-            self.loop.call_soon_threadsafe(self._drain)
+            try:
+                self.loop.call_soon_threadsafe(self._drain)
+            except BaseException:  # a closed loop: nothing will drain; every later post must raise too
+                with self._lock:
+                    self._items.clear()
+                raise
 
     def _drain(self) -> None:
         with self._lock:

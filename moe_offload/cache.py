@@ -360,7 +360,7 @@ class OffloadMoeCache:
         """Zero the counters (residency and observed routing spreads are kept)."""
         self.counters.reset()
         if self.observed is not None:
-            self.observed.adaptive.routed = self.observed.adaptive.staged = 0
+            self.observed.adaptive.reset_counts()
         self.decode.reset_counts()
 
 

@@ -203,6 +203,9 @@ class AdaptiveRouting:
     def forget(self) -> None:
         self.buckets.clear()
 
+    def reset_counts(self) -> None:
+        self.routed = self.staged = 0
+
     @staticmethod
     def bucket(T: int) -> int:
         return max(0, int(T - 1).bit_length())  # 2^(b-1) < T <= 2^b

@@ -151,7 +151,7 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
     rep is decided by this length's own observed spread, as in a server that has seen such prompts."""
     ttft, host_fwd, host_layer, paths = [], [], [], []
     stats = {}
-    if getattr(engine.cache, "observed", None) is not None:
+    if engine.cache.observed is not None:
         engine.cache.forget_observations()  # other lengths of the same power-of-two bucket must not count
         for _ in range(2):
             engine.cache.set_residency(resident)

@@ -14,6 +14,8 @@ TTFT of ``--prompts`` distinct seeded prompts (``--prompt-len`` tokens), median 
 4. ``scheduler_http``: the same with the HTTP server thread started and idle;
 5. ``engine_after``: ``engine_thread`` again after the scheduler stopped (its static batch, graphs and decode
    state still allocated): a gap that stays here is the engine's state after serving, one that goes is the loop.
+Each TTFT variant also reports the host time of its prefill forward (``enqueue_ms``: until the call returns,
+its launches enqueued): near the TTFT, the host bounds the prefill.
 ``--profile DIR``: a torch profiler table (top ops by CUDA and by CPU time) of one prefill per variant
 (``engine_thread``, ``scheduler``, ``engine_after``) under DIR.
 Decode: the scheduler's host wall time per step (``Scheduler.decode_timing``) with ``--rows`` concurrent
@@ -69,13 +71,29 @@ class Profiles:
         return r
 
 
+def timed_ttft(engine, prompt: list[int]) -> tuple[float, float]:
+    """``Engine.measure_ttft``'s clock, split: (host seconds until the prefill forward returns, i.e. its
+    launches are enqueued; seconds until the first token is on the host). Enqueue close to TTFT: the
+    forward is bound by the host."""
+    engine._sync()
+    t0 = time.perf_counter()
+    logits, _ = engine.prefill(prompt, last_only=True)
+    t1 = time.perf_counter()
+    int(logits[0, -1].argmax().item())
+    return t1 - t0, time.perf_counter() - t0
+
+
 def engine_ttfts(engine, prompts: list[list[int]], thread: bool, profiles: Profiles | None = None,
-                 name: str = "") -> list[float]:
+                 name: str = "", enqueue: list[float] | None = None) -> list[float]:
     out: list[float] = []
 
     def work():
         engine.measure_ttft(prompts[0])  # warm-up
-        out.extend(engine.measure_ttft(p) for p in prompts)
+        for p in prompts:
+            host, ttft = timed_ttft(engine, p)
+            out.append(ttft)
+            if enqueue is not None:
+                enqueue.append(host)
         if profiles is not None:
             profiles.run(name, lambda: engine.measure_ttft(prompts[0]))
 
@@ -86,6 +104,25 @@ def engine_ttfts(engine, prompts: list[list[int]], thread: bool, profiles: Profi
     t.start()
     t.join()
     return out
+
+
+class EnqueueClock:
+    """Wraps the scheduler's ``executor.prefill``: host seconds of each call (the forward's launches enqueued,
+    nothing synchronized), the loop-side counterpart of ``timed_ttft``'s first figure."""
+
+    def __init__(self, scheduler):
+        self.executor, self.plain, self.times = scheduler.executor, scheduler.executor.prefill, []
+
+        def prefill(rid, ids):
+            t0 = time.perf_counter()
+            r = self.plain(rid, ids)
+            self.times.append(time.perf_counter() - t0)
+            return r
+
+        self.executor.prefill = prefill
+
+    def close(self) -> None:
+        self.executor.prefill = self.plain
 
 
 def scheduler_ttfts(scheduler, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float]]:
@@ -165,14 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"sha": _sha(), "config": a.config, "set": a.set, "prompt_len": a.prompt_len, "prompts": a.prompts,
                  "gpu": torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else "cpu",
                  "versions": {"torch": torch.__version__}}
-    res["ttft_ms"] = {"engine": _ms(engine_ttfts(engine, prompts, False)),
-                      "engine_thread": _ms(engine_ttfts(engine, prompts, True, profiles, "engine_thread"))}
+    enq: dict[str, list[float]] = {k: [] for k in ("engine", "engine_thread", "scheduler", "scheduler_http",
+                                                   "engine_after")}
+    res["ttft_ms"] = {"engine": _ms(engine_ttfts(engine, prompts, False, enqueue=enq["engine"])),
+                      "engine_thread": _ms(engine_ttfts(engine, prompts, True, profiles, "engine_thread",
+                                                        enq["engine_thread"]))}
     ref = decode_reference(engine, rows, a.prompt_len, a.max_tokens, vocab, 0)
     engine.drop_decoders()
     scheduler = Scheduler(engine, cfg.serve).start()
     try:
         scheduler_ttfts(scheduler, prompts[:1], 2)  # warm-up (graph capture of the 1-row bucket)
-        s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
+        clock = EnqueueClock(scheduler)
+        try:
+            s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
+        finally:
+            clock.close()
+        enq["scheduler"] = clock.times
         res["ttft_ms"]["scheduler"], res["ttft_ms"]["scheduler_submit"] = _ms(s), _ms(c)
         if a.profile is not None:  # the profiler records the thread it runs on: the loop's, around one prefill
             plain = scheduler.executor.prefill
@@ -190,18 +235,29 @@ def main(argv: list[str] | None = None) -> int:
             res["decode"].append(d)
         http = ServerThread(build_app(scheduler, cfg.serve)).start()
         try:
-            s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
+            clock = EnqueueClock(scheduler)
+            try:
+                s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
+            finally:
+                clock.close()
+            enq["scheduler_http"] = clock.times
             res["ttft_ms"]["scheduler_http"], res["ttft_ms"]["scheduler_http_submit"] = _ms(s), _ms(c)
         finally:
             http.stop()
     finally:
         scheduler.stop()
-    res["ttft_ms"]["engine_after"] = _ms(engine_ttfts(engine, prompts, True, profiles, "engine_after"))
+    res["ttft_ms"]["engine_after"] = _ms(engine_ttfts(engine, prompts, True, profiles, "engine_after",
+                                                      enq["engine_after"]))
+    res["enqueue_ms"] = {k: _ms(v) for k, v in enq.items() if v}
     base = res["ttft_ms"]["engine"]
     lines = [f"# Serving overhead ({res['gpu']}, git {res['sha']}, {' '.join(a.set)})", "",
              f"TTFT of {a.prompts} distinct {a.prompt_len}-token prompts, median:", "",
              "| variant | ms | x engine |", "| --- | --- | --- |"]
     lines += [f"| {k} | {v} | {v / base:.3f} |" for k, v in res["ttft_ms"].items()]
+    lines += ["", "Host time of the prefill forward (returns once its launches are enqueued, before the first token "
+              "is read): close to the TTFT means the host bounds the prefill.", "",
+              "| variant | enqueue ms | TTFT ms |", "| --- | --- | --- |"]
+    lines += [f"| {k} | {v} | {res['ttft_ms'][k]} |" for k, v in res["enqueue_ms"].items()]
     lines += ["", "| rows | scheduler ms/step | bench decode ms/step | x |", "| --- | --- | --- | --- |"]
     lines += [f"| {d['rows']} | {d['ms_per_step']} | {d['reference_ms_per_step']} | {d['ratio']} |" for d in res["decode"]]
     text = "\n".join(lines) + "\n"

@@ -25,6 +25,10 @@ def test_serve_overhead_times_each_layer_of_the_stack_and_profiles_the_loop_thre
     assert set(res["ttft_ms"]) == {"engine", "engine_thread", "scheduler", "scheduler_submit", "scheduler_http",
                                    "scheduler_http_submit", "engine_after"}
     assert all(v > 0 for v in res["ttft_ms"].values())
+    # the host time of each variant's prefill forward is part of its TTFT
+    assert set(res["enqueue_ms"]) == {"engine", "engine_thread", "scheduler", "scheduler_http", "engine_after"}
+    for k, v in res["enqueue_ms"].items():
+        assert 0 < v <= res["ttft_ms"][k], k
     # the submitter's clock starts before the scheduler's (queue wait) and ends at the sink, after sampling
     assert res["ttft_ms"]["scheduler_submit"] >= res["ttft_ms"]["scheduler"]
     assert [d["rows"] for d in res["decode"]] == [1, 2]

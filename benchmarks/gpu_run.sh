@@ -3,7 +3,8 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash
-# serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles.
+# serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
+# OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
 # observed: bench ttft at 16/64/256/1024 tokens, prefill path auto (observed routing on) beside staged.
 # flash: the Flash-Next preset at FLASH_LAYERS (8) layers: build, bench decode batch 1 at residency 0.37 (issue 12's
 # per-layer figure), bench ttft 1024 tokens at residency 0/0.37/0.5/0.75 and 16-256 tokens staged vs routed (512 experts).
@@ -156,7 +157,7 @@ fi
 if has serve_overhead; then  # ~2 min at 48 layers
   timeout ${OVERHEAD_TIMEOUT:-300} python3 benchmarks/serve_overhead.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache --set cache.budget=${OVERHEAD_RESIDENCY:-1.0} --set serve.max_batch=64 \
-    --set decode.max_tokens=64 --set decode.max_cache_len=1152 --profile "$RES/serve-overhead-prof" --out "$RES" \
+    --set decode.max_tokens=64 --set decode.max_cache_len=1152 ${OVERHEAD_ARGS:-} --profile "$RES/serve-overhead-prof" --out "$RES" \
     > "$RES/serve_overhead.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
+#   stages: tune_dequant build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
@@ -38,6 +38,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
+if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequant_tuning.json (used by the stages after)
+  timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \
+    > "$RES/tune_dequant.log" 2>&1
+  cp kernels/dequant_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
 if has build; then
   t0=$(date +%s)
   timeout ${BUILD_TIMEOUT:-400} python3 -c "from moe_offload.config import load_config; from moe_offload.engine import ensure_checkpoint; ensure_checkpoint(load_config('${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml}', ['model.cache_dir=/tmp/moe-cache']).model, False)" > "$RES/build.log" 2>&1

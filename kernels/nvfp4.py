@@ -14,6 +14,10 @@ CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors (CI).
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -21,11 +25,53 @@ import triton.language as tl
 
 from moe_offload.formats.nvfp4 import BLOCK
 
-# Untuned on purpose: the kernel is elementwise and memory-bound; a tile of 16 rows x 128 packed
-# bytes (4 KB read, 16-32 KB written) per program is past the size where the copy saturates HBM.
-_ROWS_PER_PROGRAM = 16
-_BYTES_PER_PROGRAM = 128
-_NUM_WARPS = 4
+DEQUANT_TUNING_PATH = Path(__file__).with_name("dequant_tuning.json")
+
+
+@dataclass(frozen=True)
+class DequantTiles:
+    """Tiles of the dequant kernel: ``block_r`` matrix rows x ``block_b`` packed bytes per program, warps, and
+    how the two codes of a byte are written: ``split_store`` False interleaves them in registers
+    (``tl.interleave``) and stores one contiguous row segment, True stores even and odd columns separately."""
+
+    block_r: int = 16
+    block_b: int = 128
+    num_warps: int = 4
+    split_store: bool = False
+
+    def __post_init__(self):
+        p2 = all(x >= 1 and not x & (x - 1) for x in (self.block_r, self.block_b, self.num_warps))
+        if not p2 or self.block_b < BLOCK // 2 or self.num_warps > 16 or self.block_r * self.block_b > 1 << 16:
+            raise ValueError(f"invalid dequant tiles {self}: block_r, block_b and num_warps powers of two, block_b >= "
+                             f"{BLOCK // 2} (a whole scale block), num_warps <= 16, block_r * block_b <= 65536")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@functools.lru_cache(maxsize=4)
+def load_dequant_tuning(path: str | Path = DEQUANT_TUNING_PATH) -> dict[str, DequantTiles]:
+    """``{device name or "default": DequantTiles}`` from ``dequant_tuning.json`` (written by
+    ``benchmarks/tune_dequant.py``); raises ValueError naming the file and the bad entry."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if data.get("schema") != 1 or not isinstance(data.get("devices"), dict) or "default" not in data["devices"]:
+        raise ValueError(f"{path}: expected {{'schema': 1, 'devices': {{'default': {{...}}, ...}}}}, got keys {sorted(data)}")
+    table = {}
+    for dev, d in data["devices"].items():
+        try:
+            table[dev] = DequantTiles(**d)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: devices[{dev!r}] = {d!r} is not a dequant tile entry ({exc}); expected "
+                             '{"block_r", "block_b", "num_warps", "split_store"}') from exc
+    return table
+
+
+def dequant_tiles(device: torch.device) -> DequantTiles:
+    """Tiles for ``device``: its GPU name's entry in the tuning table, else ``default``."""
+    table = load_dequant_tuning()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return table.get(name, table["default"])
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BANK_KEYS = ("w13_q", "w13_s", "w2_q", "w2_s", "gs")
@@ -56,7 +102,7 @@ def _dequant_nvfp4_kernel(
     g_ptr, stride_gn, stride_gg,  # globals [N, G] f32
     o_ptr, stride_on, stride_or,  # out [N, R, C], columns contiguous
     R, C_BYTES, ROWS_PER_GROUP,
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_STORE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
@@ -78,11 +124,16 @@ def _dequant_nvfp4_kernel(
     # the same two steps in the same order as the torch reference.
     lo = (e2m1_to_f32(packed & 15) * scale) * glob[:, None]
     hi = (e2m1_to_f32(packed >> 4) * scale) * glob[:, None]
-    vals = tl.interleave(lo, hi)  # [BLOCK_R, 2 * BLOCK_B]: column 2b from lo, 2b+1 from hi
-
-    offs_c = pid_b * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
-    out_mask = (offs_r[:, None] < R) & (offs_c[None, :] < 2 * C_BYTES)
-    tl.store(o_ptr + n * stride_on + offs_r[:, None] * stride_or + offs_c[None, :], vals.to(o_ptr.dtype.element_ty), mask=out_mask)
+    row_ptrs = o_ptr + n * stride_on + offs_r[:, None] * stride_or
+    if SPLIT_STORE:  # column 2b from lo, 2b+1 from hi, two strided stores (no register shuffle)
+        even_ptrs = row_ptrs + 2 * offs_b[None, :]
+        tl.store(even_ptrs, lo.to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(even_ptrs + 1, hi.to(o_ptr.dtype.element_ty), mask=mask)
+    else:
+        vals = tl.interleave(lo, hi)  # [BLOCK_R, 2 * BLOCK_B]: column 2b from lo, 2b+1 from hi
+        offs_c = pid_b * (2 * BLOCK_B) + tl.arange(0, 2 * BLOCK_B)
+        out_mask = (offs_r[:, None] < R) & (offs_c[None, :] < 2 * C_BYTES)
+        tl.store(row_ptrs + offs_c[None, :], vals.to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
 def device_guard(device: torch.device):
@@ -97,7 +148,8 @@ def check_rows_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def dequant_nvfp4(
-    packed_NRB: torch.Tensor, scale_NRS: torch.Tensor, global_NG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+    packed_NRB: torch.Tensor, scale_NRS: torch.Tensor, global_NG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+    tiles: DequantTiles | None = None,
 ) -> torch.Tensor:
     """Dequantize a stack of NVFP4 matrices.
 
@@ -107,6 +159,8 @@ def dequant_nvfp4(
         global_NG: ``[N, G]`` float32 multipliers; rows are split into G equal consecutive groups,
             group g uses ``global_NG[:, g]`` (w13: G=2 gate/up, w2: G=1).
         out_dtype: float32, bfloat16 or float16.
+        tiles: kernel tiles (default: ``dequant_tiles(device)`` from ``dequant_tuning.json``); every
+            choice gives the same bits.
 
     Returns:
         ``[N, R, C]`` contiguous tensor of ``out_dtype`` on the inputs' device (computed in fp32,
@@ -139,7 +193,8 @@ def dequant_nvfp4(
     out_NRC = torch.empty((N, R, C), dtype=out_dtype, device=packed_NRB.device)
     if out_NRC.numel() == 0:
         return out_NRC
-    grid = (triton.cdiv(R, _ROWS_PER_PROGRAM) * triton.cdiv(c_bytes, _BYTES_PER_PROGRAM), N)
+    t = tiles if tiles is not None else dequant_tiles(packed_NRB.device)
+    grid = (triton.cdiv(R, t.block_r) * triton.cdiv(c_bytes, t.block_b), N)
     with device_guard(packed_NRB.device):
         _dequant_nvfp4_kernel[grid](
             packed_NRB, packed_NRB.stride(0), packed_NRB.stride(1),
@@ -147,7 +202,7 @@ def dequant_nvfp4(
             global_NG, global_NG.stride(0), global_NG.stride(1),
             out_NRC, out_NRC.stride(0), out_NRC.stride(1),
             R, c_bytes, R // G,
-            BLOCK_R=_ROWS_PER_PROGRAM, BLOCK_B=_BYTES_PER_PROGRAM, num_warps=_NUM_WARPS,
+            BLOCK_R=t.block_r, BLOCK_B=t.block_b, SPLIT_STORE=t.split_store, num_warps=t.num_warps,
         )
     return out_NRC
 
@@ -185,13 +240,15 @@ def bank_shapes(views: dict) -> tuple[int, int, int]:
     return N, H, I
 
 
-def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16,
+                  tiles: DequantTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense weights of NVFP4 expert banks.
 
     Args:
         views: ``w13_q [N, 2I, H/2] u8``, ``w13_s [N, 2I, H/16] e4m3``, ``w2_q [N, H, I/2] u8``,
             ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32`` (gate, up, down multipliers).
         dtype: output dtype (float32, bfloat16, float16).
+        tiles: kernel tiles (default: this device's entry of ``dequant_tuning.json``).
 
     Returns:
         ``(w13 [N, 2I, H], w2 [N, H, I])``: gate rows first, then up; equal to
@@ -199,6 +256,6 @@ def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16) -> tuple[tor
     """
     bank_shapes(views)
     gs_N3 = views["gs"]
-    w13_NFH = dequant_nvfp4(views["w13_q"], views["w13_s"], gs_N3[:, :2], dtype)
-    w2_NHI = dequant_nvfp4(views["w2_q"], views["w2_s"], gs_N3[:, 2:], dtype)
+    w13_NFH = dequant_nvfp4(views["w13_q"], views["w13_s"], gs_N3[:, :2], dtype, tiles)
+    w2_NHI = dequant_nvfp4(views["w2_q"], views["w2_s"], gs_N3[:, 2:], dtype, tiles)
     return w13_NFH, w2_NHI

@@ -7,7 +7,9 @@ before the kernel modules are imported (``@triton.jit`` reads it when decorating
 same tests run natively.
 """
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,7 @@ from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles, Tu
 from moe_offload.kernels.nvfp4 import dequant_banks, dequant_nvfp4  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
 FMT = Nvfp4ModelOptFormat()
 
 
@@ -94,6 +97,56 @@ def test_dequant_matches_the_torch_reference_bit_for_bit_in_fp32(N, R, C, G):
     ref = dequantize(packed, scale, torch.repeat_interleave(glob_NG, R // G, dim=1).unsqueeze(-1), torch.float32)
     assert out.shape == (N, R, C)
     assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("tiles", [dict(block_r=4, block_b=128, split_store=True),
+                                   dict(block_r=32, block_b=512, num_warps=8, split_store=True),
+                                   dict(block_r=1, block_b=8, num_warps=1, split_store=False)],
+                         ids=["split-store", "large-split-store", "smallest-interleaved"])
+def test_every_dequant_tile_choice_gives_the_reference_bits(tiles):
+    # the tuner (benchmarks/tune_dequant.py) picks tiles by speed alone: they must never change a bit,
+    # including tiles that overhang the rows and columns (masked loads and stores)
+    from moe_offload.kernels.nvfp4 import DequantTiles
+
+    packed, scale, gen = stacked_nvfp4(3, 34, 272)
+    glob_NG = (torch.rand(3, 2, generator=gen) * 0.01 + 1e-4).to(DEVICE)
+    out = dequant_nvfp4(packed, scale, glob_NG, torch.float32, DequantTiles(**tiles))
+    ref = dequantize(packed, scale, torch.repeat_interleave(glob_NG, 17, dim=1).unsqueeze(-1), torch.float32)
+    assert torch.equal(out, ref)
+
+
+def test_dequant_tuning_table_names_the_file_and_the_bad_entry(tmp_path):
+    from moe_offload.kernels.nvfp4 import DequantTiles, dequant_tiles, load_dequant_tuning
+
+    assert dequant_tiles(torch.device("cpu")) == load_dequant_tuning()["default"]  # cpu: no entry of its own
+    bad = tmp_path / "t.json"
+    bad.write_text(json.dumps({"schema": 1, "devices": {"default": {"block_r": 16}, "GPU X": {"block_r": 3}}}))
+    with pytest.raises(ValueError, match=r"t\.json: devices\['GPU X'\]"):
+        load_dequant_tuning(bad)
+    bad.write_text(json.dumps({"schema": 1, "devices": {"GPU X": {}}}))
+    with pytest.raises(ValueError, match="default"):
+        load_dequant_tuning(bad)
+    with pytest.raises(ValueError, match="block_b >= 8"):
+        DequantTiles(block_b=4)
+
+
+def test_tune_dequant_writes_this_gpu_s_entry_and_keeps_the_others(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tune_dequant", ROOT / "benchmarks" / "tune_dequant.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    table = tmp_path / "dequant_tuning.json"
+    table.write_text(json.dumps({"schema": 1, "devices": {"default": {"block_r": 16, "block_b": 128, "num_warps": 4,
+                                                                      "split_store": False}}}))
+    best = {"block_r": 8, "block_b": 256, "num_warps": 8, "split_store": True}
+    mod.write_table(table, "NVIDIA H200", best)
+    from moe_offload.kernels.nvfp4 import load_dequant_tuning
+
+    loaded = load_dequant_tuning(table)
+    assert loaded["NVIDIA H200"].to_dict() == best and loaded["default"].block_r == 16
+    space = list(mod.configs(mod.SPACES["small"]))
+    assert space and all(t.block_r * t.block_b <= 1 << 14 for t in space)
 
 
 def test_dequant_banks_reads_non_contiguous_bank_views():

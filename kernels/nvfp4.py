@@ -101,11 +101,16 @@ def _dequant_nvfp4_kernel(
     s_ptr, stride_sn, stride_sr,  # block scales [N, R, C/16] e4m3, columns contiguous
     g_ptr, stride_gn, stride_gg,  # globals [N, G] f32
     o_ptr, stride_on, stride_or,  # out [N, R, C], columns contiguous
+    idx_ptr,  # [N] input row of each output row (HAS_INDEX), else unused
     R, C_BYTES, ROWS_PER_GROUP,
-    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_STORE: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr, SPLIT_STORE: tl.constexpr, HAS_INDEX: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
+    out_n = tl.program_id(1).to(tl.int64)
+    if HAS_INDEX:
+        n = tl.load(idx_ptr + out_n).to(tl.int64)  # the input bank row
+    else:
+        n = out_n
     num_b = tl.cdiv(C_BYTES, BLOCK_B)
     pid_r = pid // num_b
     pid_b = pid % num_b
@@ -124,7 +129,7 @@ def _dequant_nvfp4_kernel(
     # the same two steps in the same order as the torch reference.
     lo = (e2m1_to_f32(packed & 15) * scale) * glob[:, None]
     hi = (e2m1_to_f32(packed >> 4) * scale) * glob[:, None]
-    row_ptrs = o_ptr + n * stride_on + offs_r[:, None] * stride_or
+    row_ptrs = o_ptr + out_n * stride_on + offs_r[:, None] * stride_or
     if SPLIT_STORE:  # column 2b from lo, 2b+1 from hi, two strided stores (no register shuffle)
         even_ptrs = row_ptrs + 2 * offs_b[None, :]
         tl.store(even_ptrs, lo.to(o_ptr.dtype.element_ty), mask=mask)
@@ -149,7 +154,7 @@ def check_rows_contiguous(name: str, t: torch.Tensor) -> None:
 
 def dequant_nvfp4(
     packed_NRB: torch.Tensor, scale_NRS: torch.Tensor, global_NG: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
-    tiles: DequantTiles | None = None,
+    tiles: DequantTiles | None = None, index_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Dequantize a stack of NVFP4 matrices.
 
@@ -161,10 +166,12 @@ def dequant_nvfp4(
         out_dtype: float32, bfloat16 or float16.
         tiles: kernel tiles (default: ``dequant_tiles(device)`` from ``dequant_tuning.json``); every
             choice gives the same bits.
+        index_N: optional int32/int64 ``[N']`` rows of the inputs to dequantize (output row i is input
+            row ``index_N[i]``; read on the device, not range-checked: a device table of valid rows).
 
     Returns:
-        ``[N, R, C]`` contiguous tensor of ``out_dtype`` on the inputs' device (computed in fp32,
-        rounded once to ``out_dtype``; bit-identical to the torch reference).
+        ``[N, R, C]`` (``[N', R, C]`` with ``index_N``) contiguous tensor of ``out_dtype`` on the inputs'
+        device (computed in fp32, rounded once to ``out_dtype``; bit-identical to the torch reference).
     """
     if packed_NRB.dtype != torch.uint8 or packed_NRB.dim() != 3:
         raise ValueError(f"packed_NRB must be a 3-D uint8 tensor [N, R, C/2], got {packed_NRB.dtype} {tuple(packed_NRB.shape)}")
@@ -190,6 +197,11 @@ def dequant_nvfp4(
     check_rows_contiguous("packed_NRB", packed_NRB)
     check_rows_contiguous("scale_NRS", scale_NRS)
 
+    if index_N is not None:
+        if index_N.dim() != 1 or index_N.dtype not in (torch.int32, torch.int64) or index_N.device != packed_NRB.device:
+            raise ValueError(f"index_N must be a 1-D int32/int64 tensor on {packed_NRB.device}, got "
+                             f"{index_N.dtype} {tuple(index_N.shape)} on {index_N.device}")
+        N = index_N.shape[0]
     out_NRC = torch.empty((N, R, C), dtype=out_dtype, device=packed_NRB.device)
     if out_NRC.numel() == 0:
         return out_NRC
@@ -201,8 +213,10 @@ def dequant_nvfp4(
             scale_NRS, scale_NRS.stride(0), scale_NRS.stride(1),
             global_NG, global_NG.stride(0), global_NG.stride(1),
             out_NRC, out_NRC.stride(0), out_NRC.stride(1),
+            index_N if index_N is not None else out_NRC,
             R, c_bytes, R // G,
-            BLOCK_R=t.block_r, BLOCK_B=t.block_b, SPLIT_STORE=t.split_store, num_warps=t.num_warps,
+            BLOCK_R=t.block_r, BLOCK_B=t.block_b, SPLIT_STORE=t.split_store, HAS_INDEX=index_N is not None,
+            num_warps=t.num_warps,
         )
     return out_NRC
 
@@ -240,8 +254,8 @@ def bank_shapes(views: dict) -> tuple[int, int, int]:
     return N, H, I
 
 
-def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16,
-                  tiles: DequantTiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16, tiles: DequantTiles | None = None,
+                  index_N: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense weights of NVFP4 expert banks.
 
     Args:
@@ -249,6 +263,7 @@ def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16,
             ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32`` (gate, up, down multipliers).
         dtype: output dtype (float32, bfloat16, float16).
         tiles: kernel tiles (default: this device's entry of ``dequant_tuning.json``).
+        index_N: optional ``[N']`` bank rows to dequantize, in this order (e.g. a layer's slots of the pool).
 
     Returns:
         ``(w13 [N, 2I, H], w2 [N, H, I])``: gate rows first, then up; equal to
@@ -256,6 +271,6 @@ def dequant_banks(views: dict, dtype: torch.dtype = torch.bfloat16,
     """
     bank_shapes(views)
     gs_N3 = views["gs"]
-    w13_NFH = dequant_nvfp4(views["w13_q"], views["w13_s"], gs_N3[:, :2], dtype, tiles)
-    w2_NHI = dequant_nvfp4(views["w2_q"], views["w2_s"], gs_N3[:, 2:], dtype, tiles)
+    w13_NFH = dequant_nvfp4(views["w13_q"], views["w13_s"], gs_N3[:, :2], dtype, tiles, index_N)
+    w2_NHI = dequant_nvfp4(views["w2_q"], views["w2_s"], gs_N3[:, 2:], dtype, tiles, index_N)
     return w13_NFH, w2_NHI

@@ -355,3 +355,14 @@ def test_tuning_table_rejects_a_bad_entry_naming_where_it_is():
 
 def test_the_shipped_tuning_table_loads():
     assert load_tuning().lookup("default", 2048, 768, 8).block_m >= 16
+
+
+def test_dequant_banks_with_an_index_reads_those_rows_in_that_order():
+    # the in-place prefill path dequantizes a layer's experts straight from their slots of the pool
+    views = make_banks(N=7, H=64, I=32)
+    index = torch.tensor([5, 0, 3, 3, 6], dtype=torch.int32, device=DEVICE)
+    w13, w2 = dequant_banks(views, torch.float32, index_N=index)
+    ref13, ref2 = FMT.dequantize({k: v.index_select(0, index.long()) for k, v in views.items()}, torch.float32)
+    assert w13.shape[0] == 5 and torch.equal(w13, ref13) and torch.equal(w2, ref2)
+    with pytest.raises(ValueError, match="index_N"):
+        dequant_banks(views, torch.float32, index_N=index.float())

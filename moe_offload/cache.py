@@ -12,7 +12,7 @@ The prefill protocol, owned by the caller (the engine, or the first experts call
 nobody announced)::
 
     with cache.prefill_pass():          # one per model forward on the prefill path
-        views = cache.stage(layer)      # per MoE layer: staged views; the next layer is prefetched
+        views, index_N = cache.stage_rows(layer)  # per MoE layer: its bank for compute; the next layer is prefetched
         ... compute ...
         cache.done(layer)               # the layer's GEMMs are enqueued
 
@@ -92,6 +92,7 @@ class OffloadMoeCache:
         self.pool, self.decode, self.staging = pool, decode, staging
         self.observed = self._observed_routing(decode_max_tokens, cost_model)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
+        self.staging.read_in_place = prefill_cfg.read_in_place
         self._resolution = None
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
         self._closed = False
@@ -246,20 +247,30 @@ class OffloadMoeCache:
             self.staging.prefetch(self.store.layers[0])
 
     def stage(self, layer: int) -> dict[str, torch.Tensor]:
-        """Views ``[E, ...]`` of ``layer`` staged for compute (the compute stream waits for them); the
-        next layer's assembly is enqueued behind it. The first MoE layer of a forward outside
-        ``prefill_pass()`` begins a pass itself."""
+        """Views ``[E, ...]`` of ``layer`` (``stage_rows``; a layer read in place is gathered from its slots
+        into new tensors: for callers that want the bank itself, not the compute path)."""
+        views, index_N = self.stage_rows(layer)
+        if index_N is None:
+            return views
+        return {k: v.index_select(0, index_N.long()) for k, v in views.items()}
+
+    def stage_rows(self, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """``(views, index_N)`` of ``layer`` for compute (the compute stream waits for them): its staged
+        views ``[E, ...]`` and None, or, when every expert of it is resident and ``prefill.read_in_place``
+        is on, the pool's views and the layer's device slot table row (``staging.py``). The next layer's
+        assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
+        a pass itself."""
         if layer == self.store.layers[0]:
             if self._pass_open:
                 self._pass_open = False
             else:
                 self._begin()
-        views = self.staging.wait(layer)
+        staged = self.staging.wait(layer)
         if self.prefill_cfg.overlap:
             lp = self.pool.layer_pos[layer] + 1
             if lp < len(self.store.layers):
                 self.staging.prefetch(self.store.layers[lp])
-        return views
+        return staged
 
     def done(self, layer: int) -> None:
         """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released."""

@@ -135,6 +135,8 @@ class PrefillConfig(_Strict):
     warmup: bool = True
     warmup_tokens: int = Field(128, ge=1, le=65536)
     chunk_tokens: int = Field(8192, ge=16, description="prompts longer than this are prefilled in chunks")
+    read_in_place: bool = Field(True, description="a layer whose experts are all resident is read from its slots "
+                                "(no copy into staging); needs a device hit path (hit_copy not off)")
     dequant_chunk_bytes: str = Field("2GiB", description="dequantized weights held at once by the torch compute path")
     dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
     routed_max_tokens: Literal["auto"] | int = Field(

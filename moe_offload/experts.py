@@ -75,8 +75,8 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        views = self.cache.stage(self.layer_idx)
-        out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E)
+        views, index_N = self.cache.stage_rows(self.layer_idx)
+        out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)
         return out
 

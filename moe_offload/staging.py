@@ -13,6 +13,15 @@ never needs to know how the previous one ended.
 Counters: hits and misses of a layer are counted when compute uses the staged layer (``wait``), not
 when its copies are issued: a staged layer reused by the next pass counts again, a prefetch that
 nothing used does not. Bytes are counted when issued (they crossed the bus).
+
+Read in place (``prefill.read_in_place``, with a device hit path): a layer whose experts are ALL resident
+is not copied at all. Its "fill" only records the two fill events; ``wait`` hands out the pool's views
+and the layer's row of the device slot table (``SlotPool.table_LE``) as ``index_N``, and the compute
+reads each expert from its slot. The slots cannot change under it: a pass never evicts (admission takes
+free slots only, for experts that were missing, i.e. of other layers), and table and slot writes are
+on the compute stream, in order with the reads. Such a fill is only valid in the pass that made it
+(between passes decode admission may evict), so ``begin`` drops it; a copied fill stays reusable.
+Counted per layer use in ``stats()["compute"]["prefill_in_place_layers"]``.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ class PrefillStaging:
         self.hits_done = [streams.event(), streams.event()]
         self.released = [streams.event(), streams.event()]
         self.staged: list[int | None] = [None, None]  # the layer a buffer holds (its fill is enqueued)
+        self.in_place: list[torch.Tensor | None] = [None, None]  # slot table row of a fill read in place
+        self.read_in_place = True  # prefill.read_in_place (set by the cache)
         self.used = [(0, 0), (0, 0)]  # (hits, misses) of the fill a buffer holds
         self.computing: int | None = None  # the buffer the layer being computed reads
         self.last_filled = 1
@@ -50,13 +61,18 @@ class PrefillStaging:
         return None
 
     def begin(self) -> None:
-        """A new pass: nothing is being computed; copies wait for the compute already queued."""
+        """A new pass: nothing is being computed; copies wait for the compute already queued. A fill read
+        in place is dropped (the residency may have changed since)."""
         self.computing = None
+        for b in (0, 1):
+            if self.in_place[b] is not None:
+                self.staged[b], self.in_place[b] = None, None
         self.streams.join_current()
 
     def forget(self) -> None:
         """Drop what the buffers hold (the next pass assembles every layer anew)."""
         self.staged = [None, None]
+        self.in_place = [None, None]
 
     def prefetch(self, layer: int) -> int:
         """Enqueue the assembly of ``layer`` into the buffer not being computed; a buffer that already
@@ -82,8 +98,14 @@ class PrefillStaging:
         hit_e = np.flatnonzero(resident_E >= 0)
         miss_e = np.flatnonzero(resident_E < 0)
         self.used[b] = (int(hit_e.size), int(miss_e.size))
+        self.in_place[b] = None
         if self.hit.name == FULL_LAYER_COPY or hit_e.size == 0:
             self._copy_full(layer, b)
+            return
+        if miss_e.size == 0 and self.read_in_place:  # every expert resident: nothing to copy
+            self.in_place[b] = self.pool.table_LE[self.pool.layer_pos[layer]]
+            s.record(self.misses_done[b], s.copy)
+            s.record(self.hits_done[b], s.hit)
             return
         # Misses first: the DMA starts as soon as the buffer is released. An SM gather queued ahead
         # of it waits for SMs held by the previous layer's GEMMs and holds the PCIe copy back.
@@ -110,8 +132,10 @@ class PrefillStaging:
             s.record(self.misses_done[b], s.copy)
         self.stats.layer(layer).bytes["prefill_full_h2d"] += self.rows[b].numel()
 
-    def wait(self, layer: int) -> dict[str, torch.Tensor]:
-        """Typed views ``[E, ...]`` of ``layer`` in staging; the compute stream waits until it is whole."""
+    def wait(self, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """``(views, index_N)`` of ``layer`` for compute; the compute stream waits until it is whole. A staged
+        layer: typed views ``[E, ...]`` of its buffer and None; one read in place: the pool's views and the
+        layer's slot table row ``[E]`` (row e of the bank is pool row ``index_N[e]``)."""
         b = self.buffer_for(layer)
         if b is None:
             self.streams.join_current()
@@ -122,7 +146,10 @@ class PrefillStaging:
         counters = self.stats.layer(layer)
         counters.prefill_hits += self.used[b][0]
         counters.prefill_misses += self.used[b][1]
-        return bank_views(self.store.specs, self.store.offsets, self.rows[b])
+        if self.in_place[b] is not None:
+            self.stats.compute["prefill_in_place_layers"] += 1
+            return self.pool.views(), self.in_place[b]
+        return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
 
     def done(self, layer: int) -> None:
         """The GEMMs reading ``layer``'s staging are enqueued: warm the slot pool from it (free slots

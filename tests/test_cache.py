@@ -269,18 +269,23 @@ def test_hit_copy_off_logs_nothing_and_copies_whole_layers(tiny_ckpt):
     assert st["total"]["bytes"]["prefill_full_h2d"] > 0 and st["hit_d2d_fallbacks"] == {}
 
 
-def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ckpt):
-    """Chunk 1 admits staged experts into free slots; chunk 2 copies them device-side only."""
+@pytest.mark.parametrize("in_place", [True, False], ids=["read-in-place", "gathered"])
+def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ckpt, in_place):
+    """Chunk 1 admits staged experts into free slots; chunk 2 reads them from their slots (every expert of
+    each layer is resident) or, with prefill.read_in_place off, copies them device-side only."""
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    eng = _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.chunk_tokens=64", "prefill.warmup=false")
+    eng = _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.chunk_tokens=64", "prefill.warmup=false",
+                  f"prefill.read_in_place={str(in_place).lower()}")
     ids = torch.randint(3, 300, (1, 128), generator=torch.Generator().manual_seed(3))
     logits, _ = eng.prefill(ids)
-    per_layer = eng.cache.stats()["per_layer"]
-    total = eng.cache.stats()["total"]["bytes"]
+    stats = eng.cache.stats()
+    per_layer, total = stats["per_layer"], stats["total"]["bytes"]
     E, B, L = eng.store.num_experts, eng.store.bytes_per_expert, len(eng.store.layers)
     # every expert crossed PCIe once (chunk 1: nothing resident yet, so whole layers)
     assert total["prefill_miss_h2d"] + total["prefill_full_h2d"] == E * B * L
-    assert total["prefill_hit_gather"] == E * B * L  # and was copied on the device for chunk 2
+    # chunk 2: nothing copied on the device (read in place), or every expert gathered into staging
+    assert total["prefill_hit_gather"] == (0 if in_place else E * B * L)
+    assert stats["compute"].get("prefill_in_place_layers", 0) == (L if in_place else 0)
     assert all(c["prefill_hits"] == E for c in per_layer.values())
     want, _ = _engine(path, "cache.budget=1.0", "prefill.chunk_tokens=8192").prefill(ids)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)  # fp32 noise across chunking
@@ -342,3 +347,28 @@ def test_admission_into_free_slots_happens_at_release_not_on_the_copy_stream(tin
     e, s = 3, cache.resident(layer)[3]
     assert torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e])
     _check_invariants(cache)
+
+
+def test_a_fully_resident_layer_read_in_place_gives_the_gathered_logits_and_is_dropped_when_residency_changes(
+        tiny_ckpt):
+    """prefill.read_in_place: every expert of each layer resident -> no staging copy, the compute reads the
+    slots through the device slot table; the logits are the gathered path's, bit for bit. A later pass after
+    the residency changed (half the experts evicted, the rest in other slots) must not reuse that fill."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    ids = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(11))
+    engines = {v: _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.warmup=false",
+                          f"prefill.read_in_place={v}") for v in ("true", "false")}
+    E = engines["true"].store.num_experts
+    out = {}
+    for v, eng in engines.items():
+        layers = eng.store.layers
+        eng.cache.set_residency({layer: list(range(E))[::-1] for layer in layers})  # slots not in expert order
+        full, _ = eng.prefill(ids)
+        eng.cache.set_residency({layer: list(range(1, E, 2)) for layer in layers})
+        half, _ = eng.prefill(ids)
+        out[v] = (full, half, eng.cache.stats())
+    assert torch.equal(out["true"][0], out["false"][0]) and torch.equal(out["true"][1], out["false"][1])
+    L = len(engines["true"].store.layers)
+    assert out["true"][2]["compute"]["prefill_in_place_layers"] == L  # the first pass only
+    assert out["false"][2]["compute"].get("prefill_in_place_layers", 0) == 0
+    assert out["true"][2]["total"]["bytes"]["prefill_hit_gather"] < out["false"][2]["total"]["bytes"]["prefill_hit_gather"]

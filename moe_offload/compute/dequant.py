@@ -19,7 +19,8 @@ class DequantGroupedCompute:
     def __init__(self, fmt, dtype: torch.dtype, chunk_rows: int, use_triton_dequant: bool):
         self.fmt, self.dtype, self.chunk_rows = fmt, dtype, chunk_rows
         self._dequant = fmt.dequantize
-        if use_triton_dequant and fmt.is_quantized:
+        self._triton = use_triton_dequant and fmt.is_quantized
+        if self._triton:
             from moe_offload.kernels.nvfp4 import dequant_banks
 
             self._dequant = dequant_banks
@@ -27,8 +28,13 @@ class DequantGroupedCompute:
     def bind(self, stats) -> None:
         """Nothing to report."""
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N=None):
         def dequant_rows(r0: int, r1: int):
-            return self._dequant({k: v[r0:r1] for k, v in views.items()}, self.dtype)
+            if index_N is None:
+                return self._dequant({k: v[r0:r1] for k, v in views.items()}, self.dtype)
+            if self._triton:  # the kernel reads each row where it is (no gathered copy)
+                return self._dequant(views, self.dtype, index_N=index_N[r0:r1])
+            idx = index_N[r0:r1].long()
+            return self._dequant({k: v.index_select(0, idx) for k, v in views.items()}, self.dtype)
 
         return moe_grouped(hidden_TH, rows_TK, weights_TK, num_rows, dequant_rows, self.chunk_rows, self.dtype)

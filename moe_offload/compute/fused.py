@@ -20,5 +20,7 @@ class FusedNvfp4Compute:
     def bind(self, stats) -> None:
         """Nothing to report."""
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N=None):
+        if index_N is not None:  # the kernel reads bank rows by index: map the pairs' rows through it
+            rows_TK = index_N[rows_TK.long()]
         return self._fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)

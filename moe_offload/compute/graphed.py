@@ -59,9 +59,10 @@ class GraphedCompute:
         self._decline(reason, detail=detail)
 
     @staticmethod
-    def _key(hidden_TH, rows_TK, weights_TK, views, num_rows) -> tuple:
+    def _key(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N=None) -> tuple:
+        idx = None if index_N is None else (tuple(index_N.shape), index_N.dtype)  # its values are an input
         return (tuple(hidden_TH.shape), hidden_TH.dtype, tuple(rows_TK.shape), rows_TK.dtype, weights_TK.dtype,
-                num_rows, hidden_TH.device,
+                num_rows, hidden_TH.device, idx,
                 tuple((k, v.data_ptr(), tuple(v.shape), v.stride(), v.dtype) for k, v in views.items()))
 
     def _decline(self, reason: str, **detail) -> None:
@@ -74,17 +75,17 @@ class GraphedCompute:
         if self.stats is not None:
             self.stats.compute[what] += 1
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N=None):
         if self._disabled is not None:
             self._decline(self._disabled)
-            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
         if hidden_TH.device.type != "cuda":
-            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
         stream = torch.cuda.current_stream(hidden_TH.device)
         if self._stream is not None and stream != self._stream:
             self._decline("other_stream", detail="graphs share a memory pool and replay on one stream")
-            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
-        key = self._key(hidden_TH, rows_TK, weights_TK, views, num_rows)
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
+        key = self._key(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
         entry = self._graphs.get(key)
         if entry is None:
             if len(self._seen) > 4096:  # many one-off shapes: forget the counts, never the graphs
@@ -93,23 +94,26 @@ class GraphedCompute:
             self._seen[key] = n
             if n < self.graph_after:
                 self._count("eager")
-                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
-            entry = self._capture(key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream)
+                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
+            entry = self._capture(key, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N, stream)
             if entry is None:
-                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows)
+                return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
         else:
             self._graphs.move_to_end(key)
-        graph, (s_h, s_r, s_w), s_out = entry
+        graph, (s_h, s_r, s_w, s_i), s_out = entry
         s_h.copy_(hidden_TH)
         s_r.copy_(rows_TK)
         s_w.copy_(weights_TK)
+        if s_i is not None:  # a layer's slot table row: a static input, so one graph serves every layer
+            s_i.copy_(index_N)
         graph.replay()
         self._count("graph_replays")
         # the static output is overwritten by the next replay: hand out a copy
         return s_out.clone()
 
-    def _capture(self, key, hidden_TH, rows_TK, weights_TK, views, num_rows, stream):
-        static = (hidden_TH.clone(), rows_TK.clone(), weights_TK.clone())
+    def _capture(self, key, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N, stream):
+        static = (hidden_TH.clone(), rows_TK.clone(), weights_TK.clone(),
+                  None if index_N is None else index_N.clone())
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -119,7 +123,7 @@ class GraphedCompute:
             with torch.cuda.stream(side):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    out = self.inner(*static, views, num_rows)
+                    out = self.inner(*static[:3], views, num_rows, static[3])
                 finally:
                     graph.capture_end()
         except Exception as exc:  # an op that cannot be captured: eager from now on

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: tune_dequant build probe tune_gemv ttft profile tests copy fused kernels decode_smoke decode profile_decode serve soak
+#   stages: tune_dequant build probe tune_gemv ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
@@ -57,6 +57,18 @@ if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event p
   timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
+fi
+if has inplace_ab; then  # bench ttft at residency 1 with prefill.read_in_place off: the A/B of the ttft stage's r=1 cell
+  timeout ${TTFT_OFF_TIMEOUT:-120} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+    --set model.cache_dir=/tmp/moe-cache --set prefill.read_in_place=false --prompt-lens 1024 --residency 1 \
+    --modes gather --peers none --reps 3 --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/ttft-gathered" --json \
+    > "$RES/ttft-gathered.json" 2> "$RES/ttft-gathered.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has cache_tests; then  # the CPU cache tests on CUDA (device auto): the in-place read with Triton, graphs and streams
+  timeout ${CACHE_TESTS_TIMEOUT:-90} python3 -m pytest -q -p no:cacheprovider tests/test_cache.py \
+    -k "${CACHE_TESTS_K:-in_place or chunked}" > "$RES/pytest_cache_cuda.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1

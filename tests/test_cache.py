@@ -175,6 +175,11 @@ def test_prefill_bytes_by_path_add_up(tiny_ckpt):
 
 
 # --- fallback: structured event, counters, fault injection, error mode -----------------------------
+# every forward of more than one token takes the staged path (on CUDA the cost model would route the
+# tiny model's short prompts: tests/gpu run these tests on a GPU too)
+_STAGED = ("prefill.routed_max_tokens=1", "decode.max_tokens=1")
+
+
 def _engine(path, *extra):
     cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "cache.budget=0.5",
                              "logging.level=WARNING", *extra])
@@ -275,7 +280,7 @@ def test_chunked_prefill_does_not_restream_experts_already_on_the_device(tiny_ck
     each layer is resident) or, with prefill.read_in_place off, copies them device-side only."""
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     eng = _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.chunk_tokens=64", "prefill.warmup=false",
-                  f"prefill.read_in_place={str(in_place).lower()}")
+                  f"prefill.read_in_place={str(in_place).lower()}", *_STAGED)
     ids = torch.randint(3, 300, (1, 128), generator=torch.Generator().manual_seed(3))
     logits, _ = eng.prefill(ids)
     stats = eng.cache.stats()
@@ -357,7 +362,7 @@ def test_a_fully_resident_layer_read_in_place_gives_the_gathered_logits_and_is_d
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     ids = torch.randint(3, 300, (1, 48), generator=torch.Generator().manual_seed(11))
     engines = {v: _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.warmup=false",
-                          f"prefill.read_in_place={v}") for v in ("true", "false")}
+                          f"prefill.read_in_place={v}", *_STAGED) for v in ("true", "false")}
     E = engines["true"].store.num_experts
     out = {}
     for v, eng in engines.items():

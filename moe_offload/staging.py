@@ -17,9 +17,11 @@ nothing used does not. Bytes are counted when issued (they crossed the bus).
 Read in place (``prefill.read_in_place``, with a device hit path): a layer whose experts are ALL resident
 is not copied at all. Its "fill" only records the two fill events; ``wait`` hands out the pool's views
 and the layer's row of the device slot table (``SlotPool.table_LE``) as ``index_N``, and the compute
-reads each expert from its slot. The slots cannot change under it: a pass never evicts (admission takes
-free slots only, for experts that were missing, i.e. of other layers), and table and slot writes are
-on the compute stream, in order with the reads. Such a fill is only valid in the pass that made it
+reads each expert from its slot. The slots cannot change under it: a pass never evicts (its admission
+takes free slots only, on the compute stream, for experts that were missing, i.e. of other layers); the
+writes outside a pass are ordered before it (a decode eviction writes -1 into the table on the compute
+stream and the copy stream joins it before overwriting the slot; ``set_residency`` synchronizes the host,
+and a pass begins by committing pending decode admissions). Such a fill is only valid in the pass that made it
 (between passes decode admission may evict), so ``begin`` drops it; a copied fill stays reusable.
 Counted per layer use in ``stats()["compute"]["prefill_in_place_layers"]``.
 """
@@ -164,7 +166,7 @@ class PrefillStaging:
     def _admit_free(self, layer: int, b: int) -> None:
         """Copy staged experts that are not resident into FREE slots (no eviction). SM work on the
         compute stream: on the copy stream it would hold the next layer's PCIe copy behind the GEMMs."""
-        if self.pool.num_free() == 0:
+        if self.pool.num_free() == 0 or self.in_place[b] is not None:  # an in-place fill holds no rows of its own
             return
         new_e = np.flatnonzero(self.pool.resident(layer) < 0)
         if new_e.size == 0:

@@ -367,7 +367,7 @@ def test_a_fully_resident_layer_read_in_place_gives_the_gathered_logits_and_is_d
     out = {}
     for v, eng in engines.items():
         layers = eng.store.layers
-        eng.cache.set_residency({layer: list(range(E))[::-1] for layer in layers})  # slots not in expert order
+        eng.cache.set_residency({layer: list(range(E)) for layer in layers})
         full, _ = eng.prefill(ids)
         eng.cache.set_residency({layer: list(range(1, E, 2)) for layer in layers})
         half, _ = eng.prefill(ids)
@@ -377,3 +377,20 @@ def test_a_fully_resident_layer_read_in_place_gives_the_gathered_logits_and_is_d
     assert out["true"][2]["compute"]["prefill_in_place_layers"] == L  # the first pass only
     assert out["false"][2]["compute"].get("prefill_in_place_layers", 0) == 0
     assert out["true"][2]["total"]["bytes"]["prefill_hit_gather"] < out["false"][2]["total"]["bytes"]["prefill_hit_gather"]
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["read-in-place", "gathered"])
+def test_a_new_pass_drops_fills_read_in_place_and_keeps_copied_ones(tiny_ckpt, in_place):
+    """A fill read in place names slots, valid only while the residency holds: the next pass must assemble
+    that layer anew (decode admissions may have evicted in between). A copied fill holds its own rows and
+    may be reused."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    eng = _engine(path, "cache.budget=1.0", "prefill.hit_copy=gather", "prefill.warmup=false",
+                  f"prefill.read_in_place={str(in_place).lower()}", *_STAGED)
+    eng.cache.set_residency({layer: list(range(eng.store.num_experts)) for layer in eng.store.layers})
+    eng.prefill(torch.randint(3, 300, (1, 24), generator=torch.Generator().manual_seed(2)))
+    staging = eng.cache.staging
+    held = [layer for layer in staging.staged if layer is not None]
+    assert held and (all(t is not None for t in staging.in_place) if in_place else staging.in_place == [None, None])
+    staging.begin()
+    assert staging.staged == ([None, None] if in_place else held)

@@ -366,3 +366,21 @@ def test_dequant_banks_with_an_index_reads_those_rows_in_that_order():
     assert w13.shape[0] == 5 and torch.equal(w13, ref13) and torch.equal(w2, ref2)
     with pytest.raises(ValueError, match="index_N"):
         dequant_banks(views, torch.float32, index_N=index.float())
+
+
+def test_fused_compute_reading_a_layer_in_place_equals_the_gathered_layer():
+    # prefill.read_in_place with compute.backend triton: the pairs are aligned by expert id, then each block's
+    # bank row is mapped through index_N into a larger bank (the pool); must equal the same experts gathered
+    from moe_offload.compute.fused import FusedNvfp4Compute
+
+    E, H, I, T, K = 6, 64, 32, 9, 2
+    pool = make_banks(N=15, H=H, I=I)
+    index = torch.tensor([14, 3, 7, 0, 9, 11], dtype=torch.int32, device=DEVICE)  # slot of each expert, shuffled
+    gathered = {k: v.index_select(0, index.long()) for k, v in pool.items()}
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    rows, weights = routing(T, K, E, "random", gen)
+    compute = FusedNvfp4Compute(torch.float32)
+    in_place = compute(hidden, rows, weights, pool, E, index)
+    want = compute(hidden, rows, weights, gathered, E)
+    assert torch.equal(in_place, want)

@@ -21,6 +21,20 @@ class FusedNvfp4Compute:
         """Nothing to report."""
 
     def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, index_N=None):
-        if index_N is not None:  # the kernel reads bank rows by index: map the pairs' rows through it
-            rows_TK = index_N[rows_TK.long()]
-        return self._fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
+        if index_N is None:
+            return self._fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
+        # read in place: the pairs are grouped by their num_rows expert ids (not by the pool's thousands of
+        # slots, which would size the alignment's padding and grid by the pool), then each block's bank row
+        # is mapped through index_N to the slot the kernels read
+        from moe_offload.kernels.fused_moe import run_fused
+        from moe_offload.kernels.fused_moe_tuning import config_for
+        from moe_offload.kernels.moe_align import moe_align
+
+        def align(rows, _pool_rows, block_m):
+            a = moe_align(rows, num_rows, block_m)
+            used = a.block_row_B >= 0
+            a.block_row_B = torch.where(used, index_N.to(torch.int32)[a.block_row_B.clamp(min=0).long()],
+                                        a.block_row_B)
+            return a
+
+        return run_fused(hidden_TH, rows_TK, weights_TK, views, hidden_TH.dtype, None, config_for, align)

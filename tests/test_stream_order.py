@@ -150,7 +150,11 @@ def _instrument(monkeypatch, cache):
     def stage(layer):
         views = real_stage(layer)
         b = cache.staging.buffer_for(layer)
-        rec.access(cache.staging.rows[b], range(cache.E), False)  # the GEMMs read the whole layer
+        slots = cache.staging.in_place[b]
+        if slots is not None:  # read in place: the GEMMs read the layer's slots of the pool
+            rec.access(cache.pool.rows_NR, slots.tolist(), False)
+        else:
+            rec.access(cache.staging.rows[b], range(cache.E), False)  # the GEMMs read the whole layer
         return views
 
     def serve(slot_of_E, ids_TK, host_rows, pool_rows, base):
@@ -168,9 +172,9 @@ def _instrument(monkeypatch, cache):
     return rec, real_done
 
 
-def _cache(tiny_ckpt, skip=lambda ev: False):
+def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced"):
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
-    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots"), PrefillConfig(hit_copy="gather"), "cpu")
+    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", policy=policy), PrefillConfig(hit_copy="gather"), "cpu")
     cache.streams = FakeStreams(cache.device, skip)
     for part in (cache.staging, cache.decode):
         part.streams = cache.streams
@@ -210,6 +214,31 @@ def test_random_traffic_leaves_no_unordered_pair_of_accesses(tiny_ckpt, monkeypa
     _traffic(cache, store, random.Random(seed), 40)
     assert len(rec.log) > 200 and {r for r, *_ in rec.log} == {"pool", "staging0", "staging1"}
     assert rec.hazards() == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_layers_read_in_place_between_decode_evictions_leave_no_unordered_access(tiny_ckpt, monkeypatch, seed):
+    """cache.policy lru with 24 slots for 4 x 16 experts, layer 0 wholly resident at the start: passes read it in
+    place (prefill.read_in_place) while decode steps evict its experts and refill those slots on the copy stream
+    in between: every in-place read of a slot must be ordered after the writes to it. What orders them today is
+    the pass's start (it commits pending decode admissions after waiting for them on the host) and the fill's
+    two events; dropping the events alone leaves the host wait, so this is a regression check of the traffic,
+    not a proof that each mechanism is needed."""
+    store, cache = _cache(tiny_ckpt, policy="lru")
+    cache.set_residency({store.layers[0]: list(range(store.num_experts)), store.layers[1]: [0, 5, 9]})
+    rec, _ = _instrument(monkeypatch, cache)
+    rng = random.Random(seed)
+    in_place = 0
+    for _ in range(30):  # a pass first (layer 0 read in place), then decode steps that evict and refill
+        with cache.prefill_pass():
+            for layer in store.layers:
+                cache.stage(layer)
+                cache.done(layer)
+        in_place = cache.counters.compute["prefill_in_place_layers"]
+        _traffic(cache, store, rng, 3)
+    assert in_place > 0  # the path under test was taken
+    assert rec.hazards() == []
+    assert np.array_equal(cache.pool.table_LE.numpy(), cache.pool.slot_of_LE)
 
 
 @pytest.mark.parametrize("dropped", ["hits_done", "misses_done", "released"])

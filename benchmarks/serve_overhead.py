@@ -155,6 +155,16 @@ def scheduler_ttfts(scheduler, prompts: list[list[int]], max_tokens: int) -> tup
     return sched_s, client_s
 
 
+def clocked_scheduler_ttfts(scheduler, prompts: list[list[int]], max_tokens: int):
+    """``scheduler_ttfts`` plus the host seconds of each prefill call (``EnqueueClock``)."""
+    clock = EnqueueClock(scheduler)
+    try:
+        s, c = scheduler_ttfts(scheduler, prompts, max_tokens)
+    finally:
+        clock.close()
+    return s, c, clock.times
+
+
 def decode_steps(scheduler, prompts: list[list[int]], max_tokens: int) -> dict:
     """``len(prompts)`` concurrent requests; the scheduler's ms per step at the full batch."""
     from moe_offload.serve.sampling import SamplingParams
@@ -212,12 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     scheduler = Scheduler(engine, cfg.serve).start()
     try:
         scheduler_ttfts(scheduler, prompts[:1], 2)  # warm-up (graph capture of the 1-row bucket)
-        clock = EnqueueClock(scheduler)
-        try:
-            s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
-        finally:
-            clock.close()
-        enq["scheduler"] = clock.times
+        s, c, enq["scheduler"] = clocked_scheduler_ttfts(scheduler, prompts, a.max_tokens)
         res["ttft_ms"]["scheduler"], res["ttft_ms"]["scheduler_submit"] = _ms(s), _ms(c)
         if a.profile is not None:  # the profiler records the thread it runs on: the loop's, around one prefill
             plain = scheduler.executor.prefill
@@ -235,12 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             res["decode"].append(d)
         http = ServerThread(build_app(scheduler, cfg.serve)).start()
         try:
-            clock = EnqueueClock(scheduler)
-            try:
-                s, c = scheduler_ttfts(scheduler, prompts, a.max_tokens)
-            finally:
-                clock.close()
-            enq["scheduler_http"] = clock.times
+            s, c, enq["scheduler_http"] = clocked_scheduler_ttfts(scheduler, prompts, a.max_tokens)
             res["ttft_ms"]["scheduler_http"], res["ttft_ms"]["scheduler_http_submit"] = _ms(s), _ms(c)
         finally:
             http.stop()

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
+from decode_kernels import events_ms  # noqa: E402
 from fused_moe import SHAPES, random_banks  # noqa: E402
 
 SPACES = {
@@ -48,20 +49,6 @@ def configs(space: dict):
             yield DequantTiles(block_r=r, block_b=b, num_warps=w, split_store=split)
 
 
-def event_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def layer_bytes(views: dict, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes read, bytes written) by one ``dequant_banks`` call over ``views``."""
     read = sum(views[k].numel() * views[k].element_size() for k in ("w13_q", "w13_s", "w2_q", "w2_s"))
@@ -73,7 +60,7 @@ def copy_gbs(nbytes: int, reps: int) -> float:
     """Device-copy bandwidth, bytes read + written per second / 1e9 (the reference for a memory-bound kernel)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    ms = event_ms(lambda: dst.copy_(src), reps)
+    ms = events_ms(lambda: dst.copy_(src), reps)
     return 2 * nbytes / ms / 1e6
 
 
@@ -97,7 +84,7 @@ def tune(shapes: list[str], space: dict, reps: int, max_seconds: float, dtype=to
                     row["ok"], row["reason"] = False, f"output differs from the default tiles on {name}"
                     break
                 del w13, w2
-                row["ms"][name] = event_ms(lambda v=views: dequant_banks(v, dtype, tiles), reps)
+                row["ms"][name] = events_ms(lambda v=views: dequant_banks(v, dtype, tiles), reps)
         except Exception as exc:  # noqa: BLE001 - a config that cannot compile or run is skipped and reported
             row["ok"], row["reason"] = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if row["ok"]:

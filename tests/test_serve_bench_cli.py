@@ -38,6 +38,7 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
     # combinations) = 4 distinct requests (lengths 4, 9, 4, 9; outputs 3, 3, 6, 6); client c's k-th request
     # is request (2c + k) % 4: 3, 3, 6, 6, 3, 3
     assert result["mix"]["distinct_requests"] == 4
+    assert result["mix"]["clients"] == "child process"  # the clients' Python work is not on the server's GIL
     assert result["levels"][1]["output_tokens"] == 24
     assert [lv["requests"] for lv in result["levels"]] == [3, 6]  # --requests-per-client per level
     assert result["levels"][0]["ttft_p50_ms"] > 0 and result["levels"][1]["tpot_p99_ms"] > 0
@@ -50,6 +51,7 @@ def test_bench_serve_writes_json_markdown_and_png_with_no_errors_and_no_wrong_ou
         split = lv["server"]
         assert split["requests"] == lv["requests"]
         assert 0 <= split["queue_p50_ms"] <= split["ttft_p50_ms"] and 0 < split["prefill_p50_ms"] <= split["ttft_p50_ms"]
+        assert 0 < split["prefill_host_p50_ms"] <= split["prefill_p50_ms"]  # the forwards, without the sampling
         full = lv["decode_full_batch"]
         assert full["rows"] == rows and full["steps"] >= 1 and full["tok_s"] > 0
     assert result["levels"][0]["server"]["ttft_p50_ms"] <= result["levels"][0]["ttft_p50_ms"]  # HTTP adds time

@@ -81,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "full batch (min(clients, serve.max_batch) rows of the first prompt length, the first output "
                         "length in tokens, the budget's seeded resident set), so full-batch decode is compared "
                         "within one run (JSON: decode_reference; levels[*].decode_reference)")
+    p.add_argument("--clients-in-process", action="store_true",
+                   help="run the clients on this process's event loop instead of a child process (the default keeps "
+                        "their Python work off the GIL of an in-process server, as real clients are)")
     p.add_argument("--tie-tolerance", type=float, default=None,
                    help="logits: a diverged stream is consistent when every served token's logit is within this of "
                         "the maximum under teacher forcing (default: 2 x the largest such margin of the reference "
@@ -159,6 +162,51 @@ async def _level(url: str, jobs: list[Job], clients: int, per_client: int, timeo
         return [r for rs in recs for r in rs], time.perf_counter() - t0
 
 
+def level_in_child(url: str, jobs: list[Job], clients: int, per_client: int, timeout: float) -> tuple[list[dict], float]:
+    """``_level`` run to completion in the calling process (the target of ``ClientProcess``)."""
+    return asyncio.run(_level(url, jobs, clients, per_client, timeout))
+
+
+class ClientProcess:
+    """The benchmark's clients in one spawned child process, reused by every level.
+
+    Decision: an in-process run used to drive its clients from the server's own process, so their Python
+    work (request bodies, SSE parsing) competed for the GIL with the scheduler thread, whose prefill has
+    little host slack at 48 layers (host 57 ms of a 77 ms TTFT on the H200 at 78928ef). There the one-client
+    TTFT was 1.47 x ``Engine.measure_ttft`` while the scheduler without client traffic was 1.01 x
+    (``benchmarks/serve_overhead.py``). Real clients run elsewhere, so the clients run in a child process
+    (timestamps are that process's ``perf_counter``, differences only); ``--clients-in-process`` keeps the
+    old way for comparison."""
+
+    def __init__(self, in_process: bool = False):
+        self.pool = None
+        if not in_process:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+    @property
+    def where(self) -> str:
+        return "in process" if self.pool is None else "child process"
+
+    def level(self, url: str, jobs: list[Job], clients: int, per_client: int, timeout: float):
+        if self.pool is None:
+            return level_in_child(url, jobs, clients, per_client, timeout)
+        return self.pool.submit(level_in_child, url, jobs, clients, per_client, timeout).result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+    def __enter__(self) -> "ClientProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 _DECODE_STEPS_RE = re.compile(r'^moe_offload_decode_steps_total\{path="(\w+)"\} ([0-9.e+]+)$', re.MULTILINE)
 _ROWS_RE = re.compile(r'^moe_offload_decode_rows_(steps|seconds)_total\{rows="(\d+)"\} ([0-9.e+-]+)$', re.MULTILINE)
 
@@ -201,14 +249,15 @@ def full_batch(after: dict | None, before: dict | None, rows: int) -> dict | Non
 
 
 def server_split(rows: list[dict]) -> dict | None:
-    """p50 of the scheduler's queue wait, prefill and TTFT over ``rows`` (``Scheduler.timings``)."""
+    """p50 of the scheduler's queue wait, prefill, prefill host time (its forwards' enqueue: close to the
+    prefill means the host bounds it) and TTFT over ``rows`` (``Scheduler.timings``)."""
     def p50(key):
         return _ms(_pct([r[key] for r in rows if r[key] is not None], 50))
 
     if not rows:
         return None
     return {"requests": len(rows), "queue_p50_ms": p50("queue_s"), "prefill_p50_ms": p50("prefill_s"),
-            "ttft_p50_ms": p50("ttft_s")}
+            "prefill_host_p50_ms": p50("prefill_host_s"), "ttft_p50_ms": p50("ttft_s")}
 
 
 def _pct(vals: list[float], q: float) -> float | None:
@@ -255,7 +304,21 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     per_client = requests_per_client(a.requests_per_client, levels)
     mix = make_mix(_ints(a.prompt_lens, "--prompt-lens"), _ints(a.max_tokens, "--max-tokens"), vocab, a.seed,
                    a.distinct if a.distinct is not None else max(levels))
-    alone, _ = asyncio.run(_level(url, mix, 1, len(mix), a.timeout))
+    with ClientProcess(getattr(a, "clients_in_process", False)) as clients:
+        where = clients.where
+        out, diverged, expected = _levels(clients, url, a, mix, levels, per_client, scheduler, max_batch)
+    return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
+            "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
+                    "requests_per_client": per_client, "distinct_requests": len(mix), "seed": a.seed,
+                    "sampling": "greedy, ignore_eos", "clients": where},
+            "levels": out, "_diverged": diverged,
+            "_references": [(list(job.prompt_ids), expected[job]) for job in mix]}
+
+
+def _levels(clients: ClientProcess, url: str, a, mix: list[Job], levels: list[int], per_client: list[int],
+            scheduler, max_batch: int | None) -> tuple[list[dict], list[dict], dict[Job, list[int]]]:
+    """The single-client reference pass, then every level -> (levels, diverged streams, reference ids)."""
+    alone, _ = clients.level(url, mix, 1, len(mix), a.timeout)
     bad = [r["error"] for r in alone if r["error"] is not None]
     if bad:
         raise RuntimeError(f"the single-client reference pass failed: {bad[0]}")
@@ -264,7 +327,7 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
     for n, k in zip(levels, per_client):
         before = scrape(url)
         seen = {r["id"] for r in scheduler.timings()} if scheduler is not None else set()
-        recs, wall = asyncio.run(_level(url, mix, n, k, a.timeout))
+        recs, wall = clients.level(url, mix, n, k, a.timeout)
         after = scrape(url)
         steps = _delta(*(None if x is None else x["steps"] for x in (after, before)))
         diverged += [{"clients": n, "job": mix.index(r["job"]), "prompt": list(r["job"].prompt_ids), "ids": r["ids"],
@@ -277,12 +340,7 @@ def run(url: str, a: argparse.Namespace, vocab: int, model: str, extra: dict | N
         out.append(level)
         # "wrong" is provisional (= diverged) until apply_judgement: the event leaves it out, bench_serve_judged has it
         log.info_rank0("bench_serve_level", **{k: v for k, v in out[-1].items() if k not in ("error_examples", "wrong")})
-    return {"model": model, "url": url, "env": _environment(getattr(a, "git_sha", None)), **(extra or {}),
-            "mix": {"prompt_lens": _ints(a.prompt_lens, "--prompt-lens"), "max_tokens": _ints(a.max_tokens, "--max-tokens"),
-                    "requests_per_client": per_client, "distinct_requests": len(mix), "seed": a.seed,
-                    "sampling": "greedy, ignore_eos"},
-            "levels": out, "_diverged": diverged,
-            "_references": [(list(job.prompt_ids), expected[job]) for job in mix]}
+    return out, diverged, expected
 
 
 def apply_judgement(result: dict, judgement: dict | None) -> dict:

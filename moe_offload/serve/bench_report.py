@@ -9,10 +9,11 @@ def markdown(result: dict) -> str:
     mix = result["mix"]
     head = (f"# bench serve: {result['model']}\n\n"
             f"git {result['env']['git']['sha'][:12]}, {result['env']['device']}, mix: prompts {mix['prompt_lens']} x "
-            f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client (closed loop)"
+            f"outputs {mix['max_tokens']} tokens, greedy, {_per_client(mix['requests_per_client'])} requests per client "
+            f"(closed loop, clients {mix.get('clients', 'in process')})"
             f"{_batch_note(result)}\n\n"
             "| clients | requests | errors | diverged / wrong | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | tok/s "
-            "| decode steps graph / eager | server queue / prefill / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
+            "| decode steps graph / eager | server queue / prefill (host) / TTFT p50 ms | full-batch decode tok/s (steps) |\n"
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n")
     rows = [f"| {r['clients']} | {r['requests']} | {r['errors']} | {r.get('diverged', r['wrong'])} / {r['wrong']} | {r['ttft_p50_ms']} | {r['ttft_p99_ms']} | "
             f"{r['tpot_p50_ms']} | {r['tpot_p99_ms']} | {r['throughput_tok_s']} | {_steps_cell(r.get('decode_steps'))} | "
@@ -69,7 +70,11 @@ def _per_client(k) -> str:
 
 
 def _split_cell(split: dict | None) -> str:
-    return "n/a" if not split else f"{split['queue_p50_ms']} / {split['prefill_p50_ms']} / {split['ttft_p50_ms']}"
+    if not split:
+        return "n/a"
+    host = split.get("prefill_host_p50_ms")
+    prefill = split["prefill_p50_ms"] if host is None else f"{split['prefill_p50_ms']} ({host})"
+    return f"{split['queue_p50_ms']} / {prefill} / {split['ttft_p50_ms']}"
 
 
 def _full_cell(full: dict | None) -> str:

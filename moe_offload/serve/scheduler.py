@@ -87,6 +87,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     t_submit: float = 0.0
     t_prefill: float | None = None  # the first prefill chunk starts (t_prefill - t_submit: queue wait)
+    prefill_host: float = 0.0  # seconds the loop spent in this request's prefill forwards (host enqueue)
     t_first: float | None = None
     t_done: float | None = None
     finish_reason: str | None = None
@@ -230,8 +231,9 @@ class Scheduler:
 
     def timings(self) -> list[dict]:
         """Per finished request (oldest first, at most the last 4096): prompt and output tokens, queue wait
-        (submit -> first prefill chunk), prefill (-> first token sampled), TTFT (submit -> first token) and
-        total seconds on the scheduler's clock; the HTTP layer's time is not in them."""
+        (submit -> first prefill chunk), prefill (-> first token sampled), prefill host time (the loop's time in
+        the request's prefill forwards, returned once enqueued), TTFT (submit -> first token) and total seconds
+        on the scheduler's clock; the HTTP layer's time is not in them."""
         with self._lock:
             return list(self.finished)
 
@@ -309,7 +311,9 @@ class Scheduler:
         s = req.prefilled
         if req.t_prefill is None:
             req.t_prefill = time.perf_counter()
+        t0 = time.perf_counter()
         logits_1V = self.executor.prefill(req.id, req.prompt_ids[s:s + chunk])
+        req.prefill_host += time.perf_counter() - t0
         req.prefilled = min(len(req.prompt_ids), s + chunk)
         if req.prefilled < len(req.prompt_ids):
             return
@@ -325,6 +329,8 @@ class Scheduler:
             r.t_prefill = now
         try:
             logits = self.executor.prefill_batch([r.id for r in group], [r.prompt_ids for r in group])
+            for r in group:
+                r.prefill_host = time.perf_counter() - now
         except Exception as exc:  # these requests fail; the running batch keeps going
             log.event("serve_request_failed", 40, requests=len(group), stage="prefill_batch",
                       error=type(exc).__name__, message=str(exc))
@@ -456,7 +462,8 @@ class Scheduler:
 
         row = {"id": req.id, "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
                "finish_reason": req.finish_reason, "queue_s": span(req.t_submit, req.t_prefill),
-               "prefill_s": span(req.t_prefill, req.t_first), "ttft_s": span(req.t_submit, req.t_first),
+               "prefill_s": span(req.t_prefill, req.t_first), "prefill_host_s": req.prefill_host,
+               "ttft_s": span(req.t_submit, req.t_first),
                "total_s": req.t_done - req.t_submit}
         with self._lock:
             self.finished.append(row)

@@ -2,7 +2,9 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn
+# decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, then bench decode at
+# DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
 # observed: bench ttft at 16/64/256/1024 tokens, prefill path auto (observed routing on) beside staged.
@@ -128,6 +130,16 @@ if has decode_paths; then  # decode.path routed vs auto (large batches staged) a
       --set model.cache_dir=/tmp/moe-cache --set decode.path=$dp --residency ${DECODE_PATHS_RESIDENCIES:-0.1,0.37} \
       --batch 16,32,64 --steps 32 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} \
       --out "$RES/decode-path-$dp" --json > "$RES/decode-path-$dp.json" 2> "$RES/decode-path-$dp.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
+fi
+if has decode_attn; then
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py > "$RES/pytest_decode_attn.log" 2>&1
+  for da in sdpa triton; do
+    timeout ${DECODE_TIMEOUT:-300} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set compute.decode_attention=$da --residency ${DECODE_ATTN_RESIDENCIES:-1,0.37} \
+      --batch 1,4,16,64 --steps 64 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --out "$RES/decode-attn-$da" --json > "$RES/decode-attn-$da.json" 2> "$RES/decode-attn-$da.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

@@ -138,7 +138,7 @@ class Engine:
             fuse_rms_norms(model)
             fuse_rotary()
             fuse_routers(model)
-            mark_gqa_decode(model)
+            mark_gqa_decode(model, cfg.compute.decode_attention)
             fuse_qkv(model)
         tokenizer = None
         try:

@@ -131,12 +131,19 @@ def gqa_decode_sdpa(original):
         B, Hq, Tq, D = query.shape
         mask_ok = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1
                                              and attention_mask.shape[2] == 1)
-        if (getattr(module, "_moe_offload_gqa_decode", False) and G > 1 and Tq == 1 and dropout == 0.0 and mask_ok
+        kernel = getattr(module, "_moe_offload_gqa_decode", None)
+        if (kernel and G > 1 and Tq == 1 and dropout == 0.0 and mask_ok
                 and kwargs.get("position_bias") is None and not kwargs.get("output_attentions", False)
                 and key.shape[1] * G == Hq):
             q = query.reshape(B, key.shape[1], G, D)
-            out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
-                                                                   dropout_p=0.0, scale=scaling, is_causal=False)
+            if kernel == "triton" and value.shape[-1] == D:
+                from moe_offload.kernels.decode_attention import decode_attention
+
+                mask = None if attention_mask is None else attention_mask[..., :key.shape[-2]]
+                out = decode_attention(q, key, value, mask, D ** -0.5 if scaling is None else scaling)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask,
+                                                                       dropout_p=0.0, scale=scaling, is_causal=False)
             return out.reshape(B, Hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                         is_causal=is_causal, **kwargs)
@@ -145,10 +152,17 @@ def gqa_decode_sdpa(original):
     return forward
 
 
-def mark_gqa_decode(model: torch.nn.Module) -> int:
+#: ``compute.decode_attention``: what a marked module's one-position attention runs
+DECODE_ATTENTION = ("sdpa", "triton")
+
+
+def mark_gqa_decode(model: torch.nn.Module, kernel: str = "sdpa") -> int:
     """Route the decode attention of ``model``'s grouped-query attention modules through
     ``gqa_decode_sdpa`` (installed once in transformers' attention registry; modules of other models
-    keep the stock path). Returns how many modules were marked."""
+    keep the stock path), running ``kernel``: ``sdpa`` (torch's SDPA on the folded query) or ``triton``
+    (``kernels/decode_attention.py``, split-K). Returns how many modules were marked."""
+    if kernel not in DECODE_ATTENTION:
+        raise ValueError(f"compute.decode_attention={kernel!r}: expected one of {', '.join(DECODE_ATTENTION)}")
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     current = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -157,7 +171,7 @@ def mark_gqa_decode(model: torch.nn.Module) -> int:
     n = 0
     for module in model.modules():
         if getattr(module, "num_key_value_groups", 1) > 1 and hasattr(module, "o_proj"):
-            module._moe_offload_gqa_decode = True
+            module._moe_offload_gqa_decode = kernel
             n += 1
-    log.event("gqa_decode_attention", logging.DEBUG, modules=n)
+    log.event("gqa_decode_attention", logging.DEBUG, modules=n, kernel=kernel)
     return n

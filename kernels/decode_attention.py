@@ -1,0 +1,183 @@
+"""Grouped-query decode attention in two Triton launches (split-K "flash decoding").
+
+Legend: B batch rows, Hkv key/value heads, G query heads per KV head, S cached positions, D head dim,
+SP splits of the S axis, GP = G padded to a power of two >= 16 (the tensor-core tile).
+
+    out[b, h, g] = softmax(scale * q[b, h, g] . k[b, h, :]  (+ mask[b, :])) @ v[b, h, :]
+
+what ``F.scaled_dot_product_attention(q_BHGD, k_BHSD, v_BHSD, attn_mask=mask_B11S)`` computes for one
+query position whose G query heads were folded into the query-length dim
+(``integrations/fused_norms.py`` ``gqa_decode_sdpa``).
+
+Why: in the H200 decode profile (benchmarks/results/profile-decode-l8-r1.0-78928ef71643.txt) cuDNN's
+SDPA took 26.7 us per layer for one query over ~1.1k cached positions: with the expert kernels, the
+largest item of a ~143 us decode layer, for ~2 MB of K/V per layer (<1 us of HBM time). Decode attention
+is latency-bound: one program per (row, KV head) walks S serially. Here ``_partial_kernel`` runs one
+program per (row, KV head, split of S) with an online softmax over BLOCK_S-position tiles (fp32 max,
+sum and accumulator; ``tl.dot`` of the [GP, D] query tile with each key tile), and ``_combine_kernel``
+merges the SP partial results per (row, KV head). A tile whose mask hides every position is skipped
+without reading its keys and values (a static cache of ``decode.max_cache_len`` positions holding a
+shorter sequence then reads only what it holds).
+
+Masks: bool (True = attend) or additive float, shaped ``[B or 1, 1, 1, S]``; None attends everywhere.
+Masked scores are set to -1e30 (finite: a tile with no visible position gives weight 0, not NaN). A row
+whose mask hides every position gets the mean of its values, where SDPA gives NaN (bool) or the same
+mean (float); decode never asks for it (the current token is always visible).
+Grids depend on host-known shapes only: capturable in a CUDA graph. Under ``TRITON_INTERPRET=1`` the
+same kernels run on CPU tensors (CI).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # importing triton touches no CUDA
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+BLOCK_S = 64  # positions per tile
+_MASKED = -1.0e30
+
+if triton is not None:
+
+    @triton.jit
+    def _partial_kernel(q_ptr, sqb, sqh, sqg,
+                        k_ptr, skb, skh, sks,
+                        v_ptr, svb, svh, svs,
+                        m_ptr, smb, sms,
+                        m_out, l_out, acc_out,
+                        Hkv, G, S, D, per_split, scale,
+                        MASK_KIND: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+        bh = tl.program_id(0)
+        sp = tl.program_id(1)
+        nsp = tl.num_programs(1)
+        b = (bh // Hkv).to(tl.int64)
+        h = (bh % Hkv).to(tl.int64)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, DP)
+        q = tl.load(q_ptr + b * sqb + h * sqh + offs_g[:, None] * sqg + offs_d[None, :],
+                    mask=(offs_g[:, None] < G) & (offs_d[None, :] < D), other=0.0).to(DOT_DTYPE)
+        m_i = tl.full((GP,), _MASKED, tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, DP), tl.float32)
+        s_begin = sp * per_split
+        for s0 in range(s_begin, tl.minimum(s_begin + per_split, S), BLOCK):
+            offs_s = s0 + tl.arange(0, BLOCK)
+            inside = offs_s < S
+            if MASK_KIND == 1:  # bool: attend where True
+                keep = tl.load(m_ptr + b * smb + offs_s * sms, mask=inside, other=0) != 0
+                bias = tl.zeros((BLOCK,), tl.float32)
+            elif MASK_KIND == 2:  # additive float
+                bias = tl.load(m_ptr + b * smb + offs_s * sms, mask=inside, other=_MASKED).to(tl.float32)
+                keep = inside & (bias > _MASKED)
+            else:
+                keep = inside
+                bias = tl.zeros((BLOCK,), tl.float32)
+            if tl.max(keep.to(tl.int32), axis=0) > 0:  # a tile nobody may see is not read
+                kv_mask = keep[:, None] & (offs_d[None, :] < D)
+                k = tl.load(k_ptr + b * skb + h * skh + offs_s[:, None].to(tl.int64) * sks + offs_d[None, :],
+                            mask=kv_mask, other=0.0).to(DOT_DTYPE)
+                v = tl.load(v_ptr + b * svb + h * svh + offs_s[:, None].to(tl.int64) * svs + offs_d[None, :],
+                            mask=kv_mask, other=0.0).to(DOT_DTYPE)
+                scores = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale + bias[None, :]
+                scores = tl.where(keep[None, :], scores, _MASKED)
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                p = tl.where(keep[None, :], p, 0.0)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PREC).to(tl.float32)
+                m_i = m_new
+        row = bh * nsp + sp
+        tl.store(m_out + row * GP + offs_g, m_i)
+        tl.store(l_out + row * GP + offs_g, l_i)
+        tl.store(acc_out + (row * GP + offs_g[:, None]) * DP + offs_d[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(m_in, l_in, acc_in, out_ptr, sob, soh, sog,
+                        Hkv, G, D, SP,
+                        GP: tl.constexpr, DP: tl.constexpr):
+        bh = tl.program_id(0)
+        b = (bh // Hkv).to(tl.int64)
+        h = (bh % Hkv).to(tl.int64)
+        offs_g = tl.arange(0, GP)
+        offs_d = tl.arange(0, DP)
+        m_all = tl.full((GP,), _MASKED, tl.float32)
+        for sp in range(0, SP):
+            m_all = tl.maximum(m_all, tl.load(m_in + (bh * SP + sp) * GP + offs_g))
+        l_all = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, DP), tl.float32)
+        for sp in range(0, SP):
+            row = bh * SP + sp
+            w = tl.exp(tl.load(m_in + row * GP + offs_g) - m_all)
+            l_all += w * tl.load(l_in + row * GP + offs_g)
+            acc += w[:, None] * tl.load(acc_in + (row * GP + offs_g[:, None]) * DP + offs_d[None, :])
+        out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
+        tl.store(out_ptr + b * sob + h * soh + offs_g[:, None] * sog + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
+
+
+def splits_for(S: int, programs_per_split: int, target_programs: int = 256) -> int:
+    """How many splits of S: enough programs (``target_programs`` over all (row, head) pairs) while every
+    split keeps at least one whole tile."""
+    tiles = max(1, -(-S // BLOCK_S))
+    return max(1, min(tiles, -(-target_programs // max(1, programs_per_split))))
+
+
+def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float, splits: int | None = None) -> torch.Tensor:
+    """``[B, Hkv, G, D]`` attention output in ``q``'s dtype; see the module docstring.
+
+    ``k``/``v`` may be views (a static cache's first S positions): the last dim must be contiguous.
+    ``mask``: None, or bool/float ``[B or 1, 1, 1, S]``. ``splits``: override the split count (tests)."""
+    if triton is None:
+        raise RuntimeError("decode_attention needs triton (pip install triton)")
+    if q_BHGD.dim() != 4 or k_BHSD.dim() != 4 or v_BHSD.shape != k_BHSD.shape:
+        raise ValueError(f"q [B, Hkv, G, D], k and v [B, Hkv, S, D] expected, got {tuple(q_BHGD.shape)}, "
+                         f"{tuple(k_BHSD.shape)}, {tuple(v_BHSD.shape)}")
+    B, Hkv, G, D = q_BHGD.shape
+    S = k_BHSD.shape[2]
+    if k_BHSD.shape[0] != B or k_BHSD.shape[1] != Hkv or k_BHSD.shape[3] != D:
+        raise ValueError(f"k/v {tuple(k_BHSD.shape)} do not match q {tuple(q_BHGD.shape)} (B, Hkv, D)")
+    if mask is not None and (mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1
+                             or mask.shape[3] != S or mask.shape[0] not in (1, B)):
+        raise ValueError(f"mask must be [B or 1, 1, 1, S={S}], got {tuple(mask.shape)}")
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BHGD, k_BHSD, v_BHSD))
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    out = torch.empty((B, Hkv, G, D), dtype=q.dtype, device=q.device)
+    if B * Hkv == 0 or G == 0:
+        return out
+    GP = max(16, triton.next_power_of_2(G))
+    DP = max(16, triton.next_power_of_2(D))
+    sp = splits if splits is not None else splits_for(S, B * Hkv)
+    per_split = BLOCK_S * -(-max(1, -(-S // BLOCK_S)) // sp)
+    sp = max(1, -(-S // per_split)) if S > 0 else 1
+    m_part = torch.empty((B * Hkv * sp, GP), dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty((B * Hkv * sp, GP, DP), dtype=torch.float32, device=q.device)
+    if mask is None:
+        kind, m_arg, smb, sms = 0, q, 0, 0
+    else:
+        kind = 1 if mask.dtype == torch.bool else 2
+        m_arg = mask.view(torch.uint8) if kind == 1 else mask  # bool as bytes, no copy
+        smb = 0 if m_arg.shape[0] == 1 else m_arg.stride(0)
+        sms = m_arg.stride(3)
+    from moe_offload.kernels.fused_moe import _dot_setup
+    from moe_offload.kernels.nvfp4 import device_guard
+
+    dot_dtype, precision = _dot_setup(q.dtype, q.device)  # fp32 dots on the interpreter (see there)
+    with device_guard(q.device):
+        _partial_kernel[(B * Hkv, sp)](q, q.stride(0), q.stride(1), q.stride(2),
+                                       k, k.stride(0), k.stride(1), k.stride(2),
+                                       v, v.stride(0), v.stride(1), v.stride(2),
+                                       m_arg, smb, sms, m_part, l_part, acc_part,
+                                       Hkv, G, S, D, per_split, float(scale),
+                                       MASK_KIND=kind, GP=GP, DP=DP, BLOCK=BLOCK_S, DOT_DTYPE=dot_dtype, PREC=precision,
+                                       num_warps=4)
+        _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
+                                    Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
+    return out

@@ -1,0 +1,58 @@
+"""kernels/decode_attention.py on CUDA: bf16 decode shapes against torch's SDPA, and a captured call that
+replays bitwise equal to eager and reads the mask (the positions) at replay time.
+
+Legend: B rows, Hkv KV heads, G query heads per KV head, S positions, D head dim.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_offload.kernels.decode_attention import decode_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _inputs(B, Hkv, G, S, D, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hkv, G, D, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(B, Hkv, S, D, device="cuda", generator=gen).bfloat16()
+    lens = torch.randint(1, S + 1, (B,), device="cuda", generator=gen)
+    keep = torch.arange(S, device="cuda")[None, :] < lens[:, None]
+    return q, k, v, keep[:, None, None, :]
+
+
+@pytest.mark.parametrize("B", [1, 4, 16])
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_bf16_decode_shapes_match_sdpa(B, mask_kind):
+    q, k, v, keep = _inputs(B, 4, 8, 1152, 128, seed=B)
+    mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, torch.finfo(torch.bfloat16).min).bfloat16()
+    got = decode_attention(q, k, v, mask, 128 ** -0.5)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, scale=128 ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2 ** -7, rtol=2 ** -6)
+
+
+def test_captured_call_replays_bitwise_and_reads_the_mask_at_replay():
+    q, k, v, keep = _inputs(2, 4, 8, 1152, 128, seed=7)
+    mask = keep.clone()
+    eager = decode_attention(q, k, v, mask, 0.1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode_attention(q, k, v, mask, 0.1)  # compile before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, mask, 0.1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    mask[:, :, :, 700:] = False  # fewer visible positions, as the next step of a shorter row
+    mask[:, :, :, 0] = True
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode_attention(q, k, v, mask, 0.1))

@@ -1,0 +1,151 @@
+"""kernels/decode_attention.py (split-K grouped-query decode attention) against torch's SDPA, and its
+route through ``gqa_decode_sdpa`` when ``compute.decode_attention`` is ``triton``. The kernels run in
+the Triton interpreter here (tests/conftest.py); tests/gpu/test_decode_attention_gpu.py runs them on CUDA.
+
+Legend: B rows, Hkv KV heads, G query heads per KV head, S positions, D head dim.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_offload.kernels.decode_attention import BLOCK_S, decode_attention, splits_for
+
+
+def _case(B, Hkv, G, S, D, dtype, mask_kind, seed=0, pad=7):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hkv, G, D, generator=gen).to(dtype)
+    # k/v as the first S positions of a longer static cache: strided views, as decode reads them
+    k = torch.randn(B, Hkv, S + pad, D, generator=gen).to(dtype)[:, :, :S]
+    v = torch.randn(B, Hkv, S + pad, D, generator=gen).to(dtype)[:, :, :S]
+    lens = torch.randint(1, S + 1, (B,), generator=gen)
+    keep = torch.arange(S)[None, :] < lens[:, None]
+    mask = {"bool": keep[:, None, None, :],
+            "float": torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :].to(dtype),
+            "none": None}[mask_kind]
+    return q, k, v, mask
+
+
+def _sdpa(q, k, v, mask, scale):
+    m = None if mask is None else (mask if mask.dtype == torch.bool else mask.float())
+    return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, scale=scale)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+@pytest.mark.parametrize("B,Hkv,G,S,D,splits", [(1, 4, 8, 300, 64, None), (3, 2, 3, 130, 8, 3), (2, 1, 1, 5, 16, None),
+                                                 (2, 2, 4, 2 * BLOCK_S, 32, 1)])
+def test_fp32_equals_sdpa(mask_kind, B, Hkv, G, S, D, splits):
+    q, k, v, mask = _case(B, Hkv, G, S, D, torch.float32, mask_kind, seed=S)
+    got = decode_attention(q, k, v, mask, D ** -0.5, splits)
+    assert got.shape == (B, Hkv, G, D) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _sdpa(q, k, v, mask, D ** -0.5), atol=2e-6, rtol=2e-6)
+
+
+def test_bf16_is_sdpa_rounded_once():
+    """bf16 in, bf16 out: within one bf16 rounding of the fp32 result (the statistics stay fp32)."""
+    q, k, v, mask = _case(1, 4, 8, 1152, 128, torch.bfloat16, "bool")
+    got = decode_attention(q, k, v, mask, 128 ** -0.5)
+    want = _sdpa(q, k, v, mask, 128 ** -0.5)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2 ** -8, rtol=2 ** -7)
+
+
+def test_the_split_count_does_not_change_the_result_beyond_rounding():
+    q, k, v, mask = _case(2, 2, 8, 5 * BLOCK_S + 3, 32, torch.float32, "bool", seed=3)
+    outs = [decode_attention(q, k, v, mask, 0.2, s) for s in (1, 2, 6)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
+
+
+def test_positions_a_mask_hides_do_not_matter():
+    """A tile nobody may see is skipped, and masked positions inside a tile weigh 0: garbage there
+    (NaN included, as in never-written static-cache rows) changes nothing."""
+    q, k, v, mask = _case(2, 2, 4, 3 * BLOCK_S, 16, torch.float32, "bool", seed=5)
+    want = decode_attention(q, k, v, mask, 0.25)
+    b, s = (~mask[:, 0, 0, :]).nonzero(as_tuple=True)
+    k2, v2 = k.clone(), v.clone()
+    k2[b, :, s] = float("nan")
+    v2[b, :, s] = float("nan")
+    assert torch.equal(decode_attention(q, k2, v2, mask, 0.25), want)
+
+
+def test_split_count_keeps_whole_tiles_and_enough_programs():
+    assert splits_for(1, 4) == 1
+    assert splits_for(1152, 4) == 1152 // BLOCK_S  # 18 tiles, 4 (row, head) pairs: every tile its own split
+    assert splits_for(1152, 256) == 1  # enough programs without splitting
+    assert 1 <= splits_for(100_000, 16) <= 16
+
+
+def test_bad_shapes_are_named():
+    q, k, v, _ = _case(1, 2, 2, 8, 16, torch.float32, "none")
+    with pytest.raises(ValueError, match="mask must be"):
+        decode_attention(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        decode_attention(q, k[:, :1], v[:, :1], None, 0.25)
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups, kernel):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self._moe_offload_gqa_decode = kernel
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_gqa_decode_routes_to_the_kernel_when_configured(mask_kind):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from moe_offload.integrations.fused_norms import gqa_decode_sdpa
+
+    B, Hkv, G, S, D = 2, 2, 4, 70, 16
+    q_BHGD, k, v, mask = _case(B, Hkv, G, S, D, torch.float32, mask_kind, seed=11)
+    query = q_BHGD.reshape(B, Hkv * G, 1, D)
+    fn = gqa_decode_sdpa(sdpa_attention_forward)
+    want, _ = sdpa_attention_forward(_Attn(G, "sdpa"), query, k, v, mask, scaling=D ** -0.5)
+    got, _ = fn(_Attn(G, "triton"), query, k, v, mask, scaling=D ** -0.5)
+    assert got.shape == want.shape == (B, 1, Hkv * G, D)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    # the kernel really ran: NaN keys at masked positions make SDPA's output NaN, not the kernel's
+    hidden = (mask[:, 0, 0, :] if mask.dtype == torch.bool else mask[:, 0, 0, :] == 0).logical_not()
+    b, s = hidden.nonzero(as_tuple=True)
+    k_nan = k.clone()
+    k_nan[b, :, s] = float("nan")
+    assert torch.isnan(sdpa_attention_forward(_Attn(G, "sdpa"), query, k_nan, v, mask, scaling=D ** -0.5)[0]).any()
+    assert torch.equal(fn(_Attn(G, "triton"), query, k_nan, v, mask, scaling=D ** -0.5)[0], got)
+
+
+def test_the_config_key_reaches_the_attention_modules(tiny_ckpt):
+    from moe_offload.integrations.fused_norms import mark_gqa_decode
+    from moe_offload.integrations.reference import build_reference_model
+
+    ref = build_reference_model(tiny_ckpt("tiny-qwen3-moe", "bf16"), torch.float32, "cpu")
+    assert mark_gqa_decode(ref, "triton") == ref.config.num_hidden_layers
+    marks = {m._moe_offload_gqa_decode for m in ref.modules() if hasattr(m, "_moe_offload_gqa_decode")}
+    assert marks == {"triton"}
+    with pytest.raises(ValueError, match="decode_attention"):
+        mark_gqa_decode(ref, "flash")
+
+
+def test_a_model_decodes_the_same_logits_with_the_kernel(tiny_ckpt, monkeypatch):
+    from transformers import DynamicCache
+
+    from moe_offload.kernels import decode_attention as module
+
+    from moe_offload.integrations.fused_norms import mark_gqa_decode
+    from moe_offload.integrations.reference import build_reference_model
+
+    ref = build_reference_model(tiny_ckpt("tiny-qwen3-moe", "bf16"), torch.float32, "cpu")
+    ids = torch.arange(3, 20)[None]
+
+    def decode_logits():
+        past = DynamicCache(config=ref.config)
+        out = ref(ids, past_key_values=past, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        return ref(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+
+    want = decode_logits()
+    calls = []
+    monkeypatch.setattr(module, "decode_attention", lambda *a, **kw: calls.append(1) or decode_attention(*a, **kw))
+    mark_gqa_decode(ref, "triton")
+    torch.testing.assert_close(decode_logits(), want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == ref.config.num_hidden_layers  # the decode step's attention, once per layer

@@ -265,7 +265,7 @@ def _down_sum_kernel(
     q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
     s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
     g_ptr, stride_gn,  # gs [N, 3] f32
-    rows_ptr, w_ptr,  # [M] bank rows, [M] f32 routing weights
+    rows_ptr, w_ptr,  # [M] bank rows, [M] routing weights (any float dtype; used in fp32)
     out_ptr, stride_ot,  # [T, H]
     N, H, I, TOPK,
     KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -301,7 +301,8 @@ def _down_sum_kernel(
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
         a_ptrs += BLOCK_K
 
-    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * tl.load(w_ptr + pair, mask=ok, other=0.0)
+    route_w = tl.load(w_ptr + pair, mask=ok, other=0.0).to(tl.float32)  # the router's dtype, exact in fp32
+    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w
     y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * scale, (KP, BLOCK_N)), axis=0)  # fixed-order sum over pairs
     offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + t * stride_ot + offs_y, y.to(out_ptr.dtype.element_ty), mask=offs_y < H)
@@ -348,7 +349,7 @@ def decode_gemv_nvfp4(
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
     rows_M = rows_TK.reshape(-1).contiguous()
-    weights_M = weights_TK.reshape(-1).to(torch.float32).contiguous()
+    weights_M = weights_TK.reshape(-1).contiguous()  # read in its own dtype, fp32 in the kernel: no cast launch
     act_MI = torch.empty((M, I), dtype=torch.float32, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
     q1, s1, q2, s2, gs = (views[k] for k in ("w13_q", "w13_s", "w2_q", "w2_s", "gs"))

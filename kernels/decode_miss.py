@@ -80,8 +80,10 @@ class MissPlan:
 
 @triton.jit
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
-                 M, E, scratch_base, BLOCK: tl.constexpr):
-    """One program. need[E] and scratch_of[E] are workspaces (any initial contents)."""
+                 stats_ptr, record_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr):
+    """One program. need[E] and scratch_of[E] are workspaces (any initial contents). With STATS it also does
+    ``kernels/decode_stats.py``'s job (one launch fewer per layer): adds (routed pairs, missed pairs, distinct
+    missed experts) to ``stats_ptr[0:3]`` (int64) and stores the ids into ``record_ptr[0:M]`` (int32)."""
     for e0 in range(0, E, BLOCK):
         offs_e = e0 + tl.arange(0, BLOCK)
         tl.store(need_ptr + offs_e, tl.zeros((BLOCK,), tl.int32), mask=offs_e < E)
@@ -104,6 +106,8 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         total += tl.sum(need, 0)
     tl.store(count_ptr, total)
     tl.debug_barrier()
+    n_pairs = tl.full((), 0, tl.int64)
+    n_missed = tl.full((), 0, tl.int64)
     for m0 in range(0, M, BLOCK):
         offs_m = m0 + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
@@ -112,6 +116,14 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0), other=0, volatile=True)
         row = tl.where(slot >= 0, slot, scratch_base + scratch)
         tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
+        if STATS:
+            n_pairs += tl.sum(valid.to(tl.int64), 0)
+            n_missed += tl.sum((valid & (slot < 0)).to(tl.int64), 0)
+            tl.store(record_ptr + offs_m, ids.to(tl.int32), mask=offs_m < M)
+    if STATS:
+        tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
+        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
+        tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
 
 
 @triton.jit
@@ -167,11 +179,24 @@ def _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base) -> 
                          "rows (size the pool as S slots + min(T*K, E) scratch rows for the largest T)")
 
 
+def _check_stats(stats, T: int, K: int, dev) -> None:
+    counts_3, record_MK = stats
+    if counts_3.shape != (3,) or counts_3.dtype != torch.int64 or counts_3.device != dev:
+        raise ValueError(f"stats counts must be int64 [3] on {dev}, got {counts_3.dtype} {tuple(counts_3.shape)} "
+                         f"on {counts_3.device}")
+    if (record_MK.dtype != torch.int32 or record_MK.dim() != 2 or record_MK.shape[0] < T or record_MK.shape[1] != K
+            or not record_MK.is_contiguous() or record_MK.device != dev):
+        raise ValueError(f"stats record must be a contiguous int32 [>= {T}, {K}] tensor on {dev}, got "
+                         f"{record_MK.dtype} {tuple(record_MK.shape)} on {record_MK.device}")
+
+
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                pool_rows_NR: torch.Tensor, scratch_base: int) -> MissPlan:
+                pool_rows_NR: torch.Tensor, scratch_base: int, stats=None) -> MissPlan:
     """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
     Arguments as for :func:`serve_misses`."""
     _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
+    if stats is not None:
+        _check_stats(stats, *topk_ids_TK.shape, pool_rows_NR.device)
     dev = pool_rows_NR.device
     T, K = topk_ids_TK.shape
     E = host_rows_ER.shape[0]
@@ -184,8 +209,10 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     if not ids_M.is_contiguous():
         ids_M = ids_M.contiguous()
     with device_guard(dev):
+        counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
         _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
-                           M, E, scratch_base, BLOCK=_PLAN_BLOCK, num_warps=4)
+                           counts_3, record_MK, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=stats is not None,
+                           num_warps=4)
     return MissPlan(rows_TK, miss_experts_X, num_missing_1)
 
 
@@ -229,7 +256,8 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
 
 
 def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                 pool_rows_NR: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None) -> torch.Tensor:
+                 pool_rows_NR: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None,
+                 stats=None) -> torch.Tensor:
     """Pool row of every routed pair, with missing experts copied into scratch rows (no host sync).
 
     Args:
@@ -241,13 +269,15 @@ def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_E
             are scratch (overwritten); resident slots are only read through ``rows_TK``.
         scratch_base: first scratch row.
         config: copy launch shape (default :class:`MissCopyConfig`).
+        stats: optional ``(counts_3 int64 [3], record_MK int32 [>= T, K])``: the plan kernel also does what
+            ``kernels/decode_stats.py``'s ``decode_stats`` does with them (same counts, same record).
 
     Returns:
         ``rows_TK`` ``[T, K]`` int32: ``slot_of_E[e]`` for resident experts, ``scratch_base + j`` for the
         j-th distinct missing expert (ascending id), -1 for ids outside [0, E). ``rows_TK >= scratch_base``
         is the step's miss mask. Ids are not range-checked on the host (that would sync).
     """
-    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
+    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, stats)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan.rows_TK
 

@@ -79,13 +79,15 @@ class DecodeResidency:
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses
 
-            rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base)
+            # the plan kernel also counts the step and records its ids (decode_stats' job, one launch fewer)
+            rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
+                                   stats=(self.counts_L3[lp], self._record_dev[lp]))
         else:
             from moe_offload.kernels.decode_miss import serve_misses_reference
 
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
                                              self.scratch_base)
-        decode_stats(ids_TK, rows_TK, self.counts_L3[lp], self._record_dev[lp], self.scratch_base)
+            decode_stats(ids_TK, rows_TK, self.counts_L3[lp], self._record_dev[lp], self.scratch_base)
         self._record_T[lp] = T
         return rows_TK
 

@@ -95,6 +95,23 @@ def test_decode_gemv_reads_slot_rows_of_a_larger_pool_in_place():
     assert_close_to_scale(out, ref, 1e-5)  # fp32: as above
 
 
+@pytest.mark.parametrize("config", [PER_PAIR, GROUPED], ids=["per-pair", "grouped"])
+def test_bf16_routing_weights_are_read_in_place_as_their_fp32_values(config):
+    """The router hands bf16 weights (Qwen3's cast to the logits' dtype): the kernels read them in their own
+    dtype (no cast launch) and use them in fp32, so the output is the one of the same weights cast first."""
+    from moe_offload.kernels.decode_moe import decode_moe_nvfp4
+
+    T, K, N, H, I, kind = CASES["five-tokens-odd-K-odd-sizes"]
+    _, views = make_pool(N, H, I, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
+    rows, weights = routing(T, K, N, kind, gen)
+    w_bf16 = weights.to(torch.bfloat16)
+    want = decode_gemv_nvfp4(hidden, rows, w_bf16.float(), views, config=config)
+    assert torch.equal(decode_gemv_nvfp4(hidden, rows, w_bf16, views, config=config), want)
+    assert torch.equal(decode_moe_nvfp4(hidden, rows, w_bf16, views), decode_moe_nvfp4(hidden, rows, w_bf16.float(), views))
+
+
 def test_decode_gemv_with_no_tokens_returns_an_empty_output():
     _, views = make_pool(2, 32, 16)
     out = decode_gemv_nvfp4(torch.zeros(0, 32, device=DEVICE), torch.zeros(0, 8, dtype=torch.int64, device=DEVICE),

@@ -4,9 +4,11 @@ Group handling, the reduction and the residency checks live in ``moe_offload.par
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +94,15 @@ def _spawned_rank(rank: int, cfg: OffloadConfig, fn: Callable, args: tuple, port
     if rank == 0:
         with open(Path(out_dir, "rank0.pkl"), "wb") as f:
             pickle.dump(result, f)
+    # Decision: a spawned rank whose work is done and written leaves without interpreter teardown. On the CI
+    # machine a spawned gloo rank that had returned normally (group destroyed, result written) once aborted
+    # in teardown ("terminate called without an active exception", SIGABRT), which made the whole launch
+    # fail: gloo's worker threads can still hold work objects whose release needs the interpreter being torn
+    # down. Nothing is left to release that the OS does not (files are closed above, logs flushed here).
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    logging.shutdown()
+    os._exit(0)
 
 
 def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):

@@ -38,9 +38,9 @@ except ImportError:
     triton = None
 
 BLOCK_S = 64  # positions per tile
-_MASKED = -1.0e30
 
 if triton is not None:
+    _MASKED = tl.constexpr(-1.0e30)  # a masked score: finite, so an all-masked tile gives weight 0, not NaN
 
     @triton.jit
     def _partial_kernel(q_ptr, sqb, sqh, sqg,

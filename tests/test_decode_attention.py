@@ -149,3 +149,47 @@ def test_a_model_decodes_the_same_logits_with_the_kernel(tiny_ckpt, monkeypatch)
     mark_gqa_decode(ref, "triton")
     torch.testing.assert_close(decode_logits(), want, atol=1e-5, rtol=1e-5)
     assert len(calls) == ref.config.num_hidden_layers  # the decode step's attention, once per layer
+
+
+_COMPILE_SM90 = r'''
+import json, re
+import triton, triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from moe_offload.kernels import decode_attention as da
+
+def build(fn, sig, consts, num_warps=4):
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+i32 = dict.fromkeys
+strides = i32(["sqb", "sqh", "sqg", "skb", "skh", "sks", "svb", "svh", "svs", "smb", "sms", "Hkv", "G", "S", "D",
+               "per_split"], "i32")
+out = {}
+for kind, mask in ((1, "*u8"), (2, "*bf16"), (0, "*bf16")):
+    ptx = build(da._partial_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": mask,
+                                     **i32(["m_out", "l_out", "acc_out"], "*fp32"), **strides, "scale": "fp32"},
+                {"MASK_KIND": kind, "GP": 16, "DP": 128, "BLOCK": da.BLOCK_S, "DOT_DTYPE": tl.bfloat16, "PREC": "tf32"})
+    out[f"partial_{kind}_mma"] = len(re.findall(r"mma|wgmma", ptx)) > 0
+build(da._combine_kernel, {**i32(["m_in", "l_in", "acc_in"], "*fp32"), "out_ptr": "*bf16",
+                           **i32(["sob", "soh", "sog", "Hkv", "G", "D", "SP"], "i32")}, {"GP": 16, "DP": 128})
+print(json.dumps(out))
+'''
+
+
+def test_the_kernels_compile_for_sm90_with_tensor_core_dots():
+    """The interpreter runs kernels as Python; this compiles both kernels for an H200 (sm_90) with Triton's
+    own compiler, no GPU needed, in a process without TRITON_INTERPRET, for each mask kind."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {"partial_1_mma": True, "partial_2_mma": True, "partial_0_mma": True}

@@ -181,7 +181,7 @@ out = {"gate_up": v4_loads(g._gate_up_kernel, {**common, "x_ptr": "*bf16", "stri
                            **i32(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")},
                            {"BLOCK_M": 1, "BLOCK_N": cfg.gate_up.block_n, "BLOCK_K": cfg.gate_up.block_k, "EVEN_K": True},
                            div16, cfg.gate_up.num_warps),
-       "down": v4_loads(g._down_sum_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32"},
+       "down": v4_loads(g._down_sum_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_ot": "i32"},
                         {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
                         div16, cfg.down.num_warps),
        "gate_up_bytes": cfg.gate_up.block_n * cfg.gate_up.block_k // 2 // (32 * cfg.gate_up.num_warps),

@@ -173,8 +173,9 @@ def build(fn, sig, consts, attrs=None, **options):
 
 i32 = dict.fromkeys
 out = {}
-build(dm._plan_kernel, {**i32(["slot_ptr", "need_ptr", "scratch_of_ptr", "miss_ptr", "count_ptr", "rows_ptr"], "*i32"),
-      "ids_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")}, {"BLOCK": 1024}, num_warps=4)
+build(dm._plan_kernel, {**i32(["slot_ptr", "need_ptr", "scratch_of_ptr", "miss_ptr", "count_ptr", "rows_ptr",
+      "record_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")},
+      {"BLOCK": 1024, "STATS": True}, num_warps=4)
 ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),
             **i32(["row_words", "src_stride_v", "dst_stride_v", "scratch_base", "chunks"], "i32")},
             {"BLOCK": 4096, "VEC": 4}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, num_warps=4)
@@ -187,7 +188,7 @@ gemm = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "sorted_ids_ptr":
 cfg = dmoe.load_tuning(dmoe.DECODE_TUNING_PATH).lookup("default", 2048, 768, 8)
 for fn, sig, tiles in ((fm._gate_up_silu_kernel, {**gemm, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*bf16",
                         "TOPK": "i32"}, cfg.gate_up),
-                       (fm._down_kernel, {**gemm, "act_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*bf16",
+                       (fm._down_kernel, {**gemm, "act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
                         "stride_om": "i32"}, cfg.down)):
     build(fn, sig, {"BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
           "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},

@@ -20,9 +20,10 @@ without reading its keys and values (a static cache of ``decode.max_cache_len`` 
 shorter sequence then reads only what it holds).
 
 Masks: bool (True = attend) or additive float, shaped ``[B or 1, 1, 1, S]``; None attends everywhere.
-Masked scores are set to -1e30 (finite: a tile with no visible position gives weight 0, not NaN). A row
-whose mask hides every position gets the mean of its values, where SDPA gives NaN (bool) or the same
-mean (float); decode never asks for it (the current token is always visible).
+Masked scores are set to -1e30 (finite: a tile with no visible position gives weight 0, not NaN), and an
+additive value at or below -1e30 counts as masked (its tile may be skipped); a larger one (an fp16 model's
+-65504) is added as it is. A row whose mask hides every position gets 0, where SDPA gives NaN (bool) or the
+mean of the values (a finite float mask); decode never asks for it (the current token is always visible).
 Grids depend on host-known shapes only: capturable in a CUDA graph. Under ``TRITON_INTERPRET=1`` the
 same kernels run on CPU tensors (CI).
 """
@@ -153,6 +154,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
         return out
     GP = max(16, triton.next_power_of_2(G))
     DP = max(16, triton.next_power_of_2(D))
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits={splits}: must be >= 1 (or None: splits_for)")
     sp = splits if splits is not None else splits_for(S, B * Hkv)
     per_split = BLOCK_S * -(-max(1, -(-S // BLOCK_S)) // sp)
     sp = max(1, -(-S // per_split)) if S > 0 else 1

@@ -181,8 +181,8 @@ def _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base) -> 
 
 def _check_stats(stats, T: int, K: int, dev) -> None:
     counts_3, record_MK = stats
-    if counts_3.shape != (3,) or counts_3.dtype != torch.int64 or counts_3.device != dev:
-        raise ValueError(f"stats counts must be int64 [3] on {dev}, got {counts_3.dtype} {tuple(counts_3.shape)} "
+    if counts_3.shape != (3,) or counts_3.dtype != torch.int64 or counts_3.device != dev or counts_3.stride(0) != 1:
+        raise ValueError(f"stats counts must be a contiguous int64 [3] on {dev}, got {counts_3.dtype} {tuple(counts_3.shape)} "
                          f"on {counts_3.device}")
     if (record_MK.dtype != torch.int32 or record_MK.dim() != 2 or record_MK.shape[0] < T or record_MK.shape[1] != K
             or not record_MK.is_contiguous() or record_MK.device != dev):

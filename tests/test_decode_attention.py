@@ -82,6 +82,8 @@ def test_bad_shapes_are_named():
         decode_attention(q, k, v, torch.ones(1, 1, 1, 9, dtype=torch.bool), 0.25)
     with pytest.raises(ValueError, match="do not match"):
         decode_attention(q, k[:, :1], v[:, :1], None, 0.25)
+    with pytest.raises(ValueError, match="splits"):
+        decode_attention(q, k, v, None, 0.25, 0)
 
 
 class _Attn(torch.nn.Module):

@@ -195,16 +195,18 @@ class ClientProcess:
             return level_in_child(url, jobs, clients, per_client, timeout)
         return self.pool.submit(level_in_child, url, jobs, clients, per_client, timeout).result()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """``wait=False`` (an error or Ctrl-C in this process): do not wait for a level in flight; it ends
+        when the caller stops the server (its requests then fail fast)."""
         if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool.shutdown(wait=wait, cancel_futures=True)
             self.pool = None
 
     def __enter__(self) -> "ClientProcess":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
 
 
 _DECODE_STEPS_RE = re.compile(r'^moe_offload_decode_steps_total\{path="(\w+)"\} ([0-9.e+]+)$', re.MULTILINE)

@@ -462,7 +462,8 @@ class Scheduler:
 
         row = {"id": req.id, "prompt_tokens": len(req.prompt_ids), "output_tokens": len(req.output_ids),
                "finish_reason": req.finish_reason, "queue_s": span(req.t_submit, req.t_prefill),
-               "prefill_s": span(req.t_prefill, req.t_first), "prefill_host_s": req.prefill_host,
+               "prefill_s": span(req.t_prefill, req.t_first),
+               "prefill_host_s": None if req.t_first is None else req.prefill_host,
                "ttft_s": span(req.t_submit, req.t_first),
                "total_s": req.t_done - req.t_submit}
         with self._lock:

@@ -27,17 +27,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
 from decode_kernels import capture, events_ms  # noqa: E402
 
+from moe_offload.bench.decode import measure_hbm  # noqa: E402
 from moe_offload.bench.env import git_info  # noqa: E402
 from moe_offload.kernels.decode_attention import decode_attention  # noqa: E402
 
 HKV, G, D, S, VISIBLE, LAYERS = 4, 8, 128, 1152, 1100, 8
-
-
-def _d2d_gbs(reps: int) -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = events_ms(lambda: dst.copy_(src), reps)
-    return 2 * src.numel() / ms / 1e6  # read + write, GB/s
 
 
 def _cell(B: int, reps: int, hbm_gbs: float) -> dict:
@@ -79,7 +73,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("decode_attention benchmark: needs CUDA", file=sys.stderr)
         return 2
-    hbm = _d2d_gbs(a.reps)
+    hbm = measure_hbm(torch.device("cuda"))["GBps"]  # bench decode's HBM floor measurement
     cells = [_cell(int(b), a.reps, hbm) for b in a.rows.split(",")]
     res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},

@@ -129,27 +129,18 @@ def test_the_config_key_reaches_the_attention_modules(tiny_ckpt):
 
 
 def test_a_model_decodes_the_same_logits_with_the_kernel(tiny_ckpt, monkeypatch):
-    from transformers import DynamicCache
-
-    from moe_offload.kernels import decode_attention as module
+    from test_router_attention import decode_logits
 
     from moe_offload.integrations.fused_norms import mark_gqa_decode
     from moe_offload.integrations.reference import build_reference_model
+    from moe_offload.kernels import decode_attention as module
 
     ref = build_reference_model(tiny_ckpt("tiny-qwen3-moe", "bf16"), torch.float32, "cpu")
-    ids = torch.arange(3, 20)[None]
-
-    def decode_logits():
-        past = DynamicCache(config=ref.config)
-        out = ref(ids, past_key_values=past, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        return ref(nxt, past_key_values=out.past_key_values, use_cache=True).logits
-
-    want = decode_logits()
+    want = decode_logits(ref)
     calls = []
     monkeypatch.setattr(module, "decode_attention", lambda *a, **kw: calls.append(1) or decode_attention(*a, **kw))
     mark_gqa_decode(ref, "triton")
-    torch.testing.assert_close(decode_logits(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits(ref), want, atol=1e-5, rtol=1e-5)
     assert len(calls) == ref.config.num_hidden_layers  # the decode step's attention, once per layer
 
 

@@ -100,25 +100,25 @@ def test_gqa_decode_attention_matches_transformers_sdpa(mask_kind, B, Hkv, G, P,
     assert calls == [1, 1]
 
 
-def test_a_model_with_gqa_decode_attention_gives_the_same_decode_logits(tiny_ckpt):
+def decode_logits(ref) -> torch.Tensor:
+    """Logits of one greedy decode step of ``ref`` after a 17-token prompt (a fresh DynamicCache)."""
     from transformers import DynamicCache
 
+    ids = torch.arange(3, 20)[None]
+    past = DynamicCache(config=ref.config)
+    out = ref(ids, past_key_values=past, use_cache=True)
+    nxt = out.logits[:, -1:].argmax(-1)
+    return ref(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+
+
+def test_a_model_with_gqa_decode_attention_gives_the_same_decode_logits(tiny_ckpt):
     from moe_offload.integrations.fused_norms import mark_gqa_decode
     from moe_offload.integrations.reference import build_reference_model
 
-    path = tiny_ckpt("tiny-qwen3-moe", "bf16")
-    ref = build_reference_model(path, torch.float32, "cpu")
-    ids = torch.arange(3, 20)[None]
-
-    def decode_logits():
-        past = DynamicCache(config=ref.config)
-        out = ref(ids, past_key_values=past, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        return ref(nxt, past_key_values=out.past_key_values, use_cache=True).logits
-
-    want = decode_logits()
+    ref = build_reference_model(tiny_ckpt("tiny-qwen3-moe", "bf16"), torch.float32, "cpu")
+    want = decode_logits(ref)
     assert mark_gqa_decode(ref) == ref.config.num_hidden_layers
-    torch.testing.assert_close(decode_logits(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(decode_logits(ref), want, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_qkv_gives_the_same_logits_and_parameter_bytes(tiny_ckpt):

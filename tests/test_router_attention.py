@@ -1,6 +1,8 @@
 """The fused router kernel (Triton, interpreted on CPU) and the grouped-query decode attention against
 the transformers code they replace."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -104,11 +106,13 @@ def decode_logits(ref) -> torch.Tensor:
     """Logits of one greedy decode step of ``ref`` after a 17-token prompt (a fresh DynamicCache)."""
     from transformers import DynamicCache
 
+    # transformers 5.24 renamed the forward's past_key_values to cache (5.25 warns on the old name)
+    kv = "cache" if "cache" in inspect.signature(type(ref).forward).parameters else "past_key_values"
     ids = torch.arange(3, 20)[None]
     past = DynamicCache(config=ref.config)
-    out = ref(ids, past_key_values=past, use_cache=True)
+    out = ref(ids, use_cache=True, **{kv: past})
     nxt = out.logits[:, -1:].argmax(-1)
-    return ref(nxt, past_key_values=out.past_key_values, use_cache=True).logits
+    return ref(nxt, use_cache=True, **{kv: past}).logits
 
 
 def test_a_model_with_gqa_decode_attention_gives_the_same_decode_logits(tiny_ckpt):

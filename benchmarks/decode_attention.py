@@ -1,5 +1,6 @@
 """Decode attention on one GPU: torch's SDPA on the folded query (what ``compute.decode_attention: sdpa``
-runs) against ``kernels/decode_attention.py`` (``triton``), per layer inside CUDA graphs.
+runs) against ``kernels/decode_attention.py`` (``triton``), per layer inside CUDA graphs; and the step's KV
+write (transformers' ``StaticLayer.update`` against ``SharedStartLayer.update``, ``kernels/kv_write.py``).
 
     python benchmarks/decode_attention.py --out benchmarks/results [--reps 20] [--json]
 
@@ -32,6 +33,7 @@ from moe_offload.bench.env import git_info  # noqa: E402
 from moe_offload.kernels.decode_attention import decode_attention  # noqa: E402
 
 HKV, G, D, S, VISIBLE, LAYERS = 4, 8, 128, 1152, 1100, 8
+KV_WRITE_POS = 100  # + the StaticLayer replays (warmup + reps + capture's) stays below S
 
 
 def _cell(B: int, reps: int, hbm_gbs: float) -> dict:
@@ -62,6 +64,41 @@ def _cell(B: int, reps: int, hbm_gbs: float) -> dict:
     return out
 
 
+def _kv_write_cell(B: int, reps: int) -> dict:
+    """One decode step's KV write per layer: transformers' ``StaticLayer.update`` (positions from its own
+    counter, two ``index_copy_``) against ``SharedStartLayer.update`` (``kernels/kv_write.py``), L layers per
+    graph. Each StaticLayer replay advances its counter by one (from position ``KV_WRITE_POS``, far below S);
+    afterwards both write once more at that position and must hold the new key and value there."""
+    from transformers.cache_utils import StaticLayer
+
+    from moe_offload.decode_graph import SharedStartLayer
+
+    if KV_WRITE_POS + reps + 8 > S:
+        raise ValueError(f"--reps {reps}: the StaticLayer replays would write past its {S} positions "
+                         f"(at most {S - KV_WRITE_POS - 8} reps)")
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    k = torch.randn(B, 1, HKV, D, device="cuda", generator=gen).bfloat16().transpose(1, 2)  # as attention hands it
+    v = torch.randn(B, 1, HKV, D, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    start_0 = torch.full((), KV_WRITE_POS, dtype=torch.long, device="cuda")
+    theirs, ours = [StaticLayer(S) for _ in range(LAYERS)], [SharedStartLayer(S, start_0) for _ in range(LAYERS)]
+    for layer in theirs + ours:
+        layer.lazy_initialization(k, v)
+    for layer in theirs:
+        layer.cumulative_length.fill_(KV_WRITE_POS)
+    out = {"rows": B}
+    for name, layers in (("static_layer", theirs), ("shared_start", ours)):
+        graph, _ = capture(lambda layers=layers: [layer.update(k, v) for layer in layers])
+        out[f"{name}_us_per_layer"] = round(events_ms(graph.replay, reps) * 1000 / LAYERS, 2)
+    for layer in theirs:
+        layer.cumulative_length.fill_(KV_WRITE_POS)
+    for layer in theirs + ours:
+        layer.update(k, v)
+    at = KV_WRITE_POS
+    out["same_bits"] = all(torch.equal(x.keys[:, :, at], k[:, :, 0]) and torch.equal(x.values[:, :, at], v[:, :, 0])
+                           for x in theirs + ours)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=None)
@@ -75,9 +112,10 @@ def main() -> int:
         return 2
     hbm = measure_hbm(torch.device("cuda"))["GBps"]  # bench decode's HBM floor measurement
     cells = [_cell(int(b), a.reps, hbm) for b in a.rows.split(",")]
+    writes = [_kv_write_cell(int(b), a.reps) for b in a.rows.split(",")]
     res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},
-           "d2d_gbs": round(hbm, 1), "cells": cells}
+           "d2d_gbs": round(hbm, 1), "cells": cells, "kv_write": writes}
     lines = [f"# Decode attention, {res['gpu']}, git {res['git']['sha'][:12]}, torch {res['torch']}", "",
              f"Hkv {HKV}, G {G}, D {D}, bf16, static cache {S} positions, {VISIBLE} visible (bool mask); {LAYERS} "
              f"layers of distinct K/V per CUDA graph; D2D {res['d2d_gbs']} GB/s (read + write) in the same run.", "",
@@ -85,6 +123,11 @@ def main() -> int:
              "| --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {c['rows']} | {c['sdpa_us_per_layer']} | {c['triton_us_per_layer']} | {c['speedup']} | "
               f"{c['hbm_floor_us']} | {c['max_abs_diff']:.3g} |" for c in cells]
+    lines += ["", "KV write of one decode step per layer (`StaticLayer.update` against `SharedStartLayer.update`, "
+              "kernels/kv_write.py):", "", "| rows | StaticLayer us/layer | SharedStartLayer us/layer | same bits |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| {w['rows']} | {w['static_layer_us_per_layer']} | {w['shared_start_us_per_layer']} | "
+              f"{w['same_bits']} |" for w in writes]
     text = "\n".join(lines) + "\n"
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 Legend: B sequences of a batch, T prompt tokens, V vocab, P = ``decode.max_cache_len`` positions.
 
-A ``StaticDecoder`` owns a transformers ``StaticCache`` of ``B x P`` positions and, on CUDA, one graph
+A ``StaticDecoder`` owns a transformers ``StaticCache`` of ``B x P`` positions (its full-attention layers
+swapped for ``SharedStartLayer``: one shared device start, one write launch per layer) and, on CUDA, one graph
 of the decode step: static inputs (token ids ``[B, 1]``, and on transformers versions whose models take
 ``cache_position`` also the position tensors), static logits out. The offloaded experts in the step
 read the device residency table at replay time, so admissions between replays are honoured; the
@@ -22,8 +23,44 @@ import inspect
 import logging
 
 import torch
+from transformers.cache_utils import StaticLayer
 
 from moe_offload import log
+
+
+class SharedStartLayer(StaticLayer):
+    """transformers' ``StaticLayer`` whose write position is a device scalar its decoder owns and shares
+    with every layer (``start_0``: positions cached before the forward), written in one launch
+    (``kernels/kv_write.py``). ``StaticLayer.update`` spends five kernels per layer and step on it: an
+    ``arange`` and an ``add`` for the positions, an ``add_`` of its own length counter, two
+    ``index_copy_``. The decoder fills ``start_0`` before each forward (one fill per step, not per layer);
+    ``get_seq_length`` returns it, as ``StaticLayer`` returns its counter."""
+
+    def __init__(self, max_cache_len: int, start_0: torch.Tensor):
+        super().__init__(max_cache_len)
+        self.cumulative_length = start_0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write ``[B, H, T, D]`` at positions ``start_0 .. start_0 + T - 1`` -> the whole cache (keys, values)."""
+        from moe_offload.kernels.kv_write import kv_write
+
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        kv_write(self.keys, self.values, key_states, value_states,
+                 self.cumulative_length.view(1).expand(key_states.shape[0]))
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        """Zero the keys and values; the start belongs to the decoder."""
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
+
+
+def _shared_start(layer, start_0: torch.Tensor):
+    """``layer`` itself unless it is a plain ``StaticLayer`` (sliding-window and linear-attention layers
+    keep transformers' own update)."""
+    return SharedStartLayer(layer.max_cache_len, start_0) if type(layer) is StaticLayer else layer
 
 
 class StaticDecoder:
@@ -35,10 +72,13 @@ class StaticDecoder:
         self.engine, self.batch, self.max_len = engine, batch, max_len
         dev = engine.device
         self.kv = StaticCache(config=engine.model.config, max_cache_len=max_len)
+        # positions cached before the next forward: one device scalar for every layer (see SharedStartLayer)
+        self.start_0 = torch.zeros((), dtype=torch.long, device=dev)
+        self.kv.layers = [_shared_start(layer, self.start_0) for layer in self.kv.layers]
         params = inspect.signature(type(engine.model).forward).parameters
         self._positions = "cache_position" in params  # transformers < 5.2x: positions are passed in
         self.ids_B1 = torch.zeros((batch, 1), dtype=torch.long, device=dev)
-        self.pos_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos_1 = self.start_0.view(1)  # the step's cache_position: the same storage as start_0
         self.pos_B1 = torch.zeros((batch, 1), dtype=torch.long, device=dev)
         self.graphs = graphs and dev.type == "cuda"
         self.graph = None
@@ -51,6 +91,7 @@ class StaticDecoder:
     # ------------------------------------------------------------------ inputs
     def _kwargs(self, ids_BT: torch.Tensor, start: int) -> dict:
         kw = dict(input_ids=ids_BT, use_cache=True, logits_to_keep=1, **{self.engine.kv_name: self.kv})
+        self.start_0.fill_(start)
         if self._positions:
             T = ids_BT.shape[1]
             cache_pos = torch.arange(start, start + T, device=ids_BT.device)
@@ -92,8 +133,8 @@ class StaticDecoder:
         if self.length + 1 > self.max_len:
             raise ValueError(f"the sequences reached decode.max_cache_len={self.max_len} positions")
         self.ids_B1.copy_(tok_B.view(self.batch, 1))
+        self.start_0.fill_(self.length)  # a fill kernel with the value as an argument: no sync (also pos_1)
         if self._positions:
-            self.pos_1.fill_(self.length)  # a fill kernel with the value as an argument: no sync
             self.pos_B1.fill_(self.length)
         self.length += 1
         cache = self.engine.cache

@@ -33,6 +33,29 @@ def test_static_cache_decoding_gives_the_dynamic_cache_tokens(tiny_ckpt, preset)
     assert _static_greedy(eng, prompt, 12) == want
 
 
+def test_shared_start_layers_give_the_bits_of_transformers_static_layers(tiny_ckpt):
+    """The decoder's attention layers write through one shared device start (kernels/kv_write.py) instead
+    of StaticLayer's own counter and two index copies: prefill and steps give the same logits, bitwise."""
+    from transformers import StaticCache
+
+    from moe_offload.decode_graph import SharedStartLayer
+
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"))
+    ours, theirs = StaticDecoder(eng, 2, 48, graphs=False), StaticDecoder(eng, 2, 48, graphs=False)
+    assert all(type(layer) is SharedStartLayer for layer in ours.kv.layers)
+    theirs.kv = StaticCache(config=eng.model.config, max_cache_len=48)
+    prompts = torch.tensor([list(range(7, 26)), list(range(60, 79))])
+    a, b = ours.prefill(prompts), theirs.prefill(prompts)
+    for _ in range(4):
+        assert torch.equal(a, b)  # the same ops but the cache write, which is a copy: bitwise
+        tok = a.argmax(-1)
+        a, b = ours.step(tok), theirs.step(tok)
+    assert torch.equal(a, b)
+    for mine, ref in zip(ours.kv.layers, theirs.kv.layers):
+        assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+    assert int(ours.kv.get_seq_length()) == 19 + 3  # the start of the last step: what was cached before it
+
+
 def test_a_reset_decoder_serves_the_next_request_from_position_zero(tiny_ckpt):
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"))
     dec = StaticDecoder(eng, 1, 64, graphs=False)

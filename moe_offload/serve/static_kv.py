@@ -3,11 +3,11 @@
 Every attention layer owns ``keys_RHPD`` / ``values_RHPD``: R rows (``serve.max_batch``) of P positions
 (``decode.max_cache_len``), allocated once, so a CUDA graph captured over them stays valid while requests
 come and go. A decode step writes each row's new key/value at that row's own position (``pos_R``, a
-device tensor: one ``scatter_`` per layer, no host sync, capturable) and attends over a window: the
-first B rows and the first L positions (``window(B, L)``; the caller masks each row to its own length
-with a 4-D mask, which transformers' ``create_causal_mask`` passes through unchanged). Linear-attention
-layers (qwen3_next) keep their conv and recurrent states per row (``[R, ...]``); the model updates the
-``[:B]`` views in place.
+device tensor: one ``kernels/kv_write.py`` launch per layer for keys and values, no host sync, capturable)
+and attends over a window: the first B rows and the first L positions (``window(B, L)``; the caller masks
+each row to its own length with a 4-D mask, which transformers' ``create_causal_mask`` passes through
+unchanged). Linear-attention layers (qwen3_next) keep their conv and recurrent states per row
+(``[R, ...]``); the model updates the ``[:B]`` views in place.
 
 Rows are filled from a request's prefilled DynamicCache (``load``: its keys/values go to positions
 0..S-1 of the row) and moved between rows to keep the rows in use contiguous (``move``). Positions past a
@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, LinearAttentionCacheLayerMixin,
                                       LinearAttentionLayer)
+
+from moe_offload.kernels.kv_write import kv_write
 
 
 class UnsupportedLayout(ValueError):
@@ -58,14 +60,11 @@ class _AttnRows(CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``[B, H, 1, D]`` at each row's ``pos_R`` -> the window ``[B, H, L, D]`` (keys, values)."""
-        B, H, T, _ = key_states.shape
+        B, _, T, _ = key_states.shape
         if T != 1 or B != self.B:
             raise ValueError(f"the serving KV cache decodes one token per row of its window ({self.B} rows); got "
                              f"{B} rows x {T} tokens (prefill runs on a DynamicCache and is loaded into a row)")
-        idx_k = self.pos_R[:B].view(B, 1, 1, 1).expand(B, H, 1, key_states.shape[3])
-        idx_v = self.pos_R[:B].view(B, 1, 1, 1).expand(B, value_states.shape[1], 1, value_states.shape[3])
-        self.keys_RHPD[:B].scatter_(2, idx_k, key_states)
-        self.values_RHPD[:B].scatter_(2, idx_v, value_states)
+        kv_write(self.keys_RHPD, self.values_RHPD, key_states, value_states, self.pos_R[:B])
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -20,6 +20,11 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
 2. ``_down_sum_kernel``, program = (token, BLOCK_N of the H outputs): all KP pairs of the token at
    once, a ``[KP * BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
    reduction inside the program: deterministic, no atomics, no separate sum kernel) of w * g2 * down @ act.
+   Its activation loads are per tile row: KP * BLOCK_N rows of fp32 pairs per weight byte pair.
+2b. with ``down_per_pair`` instead: ``_down_pair_kernel``, program = (pair, BLOCK_N of the H outputs), the
+   pair's activations one vector broadcast along the rows (as gate_up reads x), writing fp32 partials
+   ``[M, H]``; then ``_sum_pairs_kernel`` adds each token's K partials in the order k = 0..K-1 (deterministic).
+   KP times the programs of kernel 2 and one more launch; which is faster is data (the tuning table).
 Pairs whose row is outside [0, N) (e.g. -1) contribute nothing (masked loads, weight 0).
 
 Numerics: ``code * block_scale`` is exact in fp32; products and sums in fp32; the intermediate
@@ -72,11 +77,13 @@ class GemvTiles:
 @dataclass(frozen=True)
 class GemvConfig:
     """``block_m`` pairs of one row per gate_up program (1: one pair each, no alignment launch),
-    plus the tiles of the two kernels."""
+    plus the tiles of the two kernels; ``down_per_pair``: the down projection as one program per (pair,
+    BLOCK_N outputs) into fp32 partials, then a fixed-order sum over each token's pairs (kernel 2b)."""
 
     block_m: int
     gate_up: GemvTiles
     down: GemvTiles
+    down_per_pair: bool = False
 
     def __post_init__(self):
         if not _pow2(self.block_m) or self.block_m > 16:
@@ -85,10 +92,14 @@ class GemvConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "GemvConfig":
         try:
-            return cls(int(d["block_m"]), GemvTiles(**d["gate_up"]), GemvTiles(**d["down"]))
+            per_pair = d.get("down_per_pair", False)
+            if not isinstance(per_pair, bool):
+                raise TypeError(f"down_per_pair must be true or false, got {per_pair!r}")
+            return cls(int(d["block_m"]), GemvTiles(**d["gate_up"]), GemvTiles(**d["down"]), per_pair)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: bad decode-gemv config {d!r} ({exc}); expected "
-                             '{"block_m": int, "gate_up": {"block_n", "block_k", "num_warps"}, "down": {...}}') from exc
+                             '{"block_m": int, "gate_up": {"block_n", "block_k", "num_warps"}, "down": {...}, '
+                             '"down_per_pair": bool (optional)}') from exc
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -308,6 +319,61 @@ def _down_sum_kernel(
     tl.store(out_ptr + t * stride_ot + offs_y, y.to(out_ptr.dtype.element_ty), mask=offs_y < H)
 
 
+@triton.jit
+def _down_pair_kernel(
+    act_ptr,  # [M, I] f32
+    q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
+    s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32
+    rows_ptr, w_ptr,  # [M] bank rows, [M] routing weights (any float dtype; used in fp32)
+    part_ptr,  # [M, H] f32: each pair's weighted down projection
+    N, H, I,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    part_ptrs = part_ptr + m * H + offs_n
+    row = tl.load(rows_ptr + m).to(tl.int64)
+    if (row < 0) | (row >= N):  # a pair left out: its partial is 0 for the sum
+        tl.store(part_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=offs_n < H)
+        return
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)
+    # [BN, BK/2] weight bytes and [BN, BK/16] scales of one row; the pair's activations are one [BK/2] vector
+    # per K step broadcast along the rows (the all-pairs kernel loads them per tile row)
+    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_sb[None, :]
+    a_ptr = act_ptr + m * I
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = _k_columns_left(offs_kb, I - k0, EVEN_K)
+        w_mask = (offs_n[:, None] < H) & k_ok[None, :]
+        s_mask = (offs_n[:, None] < H) & _k_columns_left(offs_sb * BYTES_PER_SCALE, I - k0, EVEN_K)[None, :]
+        a_even = tl.load(a_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0)[None, :]
+        a_odd = tl.load(a_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0)[None, :]
+        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
+        acc += a_even * lo + a_odd * hi
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+    scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32)
+    tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
+
+
+@triton.jit
+def _sum_pairs_kernel(part_ptr, out_ptr, stride_ot, H, TOPK, BLOCK: tl.constexpr):
+    """y[t] = sum over k = 0..K-1, in that order, of part[t*K + k] (deterministic, no atomics)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    t = tl.program_id(1).to(tl.int64)
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, TOPK):
+        y += tl.load(part_ptr + (t * TOPK + k) * H + offs, mask=offs < H, other=0.0)
+    tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty), mask=offs < H)
+
+
+SUM_BLOCK = 1024  # outputs per program of the pair sum (H = 2048: 2 programs a token)
+
+
 # ---------------------------------------------------------------------------------------------
 # Host side
 
@@ -333,7 +399,8 @@ def decode_gemv_nvfp4(
         config: tiles; default ``gemv_config_for(device, H, I, T*K)``.
 
     Returns:
-        ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1).
+        ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
+        + ``part [T*K, H]`` fp32 with ``down_per_pair``).
     """
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
@@ -344,8 +411,9 @@ def decode_gemv_nvfp4(
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config
-    if config.block_m == 1 and M > 65535:
-        raise ValueError(f"T*K={M} pairs: with block_m=1 the grid holds at most 65535; use block_m > 1")
+    if (config.block_m == 1 or config.down_per_pair) and M > 65535:
+        raise ValueError(f"T*K={M} pairs: with block_m=1 or down_per_pair the grid holds at most 65535; use "
+                         "block_m > 1 and the all-pairs down kernel")
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
     rows_M = rows_TK.reshape(-1).contiguous()
@@ -371,6 +439,21 @@ def decode_gemv_nvfp4(
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
             num_warps=gu.num_warps,
         )
+        if config.down_per_pair:
+            part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)
+            _down_pair_kernel[(triton.cdiv(H, dn.block_n), M)](
+                act_MI,
+                q2, q2.stride(0), q2.stride(1),
+                s2, s2.stride(0), s2.stride(1),
+                gs, gs.stride(0),
+                rows_M, weights_M, part_MH,
+                N, H, I,
+                BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
+                num_warps=dn.num_warps,
+            )
+            _sum_pairs_kernel[(triton.cdiv(H, SUM_BLOCK), T)](part_MH, out_TH, out_TH.stride(0), H, K,
+                                                              BLOCK=SUM_BLOCK, num_warps=4)
+            return out_TH
         _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
             act_MI,
             q2, q2.stride(0), q2.stride(1),

@@ -30,7 +30,10 @@ FMT = Nvfp4ModelOptFormat()
 PER_PAIR = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32))  # many N tiles and K steps
 WIDE_K = GemvConfig(1, GemvTiles(16, 128), GemvTiles(16, 128))  # BLOCK_K > H, I: masked K tail
 GROUPED = GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64))  # align launch, 4 pairs per program
-CONFIGS = {"per-pair": PER_PAIR, "wide-k": WIDE_K, "grouped": GROUPED, "table": None}
+PAIR_DOWN = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32), down_per_pair=True)  # down per pair + pair sum
+GROUPED_PAIR_DOWN = GemvConfig(4, GemvTiles(8, 64), GemvTiles(16, 128), down_per_pair=True)  # + masked K tail
+CONFIGS = {"per-pair": PER_PAIR, "wide-k": WIDE_K, "grouped": GROUPED, "pair-down": PAIR_DOWN,
+           "grouped-pair-down": GROUPED_PAIR_DOWN, "table": None}
 
 CASES = {  # T, K, N, H, I, routing (H, I multiples of 16 as NVFP4 needs; 48 and 80 are not powers of two)
     "one-token-top1": (1, 1, 3, 32, 16, "random"),
@@ -69,7 +72,7 @@ def test_decode_gemv_matches_the_fp32_reference(case, config):
     assert_close_to_scale(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("config", [PER_PAIR, GROUPED], ids=["per-pair", "grouped"])
+@pytest.mark.parametrize("config", [PER_PAIR, GROUPED, PAIR_DOWN], ids=["per-pair", "grouped", "pair-down"])
 def test_decode_gemv_leaves_out_pairs_routed_to_row_minus_one(config):
     out, ref = run("all-pairs-one-row", torch.float32, config, drop=[(0, 1), (3, 0), (8, 1)])
     assert_close_to_scale(out, ref, 1e-5)  # fp32: as above; a dropped pair that counted moves it by ~0.3
@@ -95,7 +98,7 @@ def test_decode_gemv_reads_slot_rows_of_a_larger_pool_in_place():
     assert_close_to_scale(out, ref, 1e-5)  # fp32: as above
 
 
-@pytest.mark.parametrize("config", [PER_PAIR, GROUPED], ids=["per-pair", "grouped"])
+@pytest.mark.parametrize("config", [PER_PAIR, GROUPED, PAIR_DOWN], ids=["per-pair", "grouped", "pair-down"])
 def test_bf16_routing_weights_are_read_in_place_as_their_fp32_values(config):
     """The router hands bf16 weights (Qwen3's cast to the logits' dtype): the kernels read them in their own
     dtype (no cast launch) and use them in fp32, so the output is the one of the same weights cast first."""
@@ -127,6 +130,32 @@ def test_decode_gemv_names_the_mismatched_input():
     with pytest.raises(ValueError, match="out_dtype"):
         decode_gemv_nvfp4(torch.zeros(3, 32, device=DEVICE), rows, torch.ones(3, 1, device=DEVICE), views,
                           out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("case", ["one-token-top8", "duplicate-row-in-a-token"])
+def test_the_per_pair_down_gives_the_bits_of_the_same_sum_done_by_hand(case):
+    """The pair sum adds a token's K partials in the order k = 0..K-1: the output is exactly the fp32 sum of the
+    single-pair outputs in that order (each a call with one pair of the token), rounded once."""
+    T, K, N, H, I, kind = CASES[case]
+    _, views = make_pool(N, H, I, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    rows, weights = routing(T, K, N, kind, gen)
+    got = decode_gemv_nvfp4(hidden, rows, weights, views, config=PAIR_DOWN)
+    for t in range(T):
+        want = torch.zeros(H, device=DEVICE)
+        for k in range(K):
+            want += decode_gemv_nvfp4(hidden[t:t + 1], rows[t:t + 1, k:k + 1], weights[t:t + 1, k:k + 1], views,
+                                      config=PAIR_DOWN)[0]
+        assert torch.equal(got[t], want)
+
+
+def test_a_config_with_a_non_boolean_down_per_pair_is_refused_by_name():
+    with pytest.raises(ValueError, match="down_per_pair"):
+        GemvConfig.from_dict({"block_m": 1, "gate_up": {"block_n": 8, "block_k": 32},
+                              "down": {"block_n": 8, "block_k": 32}, "down_per_pair": "yes"})
+    assert GemvConfig.from_dict({"block_m": 1, "gate_up": {"block_n": 8, "block_k": 32},
+                                 "down": {"block_n": 8, "block_k": 32}}).down_per_pair is False
 
 
 def test_gemv_tiles_reject_a_block_k_that_splits_a_scale_block():
@@ -186,6 +215,12 @@ out = {"gate_up": v4_loads(g._gate_up_kernel, {**common, "x_ptr": "*bf16", "stri
                         div16, cfg.down.num_warps),
        "gate_up_bytes": cfg.gate_up.block_n * cfg.gate_up.block_k // 2 // (32 * cfg.gate_up.num_warps),
        "down_bytes": 8 * cfg.down.block_n * cfg.down.block_k // 2 // (32 * cfg.down.num_warps)}
+# the per-pair down with the all-pairs kernel's tiles at 8 times the rows (the same bytes per program)
+out["down_pair"] = v4_loads(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
+                            {"BLOCK_N": 8 * cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
+                            div16, cfg.down.num_warps)
+v4_loads(g._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["stride_ot", "H", "TOPK"], "i32")},
+         {"BLOCK": g.SUM_BLOCK}, ["part_ptr", "H"], 4)
 print(json.dumps(out))
 '''
 
@@ -204,3 +239,4 @@ def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     # every thread's share of each weight tile (gate and up: two tiles) arrives as 16-byte loads
     assert r["gate_up"] == 2 * r["gate_up_bytes"] // 16 and r["down"] == r["down_bytes"] // 16
+    assert r["down_pair"] == r["down_bytes"] // 16

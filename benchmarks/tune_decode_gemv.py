@@ -3,12 +3,13 @@
 
 Legend: T tokens, K top-k, M = T*K routed pairs, E experts, H hidden, I intermediate.
 
-For each layer shape and token count T (one pair per gate_up program, ``block_m`` 1), the gate_up
-tiles are swept with the down tiles held at the table's current ones, then the down tiles with the
-best gate_up, both down variants (all pairs of a token per program, or ``down_per_pair`` + the pair sum); each call is timed inside a CUDA graph over ``--layers`` copies of the layer's weights
-(reads come from HBM, not the 50 MB L2; no Python launch overhead, as in a captured decode step).
-The entry for bucket M keeps the fastest pair; ``gemv_max_pairs`` and larger buckets are kept as they
-are. Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
+For each layer shape and token count T up to the entry's ``gemv_max_pairs`` (one pair per gate_up program,
+``block_m`` 1), the gate_up tiles are swept with the down tiles held at the table's current ones, then the
+down tiles with the best gate_up, both down variants (all pairs of a token per program, or ``down_per_pair``
++ the pair sum), then from T = 4 gate_up programs of 2 and 4 pairs of one row (``block_m``); each call is
+timed inside a CUDA graph over ``--layers`` copies of the layer's weights (reads come from HBM, not the
+50 MB L2; no Python launch overhead, as in a captured decode step). The entry for bucket M keeps the
+fastest config; ``gemv_max_pairs`` and larger buckets are kept as they are. Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_gemv.py [--shapes qwen3-30b-a3b] [--tokens 1 2 4 8 16]
 [--space small|full] [--out kernels/decode_gemv_tuning.json] [--report DIR]``. Triton compiles dominate
@@ -77,6 +78,12 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
             us = timed(cfg)
             if us is not None and us < best_us:
                 best, best_us = cfg, us
+    if T >= 4:  # several tokens may share an expert: gate_up programs of block_m pairs of one row (+ the align launch)
+        for block_m in (2, 4):
+            cfg = GemvConfig(block_m, best.gate_up, best.down, best.down_per_pair)
+            us = timed(cfg)
+            if us is not None and us < best_us:
+                best, best_us = cfg, us
     return best, best_us, base
 
 
@@ -106,9 +113,9 @@ def main(argv=None) -> int:
         entry = gemv_entry(device, H, I)
         buckets = {str(m): cfg.to_dict() for m, cfg in entry.buckets.items()}
         for T in sorted(args.tokens):
-            start = gemv_config_for(device, H, I, T * K)
-            if start.block_m != 1:
+            if T * K > entry.gemv_max_pairs:  # "auto" never picks this kernel there
                 continue
+            start = gemv_config_for(device, H, I, T * K)
             best, us, base = tune(layers_views, H, I, E, K, T, start, SPACES[args.space])
             buckets[str(T * K)] = best.to_dict()
             report["cells"].append({"shape": shape, "T": T, "pairs": T * K, "us_per_layer": us,

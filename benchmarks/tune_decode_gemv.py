@@ -4,16 +4,17 @@
 Legend: T tokens, K top-k, M = T*K routed pairs, E experts, H hidden, I intermediate.
 
 For each layer shape and token count T up to the entry's ``gemv_max_pairs`` (one pair per gate_up program,
-``block_m`` 1), the gate_up tiles are swept with the down tiles held at the table's current ones, then the
-down tiles with the best gate_up, both down variants (all pairs of a token per program, or ``down_per_pair``
-+ the pair sum), then from T = 4 gate_up programs of 2 and 4 pairs of one row (``block_m``); each call is
-timed inside a CUDA graph over ``--layers`` copies of the layer's weights (reads come from HBM, not the
-50 MB L2; no Python launch overhead, as in a captured decode step). The entry for bucket M keeps the
-fastest config; ``gemv_max_pairs`` and larger buckets are kept as they are. Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
+``block_m`` 1), the gate_up tiles are swept (x interleaved, then ``split_x``) with the down tiles held at the
+table's current ones, then the down tiles with the best gate_up, both down variants (all pairs of a token per
+program, or ``down_per_pair`` + the pair sum), then from T = 4 gate_up programs of 2 and 4 pairs of one row
+(``block_m``); each call is timed inside a CUDA graph over ``--layers`` copies of the layer's weights (reads
+come from HBM, not the 50 MB L2; no Python launch overhead, as in a captured decode step). The entry for
+bucket M keeps the fastest config; ``gemv_max_pairs`` and larger buckets are kept as they are. Results go
+under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_gemv.py [--shapes qwen3-30b-a3b] [--tokens 1 2 4 8 16]
 [--space small|full] [--out kernels/decode_gemv_tuning.json] [--report DIR]``. Triton compiles dominate
-(~2 s per config, shared across T): the small space (8 + 8 + 6) takes one to two minutes on an H200.
+(~2 s per config, shared across T): the small space (2 x 8 + 8 + 6) takes about two minutes on an H200.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder
 from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
 from tune_decode_moe import graph_ms  # noqa: E402
 
-SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is 8 + 8 + 6 configs
+SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is 2 x 8 + 8 + 6 configs
     # gate_up tiles, all-pairs down tiles, per-pair down tiles (down_per_pair: KP times the programs, so
     # more rows per program for the same bytes in flight)
     "small": ({"block_n": (4, 8, 16, 32), "block_k": (512, 1024), "num_warps": (4,)},
@@ -67,20 +68,21 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
 
     base = timed(start)
     best, best_us = start, base if base is not None else float("inf")
-    for tiles in space(spaces[0]):
-        cfg = GemvConfig(1, tiles, best.down, best.down_per_pair)
-        us = timed(cfg)
-        if us is not None and us < best_us:
-            best, best_us = cfg, us
+    for split_x in (False, True):
+        for tiles in space(spaces[0]):
+            cfg = GemvConfig(1, tiles, best.down, best.down_per_pair, split_x)
+            us = timed(cfg)
+            if us is not None and us < best_us:
+                best, best_us = cfg, us
     for per_pair, down_space in ((False, spaces[1]), (True, spaces[2])):
         for tiles in space(down_space):
-            cfg = GemvConfig(1, best.gate_up, tiles, down_per_pair=per_pair)
+            cfg = GemvConfig(1, best.gate_up, tiles, down_per_pair=per_pair, split_x=best.split_x)
             us = timed(cfg)
             if us is not None and us < best_us:
                 best, best_us = cfg, us
     if T >= 4:  # several tokens may share an expert: gate_up programs of block_m pairs of one row (+ the align launch)
         for block_m in (2, 4):
-            cfg = GemvConfig(block_m, best.gate_up, best.down, best.down_per_pair)
+            cfg = GemvConfig(block_m, best.gate_up, best.down, best.down_per_pair)  # split_x is for block_m 1
             us = timed(cfg)
             if us is not None and us < best_us:
                 best, best_us = cfg, us

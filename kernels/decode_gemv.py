@@ -11,6 +11,9 @@ layer time is set by launches and by how many weight bytes are in flight, not by
 Launches (nothing is read back to the host; grids come from T, K, N, H, I only: graph-capturable):
 0. only when BM > 1: ``decode_moe.decode_align`` (one program) groups the pairs by row into blocks
    of BM, so an expert's weight tile is read once for all its tokens (loop over them in registers).
+0b. only with ``split_x``: x's even and odd columns copied into two contiguous rows per token (torch), so
+   kernel 1 loads them in the weight tile's layout (compiled for sm_90 its interleaved x loads go through
+   shared memory with four barriers per K step; these need none). Which is faster is data.
 1. ``_gate_up_kernel``, program = (BM pairs of one row, BLOCK_N of the I outputs): loads
    ``[BLOCK_N, BLOCK_K/2]`` bytes of gate and of up (contiguous along K: 16-byte loads), splits
    nibbles into even/odd K columns, scales them (one load per block scale, broadcast in registers),
@@ -78,28 +81,33 @@ class GemvTiles:
 class GemvConfig:
     """``block_m`` pairs of one row per gate_up program (1: one pair each, no alignment launch),
     plus the tiles of the two kernels; ``down_per_pair``: the down projection as one program per (pair,
-    BLOCK_N outputs) into fp32 partials, then a fixed-order sum over each token's pairs (kernel 2b)."""
+    BLOCK_N outputs) into fp32 partials, then a fixed-order sum over each token's pairs (kernel 2b);
+    ``split_x`` (block_m 1 only): x's even and odd columns copied apart first (kernel 0b)."""
 
     block_m: int
     gate_up: GemvTiles
     down: GemvTiles
     down_per_pair: bool = False
+    split_x: bool = False
 
     def __post_init__(self):
         if not _pow2(self.block_m) or self.block_m > 16:
             raise ValueError(f"block_m={self.block_m}: must be a power of two in [1, 16] (registers per program)")
+        if self.split_x and self.block_m != 1:
+            raise ValueError(f"split_x applies to one pair per gate_up program (block_m 1), got block_m={self.block_m}")
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "GemvConfig":
         try:
-            per_pair = d.get("down_per_pair", False)
-            if not isinstance(per_pair, bool):
-                raise TypeError(f"down_per_pair must be true or false, got {per_pair!r}")
-            return cls(int(d["block_m"]), GemvTiles(**d["gate_up"]), GemvTiles(**d["down"]), per_pair)
+            flags = {k: d.get(k, False) for k in ("down_per_pair", "split_x")}
+            for k, v in flags.items():
+                if not isinstance(v, bool):
+                    raise TypeError(f"{k} must be true or false, got {v!r}")
+            return cls(int(d["block_m"]), GemvTiles(**d["gate_up"]), GemvTiles(**d["down"]), **flags)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{where}: bad decode-gemv config {d!r} ({exc}); expected "
                              '{"block_m": int, "gate_up": {"block_n", "block_k", "num_warps"}, "down": {...}, '
-                             '"down_per_pair": bool (optional)}') from exc
+                             '"down_per_pair", "split_x": bool (optional)}') from exc
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +214,31 @@ def _gate_up_one_pair(x_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_s
 
 
 @triton.jit
+def _gate_up_one_pair_split(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
+                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """As ``_gate_up_one_pair`` with x's even and odd columns in two contiguous rows (``split_x``): both are
+    loaded as ``[BN, BK/2]`` tiles of the weight tile's shape (rows repeat one address), which Triton gives
+    the weight tile's layout, so x needs no layout conversion (no shared memory, no barrier) per K step and
+    arrives in 16-byte loads; the interleaved x of ``_gate_up_one_pair`` goes through shared memory twice."""
+    acc_g = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
+    acc_u = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
+    x_offs = offs_n[:, None] * 0 + offs_kb[None, :]
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
+        w_mask = (offs_n[:, None] < I) & k_ok[None, :]
+        s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
+        x_even = tl.load(xe_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        x_odd = tl.load(xo_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
+        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
+        acc_g += x_even * g_lo + x_odd * g_hi
+        acc_u += x_even * u_lo + x_odd * u_hi
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
+    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, stride_xt,  # hidden [T, H]
     q_ptr, stride_qn, stride_qr,  # w13_q [N, 2I, H/2] u8
@@ -215,7 +248,9 @@ def _gate_up_kernel(
     sorted_ids_ptr, block_row_ptr, num_padded_ptr,  # decode_align output (BLOCK_M > 1)
     act_ptr,  # [M, I] f32
     M, N, H, I, TOPK,
+    x_odd_off,  # SPLIT_X: x is [2, T, H/2] (even columns, then odd), stride_xt = H/2; this is T * H/2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_X: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -242,7 +277,11 @@ def _gate_up_kernel(
     x_ptrs = x_ptr + token[:, None, None] * stride_xt + 2 * offs_kb[None, None, :]
     up_q, up_s = I * stride_qr, I * stride_sr
 
-    if BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
+    if SPLIT_X:
+        xe_ptr = x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt
+        gate, up = _gate_up_one_pair_split(xe_ptr, xe_ptr + x_odd_off, q_ptrs, s_ptrs, up_q, up_s,
+                                           offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
+    elif BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
         gate, up = _gate_up_one_pair(x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt, q_ptrs, s_ptrs, up_q, up_s,
                                      offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
     else:
@@ -428,16 +467,20 @@ def decode_gemv_nvfp4(
         align = decode_align(rows_TK, N, config.block_m)
         align_args = (align.sorted_ids_P, align.block_row_B, align.num_padded_1)
         num_blocks = align.sorted_ids_P.numel() // config.block_m
+    x, x_odd_off = hidden_TH, 0
+    if config.split_x:  # [2, T, H/2]: even columns, then odd (one small copy launch)
+        x = hidden_TH.unflatten(1, (H // 2, 2)).permute(2, 0, 1).contiguous()
+        x_odd_off = T * (H // 2)
     with device_guard(dev):
         _gate_up_kernel[(triton.cdiv(I, gu.block_n), num_blocks)](
-            hidden_TH, hidden_TH.stride(0),
+            x, x.stride(-2),
             q1, q1.stride(0), q1.stride(1),
             s1, s1.stride(0), s1.stride(1),
             gs, gs.stride(0),
             rows_M, *align_args, act_MI,
-            M, N, H, I, K,
+            M, N, H, I, K, x_odd_off,
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
-            num_warps=gu.num_warps,
+            SPLIT_X=config.split_x, num_warps=gu.num_warps,
         )
         if config.down_per_pair:
             part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)

@@ -32,8 +32,10 @@ WIDE_K = GemvConfig(1, GemvTiles(16, 128), GemvTiles(16, 128))  # BLOCK_K > H, I
 GROUPED = GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64))  # align launch, 4 pairs per program
 PAIR_DOWN = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32), down_per_pair=True)  # down per pair + pair sum
 GROUPED_PAIR_DOWN = GemvConfig(4, GemvTiles(8, 64), GemvTiles(16, 128), down_per_pair=True)  # + masked K tail
+SPLIT_X = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32), split_x=True)  # x's even/odd columns apart first
+SPLIT_X_WIDE = GemvConfig(1, GemvTiles(16, 128), GemvTiles(16, 128), down_per_pair=True, split_x=True)  # + K tail
 CONFIGS = {"per-pair": PER_PAIR, "wide-k": WIDE_K, "grouped": GROUPED, "pair-down": PAIR_DOWN,
-           "grouped-pair-down": GROUPED_PAIR_DOWN, "table": None}
+           "grouped-pair-down": GROUPED_PAIR_DOWN, "split-x": SPLIT_X, "split-x-wide": SPLIT_X_WIDE, "table": None}
 
 CASES = {  # T, K, N, H, I, routing (H, I multiples of 16 as NVFP4 needs; 48 and 80 are not powers of two)
     "one-token-top1": (1, 1, 3, 32, 16, "random"),
@@ -150,6 +152,19 @@ def test_the_per_pair_down_gives_the_bits_of_the_same_sum_done_by_hand(case):
         assert torch.equal(got[t], want)
 
 
+def test_split_x_gives_the_bits_of_interleaved_x():
+    """Splitting x's columns apart is a copy and the kernel does the same products in the same order."""
+    for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
+        split, _ = run(case, torch.bfloat16, SPLIT_X)
+        inter, _ = run(case, torch.bfloat16, PER_PAIR)
+        assert torch.equal(split, inter)
+
+
+def test_split_x_with_grouped_pairs_is_refused():
+    with pytest.raises(ValueError, match="split_x"):
+        GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64), split_x=True)
+
+
 def test_a_config_with_a_non_boolean_down_per_pair_is_refused_by_name():
     with pytest.raises(ValueError, match="down_per_pair"):
         GemvConfig.from_dict({"block_m": 1, "gate_up": {"block_n": 8, "block_k": 32},
@@ -204,12 +219,13 @@ def v4_loads(fn, sig, consts, div16, num_warps):
 i32 = dict.fromkeys
 cfg = g.load_gemv_tuning()["default"]["default"].config(8)  # T = 1, K = 8
 common = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "rows_ptr": "*i64",
-          **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "N", "H", "I", "TOPK"], "i32")}
+          **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "N", "H", "I", "TOPK", "x_odd_off"], "i32")}
 div16 = ["q_ptr", "s_ptr", "stride_qn", "stride_qr", "stride_sn", "H", "I"]
-out = {"gate_up": v4_loads(g._gate_up_kernel, {**common, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*fp32", "M": "i32",
-                           **i32(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")},
-                           {"BLOCK_M": 1, "BLOCK_N": cfg.gate_up.block_n, "BLOCK_K": cfg.gate_up.block_k, "EVEN_K": True},
-                           div16, cfg.gate_up.num_warps),
+gate_up_sig = {**common, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*fp32", "M": "i32",
+               **i32(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")}
+out = {"gate_up": v4_loads(g._gate_up_kernel, gate_up_sig,
+                           {"BLOCK_M": 1, "BLOCK_N": cfg.gate_up.block_n, "BLOCK_K": cfg.gate_up.block_k, "EVEN_K": True,
+                            "SPLIT_X": False}, div16, cfg.gate_up.num_warps),
        "down": v4_loads(g._down_sum_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_ot": "i32"},
                         {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
                         div16, cfg.down.num_warps),
@@ -219,6 +235,18 @@ out = {"gate_up": v4_loads(g._gate_up_kernel, {**common, "x_ptr": "*bf16", "stri
 out["down_pair"] = v4_loads(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
                             {"BLOCK_N": 8 * cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
                             div16, cfg.down.num_warps)
+# split x at the H200's T = 1 gate_up tiles: the K loop's barriers (shared-memory layout conversions) and x loads
+h200 = g.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(8).gate_up
+for split in (False, True):
+    names = g._gate_up_kernel.arg_names
+    consts = {"BLOCK_M": 1, "BLOCK_N": h200.block_n, "BLOCK_K": h200.block_k, "EVEN_K": True, "SPLIT_X": split}
+    src = ASTSource(fn=g._gate_up_kernel, signature={n: gate_up_sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16 + ["x_ptr", "stride_xt", "x_odd_off"]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": h200.num_warps}).asm["ptx"]
+    loop = re.search(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S).group(1)
+    out["split" if split else "interleaved"] = {"barriers": len(re.findall(r"bar\.sync", loop)),
+                                                "scalar_x_loads": len(re.findall(r"ld\.global\.b16", loop))}
 v4_loads(g._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["stride_ot", "H", "TOPK"], "i32")},
          {"BLOCK": g.SUM_BLOCK}, ["part_ptr", "H"], 4)
 print(json.dumps(out))
@@ -240,3 +268,7 @@ def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90():
     # every thread's share of each weight tile (gate and up: two tiles) arrives as 16-byte loads
     assert r["gate_up"] == 2 * r["gate_up_bytes"] // 16 and r["down"] == r["down_bytes"] // 16
     assert r["down_pair"] == r["down_bytes"] // 16
+    # interleaved x reaches the weight tile's layout through shared memory (barriers) in scalar loads; split
+    # x is loaded in that layout (what kernels/decode_gemv.py's split_x claims, at the shipped H200 tiles)
+    assert r["interleaved"]["barriers"] > 0 and r["interleaved"]["scalar_x_loads"] > 0
+    assert r["split"] == {"barriers": 0, "scalar_x_loads": 0}

@@ -3,8 +3,8 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn
-# decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test and the decode kernel
-# tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
+# decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
+# KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
@@ -135,8 +135,9 @@ if has decode_paths; then  # decode.path routed vs auto (large batches staged) a
   done
 fi
 if has decode_attn; then
-  timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py \
-    tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_decode_gpu.py > "$RES/pytest_decode_attn.log" 2>&1
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py \
+    tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_kv_write_gpu.py \
+    tests/gpu/test_serve_graph_gpu.py > "$RES/pytest_decode_attn.log" 2>&1
   timeout 120 python3 benchmarks/decode_attention.py --out "$RES" --git-sha ${SERVE_CHECK_SHA:-unknown} \
     > "$RES/decode_attention.log" 2>&1
   for da in sdpa triton; do

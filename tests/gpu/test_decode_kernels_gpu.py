@@ -186,3 +186,37 @@ def test_decode_moe_matches_the_dequantized_reference_on_the_gpu(pinned_host_row
         # <= ~6e-3 of the output's scale; 1e-2 gives margin, while a wrong nibble/scale/row is O(1).
         scale = ref.abs().max().item()
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("variant", ["split_x", "down_per_pair", "both"])
+def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(pinned_host_rows, variant):
+    """The tuner's choices (kernels/decode_gemv.py: split_x, down_per_pair) compiled for this GPU: close to the
+    dequantized reference, split_x bitwise equal to interleaved x, and a captured call replays its eager bits."""
+    from moe_offload.kernels.decode_gemv import GemvConfig, GemvTiles, decode_gemv_nvfp4
+    from moe_offload.kernels.fused_moe import moe_reference
+
+    host_ER, specs = pinned_host_rows
+    views = bank_views(specs, bank_offsets(specs), host_ER.cuda())
+    split, per_pair = variant in ("split_x", "both"), variant in ("down_per_pair", "both")
+    base = GemvConfig(1, GemvTiles(4, 128), GemvTiles(4, 128), down_per_pair=per_pair)
+    cfg = GemvConfig(1, GemvTiles(4, 128), GemvTiles(16 if per_pair else 4, 128), down_per_pair=per_pair, split_x=split)
+    gen = torch.Generator().manual_seed(6)
+    for T in (1, 5, 16):
+        rows = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+        weights = torch.softmax(torch.randn(T, K, generator=gen), -1).cuda().bfloat16()
+        hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
+        out = decode_gemv_nvfp4(hidden, rows, weights, views, config=cfg)
+        ref = moe_reference(hidden.float(), rows, weights.float(), *FMT.dequantize(views, torch.float32))
+        # fp32 products and sums, one bf16 rounding of the output (2^-9 relative): 1e-2 of the output's scale
+        # leaves margin, while a wrong nibble, scale, row or weight is O(1)
+        scale = ref.abs().max().item()
+        torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)
+        if split and not per_pair:
+            assert torch.equal(out, decode_gemv_nvfp4(hidden, rows, weights, views, config=base))
+        graph = torch.cuda.CUDAGraph()
+        decode_gemv_nvfp4(hidden, rows, weights, views, config=cfg)  # compiled and warm before the capture
+        with torch.cuda.graph(graph):
+            captured = decode_gemv_nvfp4(hidden, rows, weights, views, config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, out)

@@ -68,7 +68,7 @@ def _kv_write_cell(B: int, reps: int) -> dict:
     """One decode step's KV write per layer: transformers' ``StaticLayer.update`` (positions from its own
     counter, two ``index_copy_``) against ``SharedStartLayer.update`` (``kernels/kv_write.py``), L layers per
     graph. Each StaticLayer replay advances its counter by one (from position ``KV_WRITE_POS``, far below S);
-    afterwards both write once more at that position and must hold the new key and value there."""
+    afterwards both write new states once more at that position and must hold them there."""
     from transformers.cache_utils import StaticLayer
 
     from moe_offload.decode_graph import SharedStartLayer
@@ -91,10 +91,11 @@ def _kv_write_cell(B: int, reps: int) -> dict:
         out[f"{name}_us_per_layer"] = round(events_ms(graph.replay, reps) * 1000 / LAYERS, 2)
     for layer in theirs:
         layer.cumulative_length.fill_(KV_WRITE_POS)
+    k2, v2 = k + 1, v + 1  # states no replay wrote: the final write must land
     for layer in theirs + ours:
-        layer.update(k, v)
+        layer.update(k2, v2)
     at = KV_WRITE_POS
-    out["same_bits"] = all(torch.equal(x.keys[:, :, at], k[:, :, 0]) and torch.equal(x.values[:, :, at], v[:, :, 0])
+    out["same_bits"] = all(torch.equal(x.keys[:, :, at], k2[:, :, 0]) and torch.equal(x.values[:, :, at], v2[:, :, 0])
                            for x in theirs + ours)
     return out
 

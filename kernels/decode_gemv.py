@@ -99,6 +99,8 @@ class GemvConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "GemvConfig":
         try:
+            if not isinstance(d, dict):
+                raise TypeError(f"a config is a JSON object, got {type(d).__name__}")
             flags = {k: d.get(k, False) for k in ("down_per_pair", "split_x")}
             for k, v in flags.items():
                 if not isinstance(v, bool):

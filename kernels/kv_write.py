@@ -29,10 +29,10 @@ if triton is not None:
     def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, stride_start, H, T, P,
                          skb, skh, skt, svb, svh, svt, sckb, sckh, sckp, scvb, scvh, scvp,
                          DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        r = tl.program_id(0)  # row (b, h, t) of the new states
+        r = tl.program_id(0).to(tl.int64)  # row (b, h, t) of the new states; int64: h * stride may pass 2^31
         t = r % T
         h = (r // T) % H
-        b = (r // (T * H)).to(tl.int64)
+        b = r // (T * H)
         pos = tl.load(start_ptr + b * stride_start).to(tl.int64) + t
         if (pos >= 0) & (pos < P):
             ok = tl.arange(0, BLOCK_K)
@@ -61,6 +61,10 @@ def _check(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B) -> None:
     if start_B.dim() != 1 or start_B.shape[0] != B or start_B.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"kv_write: start must be an int32/int64 [B={B}] tensor, got {start_B.dtype} "
                          f"{tuple(start_B.shape)}")
+    devices = {t.device for t in (keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B)}
+    if len(devices) != 1:
+        raise ValueError(f"kv_write: the cache, the new states and start must be on one device, got "
+                         f"{sorted(map(str, devices))}")
 
 
 def kv_write_reference(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B) -> None:
@@ -79,15 +83,20 @@ def kv_write(keys_RHPD: torch.Tensor, values_RHPD: torch.Tensor, k_BHTD: torch.T
     """Write ``k_BHTD`` / ``v_BHTD`` ``[B, H, T, D]`` (any strides, last dim contiguous or not) into rows
     ``0..B-1`` of ``keys_RHPD`` / ``values_RHPD`` ``[R, H, P, D]`` at positions ``start_B[b] + t``
     (``start_B``: int32/int64 ``[B]`` on the cache's device, e.g. one shared start expanded with stride 0).
-    One Triton launch on CUDA, ``kv_write_reference`` elsewhere. Raises ValueError on mismatched shapes."""
+    One Triton launch on CUDA (two ``scatter_`` without Triton), ``kv_write_reference`` elsewhere. Raises
+    ValueError on mismatched shapes, dtypes or devices."""
     _check(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B)
-    B, H, T, DK = k_BHTD.shape
+    B, H, T, _ = k_BHTD.shape
     if k_BHTD.numel() == 0:
         return
-    if keys_RHPD.device.type != "cuda" or triton is None:
+    if keys_RHPD.device.type != "cuda":
         kv_write_reference(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B)
-        return
-    launch(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B)
+    elif triton is None:  # capturable, no sync; positions must lie in [0, P) (callers check lengths first)
+        pos_BT = start_B.to(torch.int64)[:, None] + torch.arange(T, device=start_B.device)
+        for cache, new in ((keys_RHPD, k_BHTD), (values_RHPD, v_BHTD)):
+            cache[:B].scatter_(2, pos_BT[:, None, :, None].expand(B, H, T, new.shape[3]), new)
+    else:
+        launch(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B)
 
 
 def launch(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B) -> None:

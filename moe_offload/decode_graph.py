@@ -33,12 +33,24 @@ class SharedStartLayer(StaticLayer):
     with every layer (``start_0``: positions cached before the forward), written in one launch
     (``kernels/kv_write.py``). ``StaticLayer.update`` spends five kernels per layer and step on it: an
     ``arange`` and an ``add`` for the positions, an ``add_`` of its own length counter, two
-    ``index_copy_``. The decoder fills ``start_0`` before each forward (one fill per step, not per layer);
-    ``get_seq_length`` returns it, as ``StaticLayer`` returns its counter."""
+    ``index_copy_``. The decoder fills ``start_0`` before each forward (one fill per step, not per layer).
+    ``get_seq_length`` returns it, i.e. the positions cached *before* the current forward (what models read
+    at its start); unlike ``StaticLayer``'s counter it does not advance during the forward. ``crop`` is
+    refused (it would move the shared start once per layer)."""
 
     def __init__(self, max_cache_len: int, start_0: torch.Tensor):
         super().__init__(max_cache_len)
-        self.cumulative_length = start_0
+        self.cumulative_length = self.start_0 = start_0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)  # moves cumulative_length to the keys' device
+        if self.start_0.device != self.keys.device:
+            raise ValueError(f"SharedStartLayer: the decoder's start is on {self.start_0.device}, this layer's "
+                             f"keys on {self.keys.device}; a layer on another device would write at a private copy")
+        self.cumulative_length = self.start_0  # the shared tensor, not a copy
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("SharedStartLayer cannot be cropped: its decoder owns the start (reset it instead)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Write ``[B, H, T, D]`` at positions ``start_0 .. start_0 + T - 1`` -> the whole cache (keys, values)."""

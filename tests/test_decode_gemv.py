@@ -152,6 +152,17 @@ def test_the_per_pair_down_gives_the_bits_of_the_same_sum_done_by_hand(case):
         assert torch.equal(got[t], want)
 
 
+def test_the_pair_sum_covers_every_output_block(monkeypatch):
+    """With a pair-sum block of 16 outputs, H = 48 and 80 take several programs along H (H = 2048 takes two
+    of the shipped 1024): each must add its own block."""
+    from moe_offload.kernels import decode_gemv as g
+
+    monkeypatch.setattr(g, "SUM_BLOCK", 16)
+    for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
+        out, ref = run(case, torch.float32, PAIR_DOWN)
+        assert_close_to_scale(out, ref, 1e-5)  # fp32: as in test_decode_gemv_matches_the_fp32_reference
+
+
 def test_split_x_gives_the_bits_of_interleaved_x():
     """Splitting x's columns apart is a copy and the kernel does the same products in the same order."""
     for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
@@ -166,6 +177,8 @@ def test_split_x_with_grouped_pairs_is_refused():
 
 
 def test_a_config_with_a_non_boolean_down_per_pair_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"\['buckets'\]\['8'\].*JSON object"):
+        GemvConfig.from_dict([1, 2], "table['buckets']['8']")
     with pytest.raises(ValueError, match="down_per_pair"):
         GemvConfig.from_dict({"block_m": 1, "gate_up": {"block_n": 8, "block_k": 32},
                               "down": {"block_n": 8, "block_k": 32}, "down_per_pair": "yes"})

@@ -33,14 +33,20 @@ def test_static_cache_decoding_gives_the_dynamic_cache_tokens(tiny_ckpt, preset)
     assert _static_greedy(eng, prompt, 12) == want
 
 
-def test_shared_start_layers_give_the_bits_of_transformers_static_layers(tiny_ckpt):
+@pytest.mark.parametrize("write", ["reference", "kernel"])
+@pytest.mark.parametrize("chunk", [1024, 16])
+def test_shared_start_layers_give_the_bits_of_transformers_static_layers(tiny_ckpt, monkeypatch, write, chunk):
     """The decoder's attention layers write through one shared device start (kernels/kv_write.py) instead
-    of StaticLayer's own counter and two index copies: prefill and steps give the same logits, bitwise."""
+    of StaticLayer's own counter and two index copies: prefill (whole, or in chunks starting past 0) and
+    steps give the same logits, bitwise, with the torch write (CPU) and with the Triton kernel (interpreted)."""
     from transformers import StaticCache
 
     from moe_offload.decode_graph import SharedStartLayer
+    from moe_offload.kernels import kv_write as kw
 
-    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"))
+    if write == "kernel":
+        monkeypatch.setattr(kw, "kv_write_reference", kw.launch)
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), f"prefill.chunk_tokens={chunk}")
     ours, theirs = StaticDecoder(eng, 2, 48, graphs=False), StaticDecoder(eng, 2, 48, graphs=False)
     assert all(type(layer) is SharedStartLayer for layer in ours.kv.layers)
     theirs.kv = StaticCache(config=eng.model.config, max_cache_len=48)
@@ -54,6 +60,8 @@ def test_shared_start_layers_give_the_bits_of_transformers_static_layers(tiny_ck
     for mine, ref in zip(ours.kv.layers, theirs.kv.layers):
         assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
     assert int(ours.kv.get_seq_length()) == 19 + 3  # the start of the last step: what was cached before it
+    with pytest.raises(NotImplementedError, match="crop"):
+        ours.kv.layers[0].crop(-1)
 
 
 def test_a_reset_decoder_serves_the_next_request_from_position_zero(tiny_ckpt):

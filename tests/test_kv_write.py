@@ -85,6 +85,7 @@ def test_fp32_and_int32_starts_are_written_as_well():
     (dict(k=torch.zeros(1, 2, 1, 8, dtype=torch.float16)), "dtypes differ"),
     (dict(start=torch.zeros(2, dtype=torch.int64)), r"\[B=1\]"),
     (dict(start=torch.zeros(1)), "int32/int64"),
+    (dict(start=torch.zeros(1, dtype=torch.int64, device="meta")), "one device"),
 ])
 def test_mismatched_inputs_are_refused_with_what_differs(bad, match):
     args = dict(keys=torch.zeros(2, 2, 5, 8), values=torch.zeros(2, 2, 5, 8), k=torch.zeros(1, 2, 1, 8),

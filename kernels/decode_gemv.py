@@ -24,9 +24,11 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
    once, a ``[KP * BLOCK_N, BLOCK_K/2]`` tile per K step; y = sum over the pairs (a fixed-order
    reduction inside the program: deterministic, no atomics, no separate sum kernel) of w * g2 * down @ act.
    Its activation loads are per tile row: KP * BLOCK_N rows of fp32 pairs per weight byte pair.
-2b. with ``down_per_pair`` instead: ``_down_pair_kernel``, program = (pair, BLOCK_N of the H outputs), the
-   pair's activations one vector broadcast along the rows (as gate_up reads x), writing fp32 partials
-   ``[M, H]``; then ``_sum_pairs_kernel`` adds each token's K partials in the order k = 0..K-1 (deterministic).
+2b. with ``down_per_pair`` instead: kernel 1 stores each pair's activations split (even columns, then odd);
+   ``_down_pair_kernel``, program = (pair, BLOCK_N of the H outputs), loads them contiguously as tiles of the
+   weight tile's shape (compiled for sm_90: 16-byte loads, no shared-memory conversion in the K loop where a
+   thread holds 8 weight bytes, e.g. 8 x 256 tiles with 4 warps; with 16 it converts once), writing fp32 partials ``[M, H]``; then ``_sum_pairs_kernel`` adds each token's K partials
+   in the order k = 0..K-1 (deterministic).
    KP times the programs of kernel 2 and one more launch; which is faster is data (the tuning table).
 Pairs whose row is outside [0, N) (e.g. -1) contribute nothing (masked loads, weight 0).
 
@@ -252,7 +254,7 @@ def _gate_up_kernel(
     M, N, H, I, TOPK,
     x_odd_off,  # SPLIT_X: x is [2, T, H/2] (even columns, then odd), stride_xt = H/2; this is T * H/2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_X: tl.constexpr,
+    SPLIT_X: tl.constexpr, SPLIT_ACT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -307,7 +309,10 @@ def _gate_up_kernel(
     gate = gate * tl.load(g_ptr + row * stride_gn)
     up = up * tl.load(g_ptr + row * stride_gn + 1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + offs_n[None, :]
+    if SPLIT_ACT:  # [M, 2, I/2]: even columns, then odd (what _down_pair_kernel loads contiguously)
+        act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + ((offs_n % 2) * (I // 2) + offs_n // 2)[None, :]
+    else:
+        act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + offs_n[None, :]
     tl.store(act_ptrs, act, mask=valid_m[:, None] & (offs_n[None, :] < I))
 
 
@@ -362,7 +367,7 @@ def _down_sum_kernel(
 
 @triton.jit
 def _down_pair_kernel(
-    act_ptr,  # [M, I] f32
+    act_ptr,  # [M, 2, I/2] f32: each pair's even activation columns, then its odd ones
     q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
     s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
     g_ptr, stride_gn,  # gs [N, 3] f32
@@ -381,18 +386,20 @@ def _down_pair_kernel(
         return
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)
-    # [BN, BK/2] weight bytes and [BN, BK/16] scales of one row; the pair's activations are one [BK/2] vector
-    # per K step broadcast along the rows (the all-pairs kernel loads them per tile row)
+    # [BN, BK/2] weight bytes and [BN, BK/16] scales of one row; the pair's even and odd activations are
+    # loaded as [BN, BK/2] tiles whose rows repeat one contiguous address range (the activations are stored
+    # split), which Triton gives the weight tile's layout: no shared-memory conversion per K step
     q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
     s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_sb[None, :]
     a_ptr = act_ptr + m * I
+    a_offs = offs_n[:, None] * 0 + offs_kb[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = _k_columns_left(offs_kb, I - k0, EVEN_K)
         w_mask = (offs_n[:, None] < H) & k_ok[None, :]
         s_mask = (offs_n[:, None] < H) & _k_columns_left(offs_sb * BYTES_PER_SCALE, I - k0, EVEN_K)[None, :]
-        a_even = tl.load(a_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0)[None, :]
-        a_odd = tl.load(a_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0)[None, :]
+        a_even = tl.load(a_ptr + k0 // 2 + a_offs, mask=k_ok[None, :], other=0.0)
+        a_odd = tl.load(a_ptr + I // 2 + k0 // 2 + a_offs, mask=k_ok[None, :], other=0.0)
         lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
         acc += a_even * lo + a_odd * hi
         q_ptrs += BLOCK_K // 2
@@ -482,7 +489,7 @@ def decode_gemv_nvfp4(
             rows_M, *align_args, act_MI,
             M, N, H, I, K, x_odd_off,
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
-            SPLIT_X=config.split_x, num_warps=gu.num_warps,
+            SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, num_warps=gu.num_warps,
         )
         if config.down_per_pair:
             part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)

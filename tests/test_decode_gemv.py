@@ -238,28 +238,35 @@ gate_up_sig = {**common, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*fp32
                **i32(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")}
 out = {"gate_up": v4_loads(g._gate_up_kernel, gate_up_sig,
                            {"BLOCK_M": 1, "BLOCK_N": cfg.gate_up.block_n, "BLOCK_K": cfg.gate_up.block_k, "EVEN_K": True,
-                            "SPLIT_X": False}, div16, cfg.gate_up.num_warps),
+                            "SPLIT_X": False, "SPLIT_ACT": False}, div16, cfg.gate_up.num_warps),
        "down": v4_loads(g._down_sum_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_ot": "i32"},
                         {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
                         div16, cfg.down.num_warps),
        "gate_up_bytes": cfg.gate_up.block_n * cfg.gate_up.block_k // 2 // (32 * cfg.gate_up.num_warps),
        "down_bytes": 8 * cfg.down.block_n * cfg.down.block_k // 2 // (32 * cfg.down.num_warps)}
-# the per-pair down with the all-pairs kernel's tiles at 8 times the rows (the same bytes per program)
-out["down_pair"] = v4_loads(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
-                            {"BLOCK_N": 8 * cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
-                            div16, cfg.down.num_warps)
+def loop_of(fn, sig, consts, div, num_warps):
+    """The PTX of the K loop of ``fn`` compiled for sm_90."""
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div if n in names})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return re.search(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S).group(1)
+
+def stats(loop):
+    return {"barriers": len(re.findall(r"bar\.sync", loop)), "scalar_x_loads": len(re.findall(r"ld\.global\.b16", loop)),
+            "v4_loads": len(re.findall(r"ld\.global[.a-z0-9]*\.v4\.b32", loop))}
+
+# the per-pair down at 8 x 256 tiles (8 weight bytes a thread): split activations loaded in the weight tile's layout
+out["down_pair"] = stats(loop_of(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
+                                 {"BLOCK_N": 8, "BLOCK_K": 256, "EVEN_K": True}, div16 + ["act_ptr"], 4))
 # split x at the H200's T = 1 gate_up tiles: the K loop's barriers (shared-memory layout conversions) and x loads
 h200 = g.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(8).gate_up
 for split in (False, True):
-    names = g._gate_up_kernel.arg_names
-    consts = {"BLOCK_M": 1, "BLOCK_N": h200.block_n, "BLOCK_K": h200.block_k, "EVEN_K": True, "SPLIT_X": split}
-    src = ASTSource(fn=g._gate_up_kernel, signature={n: gate_up_sig.get(n, "constexpr") for n in names},
-                    constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16 + ["x_ptr", "stride_xt", "x_odd_off"]})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": h200.num_warps}).asm["ptx"]
-    loop = re.search(r"Inner Loop Header.*?\n(.*?)bra\s+\$L__BB0_\d+;", ptx, re.S).group(1)
-    out["split" if split else "interleaved"] = {"barriers": len(re.findall(r"bar\.sync", loop)),
-                                                "scalar_x_loads": len(re.findall(r"ld\.global\.b16", loop))}
+    consts = {"BLOCK_M": 1, "BLOCK_N": h200.block_n, "BLOCK_K": h200.block_k, "EVEN_K": True, "SPLIT_X": split,
+              "SPLIT_ACT": split}
+    out["split" if split else "interleaved"] = stats(loop_of(g._gate_up_kernel, gate_up_sig, consts,
+                                                             div16 + ["x_ptr", "stride_xt", "x_odd_off"], h200.num_warps))
 v4_loads(g._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["stride_ot", "H", "TOPK"], "i32")},
          {"BLOCK": g.SUM_BLOCK}, ["part_ptr", "H"], 4)
 print(json.dumps(out))
@@ -280,8 +287,9 @@ def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     # every thread's share of each weight tile (gate and up: two tiles) arrives as 16-byte loads
     assert r["gate_up"] == 2 * r["gate_up_bytes"] // 16 and r["down"] == r["down_bytes"] // 16
-    assert r["down_pair"] == r["down_bytes"] // 16
     # interleaved x reaches the weight tile's layout through shared memory (barriers) in scalar loads; split
-    # x is loaded in that layout (what kernels/decode_gemv.py's split_x claims, at the shipped H200 tiles)
+    # x is loaded in that layout (what kernels/decode_gemv.py's split_x claims, at the shipped H200 tiles), as are
+    # the per-pair down's split activations (down_per_pair) at 8 x 256 tiles, all in 16-byte loads
     assert r["interleaved"]["barriers"] > 0 and r["interleaved"]["scalar_x_loads"] > 0
-    assert r["split"] == {"barriers": 0, "scalar_x_loads": 0}
+    assert r["split"]["barriers"] == 0 and r["split"]["scalar_x_loads"] == 0 and r["split"]["v4_loads"] >= 2
+    assert r["down_pair"]["barriers"] == 0 and r["down_pair"]["v4_loads"] >= 3  # weights + even + odd

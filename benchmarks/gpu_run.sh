@@ -53,7 +53,7 @@ if has build; then
 fi
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
 if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gemv_tuning.json (used by the stages after)
-  timeout ${TUNE_TIMEOUT:-240} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
+  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)

@@ -14,7 +14,7 @@ under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are 
 
 Usage (CUDA only): ``python benchmarks/tune_decode_gemv.py [--shapes qwen3-30b-a3b] [--tokens 1 2 4 8 16]
 [--space small|full] [--out kernels/decode_gemv_tuning.json] [--report DIR]``. Triton compiles dominate
-(~2 s per config, shared across T): the small space (2 x 8 + 8 + 6) takes about two minutes on an H200.
+(~2 s per config, shared across T): the small space (2 x 12 + 8 + 6) takes two to three minutes on an H200.
 """
 
 from __future__ import annotations
@@ -31,13 +31,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder
 from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
 from tune_decode_moe import graph_ms  # noqa: E402
 
-SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is 2 x 8 + 8 + 6 configs
-    # gate_up tiles, all-pairs down tiles, per-pair down tiles (down_per_pair: KP times the programs, so
-    # more rows per program for the same bytes in flight)
-    "small": ({"block_n": (4, 8, 16, 32), "block_k": (512, 1024), "num_warps": (4,)},
+SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is 2 x 12 + 8 + 6 configs
+    # gate_up tiles (block_k 2048: one K step for Qwen3's H, every load of a program in flight at once), all-pairs
+    # down tiles, per-pair down tiles (down_per_pair: KP times the programs, so more rows per program for the
+    # same bytes in flight)
+    "small": ({"block_n": (4, 8, 16, 32), "block_k": (512, 1024, 2048), "num_warps": (4,)},
               {"block_n": (2, 4, 8, 16), "block_k": (256, 512), "num_warps": (4,)},
               {"block_n": (8, 16, 32), "block_k": (256, 512), "num_warps": (4,)}),
-    "full": ({"block_n": (4, 8, 16, 32), "block_k": (256, 512, 1024), "num_warps": (2, 4, 8)},
+    "full": ({"block_n": (1, 2, 4, 8, 16, 32), "block_k": (256, 512, 1024, 2048), "num_warps": (2, 4, 8)},
              {"block_n": (1, 2, 4, 8), "block_k": (128, 256, 512), "num_warps": (1, 2, 4)},
              {"block_n": (4, 8, 16, 32, 64), "block_k": (128, 256, 512), "num_warps": (2, 4, 8)}),
 }

@@ -172,7 +172,8 @@ def make_layers(name: str, L: int, device):
 
 def bench_layer(name: str, layers, specs, T: int, device, d2d_GBps: float, reps: int) -> list[dict]:
     from moe_offload.host_store import bank_offsets, bank_views
-    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4, gemv_config_for
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv_tuning import gemv_config_for
     from moe_offload.kernels.decode_moe import decode_config_for, decode_moe_nvfp4
     from moe_offload.kernels.fused_moe import config_for, fused_moe_nvfp4
     from moe_offload.kernels.moe_gemm import has_grouped_mm, moe_grouped

@@ -45,7 +45,7 @@ SPACES = {  # Triton compiles dominate (~2 s each on the H200 image): "small" is
 
 
 def space(s: dict):
-    from moe_offload.kernels.decode_gemv import GemvTiles
+    from moe_offload.kernels.decode_gemv_tuning import GemvTiles
 
     for bn, bk, w in itertools.product(s["block_n"], s["block_k"], s["num_warps"]):
         yield GemvTiles(block_n=bn, block_k=bk, num_warps=w)
@@ -53,7 +53,8 @@ def space(s: dict):
 
 def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start, spaces) -> tuple[object, float, float]:
     """-> (best GemvConfig, its us per layer, the starting config's us per layer)."""
-    from moe_offload.kernels.decode_gemv import GemvConfig, decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv_tuning import GemvConfig
 
     dev = layers_views[0]["w13_q"].device
     L = len(layers_views)
@@ -91,7 +92,7 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
 
 
 def main(argv=None) -> int:
-    from moe_offload.kernels.decode_gemv import GEMV_TUNING_PATH, gemv_config_for, gemv_entry, load_gemv_tuning
+    from moe_offload.kernels.decode_gemv_tuning import GEMV_TUNING_PATH, gemv_config_for, gemv_entry, load_gemv_tuning
     from moe_offload.kernels.fused_moe_tuning import shape_key
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -15,13 +15,8 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat  # noqa: E402
-from moe_offload.kernels.decode_gemv import (  # noqa: E402
-    GemvConfig,
-    GemvTiles,
-    decode_gemv_nvfp4,
-    gemv_config_for,
-    gemv_entry,
-)
+from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4  # noqa: E402
+from moe_offload.kernels.decode_gemv_tuning import GemvConfig, GemvTiles, gemv_config_for, gemv_entry  # noqa: E402
 from moe_offload.kernels.fused_moe import moe_reference  # noqa: E402
 from test_decode_moe import DEVICE, assert_close_to_scale, make_pool, routing  # noqa: E402
 
@@ -220,6 +215,7 @@ import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from moe_offload.kernels import decode_gemv as g
+from moe_offload.kernels import decode_gemv_tuning as gt
 
 def v4_loads(fn, sig, consts, div16, num_warps):
     names = fn.arg_names
@@ -230,7 +226,7 @@ def v4_loads(fn, sig, consts, div16, num_warps):
     return len(re.findall(r"ld\.global[.a-z0-9]*\.v4\.b32", ptx))
 
 i32 = dict.fromkeys
-cfg = g.load_gemv_tuning()["default"]["default"].config(8)  # T = 1, K = 8
+cfg = gt.load_gemv_tuning()["default"]["default"].config(8)  # T = 1, K = 8
 common = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "rows_ptr": "*i64",
           **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "N", "H", "I", "TOPK", "x_odd_off"], "i32")}
 div16 = ["q_ptr", "s_ptr", "stride_qn", "stride_qr", "stride_sn", "H", "I"]
@@ -261,7 +257,7 @@ def stats(loop):
 out["down_pair"] = stats(loop_of(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
                                  {"BLOCK_N": 8, "BLOCK_K": 256, "EVEN_K": True}, div16 + ["act_ptr"], 4))
 # split x at the H200's T = 1 gate_up tiles: the K loop's barriers (shared-memory layout conversions) and x loads
-h200 = g.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(8).gate_up
+h200 = gt.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(8).gate_up
 for split in (False, True):
     consts = {"BLOCK_M": 1, "BLOCK_N": h200.block_n, "BLOCK_K": h200.block_k, "EVEN_K": True, "SPLIT_X": split,
               "SPLIT_ACT": split}

@@ -42,7 +42,7 @@ class DecodeCompute:
         """``"gemv"`` or ``"tiles"`` for a call of T tokens, top-K, layer shape (H, I) on ``device``."""
         if self.kernel != "auto":
             return self.kernel
-        from moe_offload.kernels.decode_gemv import gemv_entry
+        from moe_offload.kernels.decode_gemv_tuning import gemv_entry
 
         return "gemv" if T * K <= gemv_entry(device, H, I).gemv_max_pairs else "tiles"
 

@@ -192,7 +192,8 @@ def test_decode_moe_matches_the_dequantized_reference_on_the_gpu(pinned_host_row
 def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(pinned_host_rows, variant):
     """The tuner's choices (kernels/decode_gemv.py: split_x, down_per_pair) compiled for this GPU: close to the
     dequantized reference, split_x bitwise equal to interleaved x, and a captured call replays its eager bits."""
-    from moe_offload.kernels.decode_gemv import GemvConfig, GemvTiles, decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv_tuning import GemvConfig, GemvTiles
     from moe_offload.kernels.fused_moe import moe_reference
 
     host_ER, specs = pinned_host_rows

@@ -44,6 +44,8 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
+# kernels/ has no __init__.py (it must not shadow the `kernels` distribution): check the editable install maps it
+python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels does not import (setuptools $(python3 -c 'import setuptools; print(setuptools.__version__)'))"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
 if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequant_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \

@@ -7,10 +7,10 @@ For each layer shape and token count T up to the entry's ``gemv_max_pairs`` (one
 ``block_m`` 1), the gate_up tiles are swept (x interleaved, then ``split_x``) with the down tiles held at the
 table's current ones, then the down tiles with the best gate_up, both down variants (all pairs of a token per
 program, or ``down_per_pair`` + the pair sum), then from T = 4 gate_up programs of 2 and 4 pairs of one row
-(``block_m``); each call is timed inside a CUDA graph over ``--layers`` copies of the layer's weights (reads
-come from HBM, not the 50 MB L2; no Python launch overhead, as in a captured decode step). The entry for
-bucket M keeps the fastest config; ``gemv_max_pairs`` and larger buckets are kept as they are. Results go
-under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
+(``block_m``, x interleaved and split); each call is timed inside a CUDA graph over ``--layers`` copies of the
+layer's weights (reads come from HBM, not the 50 MB L2; no Python launch overhead, as in a captured decode
+step). The entry for bucket M keeps the fastest config; ``gemv_max_pairs`` and larger buckets are kept as
+they are. Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_gemv.py [--shapes qwen3-30b-a3b] [--tokens 1 2 4 8 16]
 [--space small|full] [--out kernels/decode_gemv_tuning.json] [--report DIR]``. Triton compiles dominate
@@ -83,8 +83,8 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
             if us is not None and us < best_us:
                 best, best_us = cfg, us
     if T >= 4:  # several tokens may share an expert: gate_up programs of block_m pairs of one row (+ the align launch)
-        for block_m in (2, 4):
-            cfg = GemvConfig(block_m, best.gate_up, best.down, best.down_per_pair)  # split_x is for block_m 1
+        for block_m, split_x in itertools.product((2, 4), (False, True)):
+            cfg = GemvConfig(block_m, best.gate_up, best.down, best.down_per_pair, split_x)
             us = timed(cfg)
             if us is not None and us < best_us:
                 best, best_us = cfg, us

@@ -12,8 +12,9 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
 0. only when BM > 1: ``decode_moe.decode_align`` (one program) groups the pairs by row into blocks
    of BM, so an expert's weight tile is read once for all its tokens (loop over them in registers).
 0b. only with ``split_x``: x's even and odd columns copied into two contiguous rows per token (torch), so
-   kernel 1 loads them in the weight tile's layout (compiled for sm_90 its interleaved x loads go through
-   shared memory with four barriers per K step; these need none). Which is faster is data.
+   kernel 1 loads them in the weight tile's layout (compiled for sm_90 at the H200's tiles its interleaved
+   x loads go through shared memory with 4 barriers per K step for one pair a program, 8 for grouped
+   pairs; these need none). Which is faster is data.
 1. ``_gate_up_kernel``, program = (BM pairs of one row, BLOCK_N of the I outputs): loads
    ``[BLOCK_N, BLOCK_K/2]`` bytes of gate and of up (contiguous along K: 16-byte loads), splits
    nibbles into even/odd K columns, scales them (one load per block scale, broadcast in registers),
@@ -158,10 +159,15 @@ def _gate_up_kernel(
     q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
     offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)  # [BN, BK/16] scales
     s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_sb[None, :]
-    x_ptrs = x_ptr + token[:, None, None] * stride_xt + 2 * offs_kb[None, None, :]
+    if SPLIT_X:  # [BM, BN, BK/2] tiles of the contiguous even columns (rows repeat): the weight tiles' layout
+        x_ptrs = x_ptr + token[:, None, None] * stride_xt + offs_kb[None, None, :] + offs_n[None, :, None] * 0
+        x_step, x_odd = BLOCK_K // 2, x_odd_off
+    else:
+        x_ptrs = x_ptr + token[:, None, None] * stride_xt + 2 * offs_kb[None, None, :]
+        x_step, x_odd = BLOCK_K, 1
     up_q, up_s = I * stride_qr, I * stride_sr
 
-    if SPLIT_X:
+    if SPLIT_X and BLOCK_M == 1:
         xe_ptr = x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt
         gate, up = _gate_up_one_pair_split(xe_ptr, xe_ptr + x_odd_off, q_ptrs, s_ptrs, up_q, up_s,
                                            offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
@@ -176,15 +182,17 @@ def _gate_up_kernel(
             w_mask = (offs_n[:, None] < I) & k_ok[None, :]
             s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
             x_mask = valid_m[:, None, None] & k_ok[None, None, :]
+            if SPLIT_X:  # the pointers' full tile shape
+                x_mask = x_mask & (offs_n[None, :, None] >= 0)
             x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0).to(tl.float32)
+            x_odd_cols = tl.load(x_ptrs + x_odd, mask=x_mask, other=0.0).to(tl.float32)
             g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
             u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
-            acc_g += x_even * g_lo[None, :, :] + x_odd * g_hi[None, :, :]
-            acc_u += x_even * u_lo[None, :, :] + x_odd * u_hi[None, :, :]
+            acc_g += x_even * g_lo[None, :, :] + x_odd_cols * g_hi[None, :, :]
+            acc_u += x_even * u_lo[None, :, :] + x_odd_cols * u_hi[None, :, :]
             q_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
-            x_ptrs += BLOCK_K
+            x_ptrs += x_step
         gate, up = tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2)
     gate = gate * tl.load(g_ptr + row * stride_gn)
     up = up * tl.load(g_ptr + row * stride_gn + 1)

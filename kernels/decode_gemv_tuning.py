@@ -41,7 +41,7 @@ class GemvConfig:
     """``block_m`` pairs of one row per gate_up program (1: one pair each, no alignment launch),
     plus the tiles of the two kernels; ``down_per_pair``: the down projection as one program per (pair,
     BLOCK_N outputs) into fp32 partials, then a fixed-order sum over each token's pairs (kernel 2b);
-    ``split_x`` (block_m 1 only): x's even and odd columns copied apart first (kernel 0b)."""
+    ``split_x``: x's even and odd columns copied apart first (kernel 0b)."""
 
     block_m: int
     gate_up: GemvTiles
@@ -52,8 +52,6 @@ class GemvConfig:
     def __post_init__(self):
         if not _pow2(self.block_m) or self.block_m > 16:
             raise ValueError(f"block_m={self.block_m}: must be a power of two in [1, 16] (registers per program)")
-        if self.split_x and self.block_m != 1:
-            raise ValueError(f"split_x applies to one pair per gate_up program (block_m 1), got block_m={self.block_m}")
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "GemvConfig":

@@ -29,8 +29,10 @@ PAIR_DOWN = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32), down_per_pair=True
 GROUPED_PAIR_DOWN = GemvConfig(4, GemvTiles(8, 64), GemvTiles(16, 128), down_per_pair=True)  # + masked K tail
 SPLIT_X = GemvConfig(1, GemvTiles(8, 32), GemvTiles(8, 32), split_x=True)  # x's even/odd columns apart first
 SPLIT_X_WIDE = GemvConfig(1, GemvTiles(16, 128), GemvTiles(16, 128), down_per_pair=True, split_x=True)  # + K tail
+GROUPED_SPLIT_X = GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64), split_x=True)  # align launch + split x
 CONFIGS = {"per-pair": PER_PAIR, "wide-k": WIDE_K, "grouped": GROUPED, "pair-down": PAIR_DOWN,
-           "grouped-pair-down": GROUPED_PAIR_DOWN, "split-x": SPLIT_X, "split-x-wide": SPLIT_X_WIDE, "table": None}
+           "grouped-pair-down": GROUPED_PAIR_DOWN, "split-x": SPLIT_X, "split-x-wide": SPLIT_X_WIDE,
+           "grouped-split-x": GROUPED_SPLIT_X, "table": None}
 
 CASES = {  # T, K, N, H, I, routing (H, I multiples of 16 as NVFP4 needs; 48 and 80 are not powers of two)
     "one-token-top1": (1, 1, 3, 32, 16, "random"),
@@ -158,17 +160,12 @@ def test_the_pair_sum_covers_every_output_block(monkeypatch):
         assert_close_to_scale(out, ref, 1e-5)  # fp32: as in test_decode_gemv_matches_the_fp32_reference
 
 
-def test_split_x_gives_the_bits_of_interleaved_x():
+@pytest.mark.parametrize("split, interleaved", [(SPLIT_X, PER_PAIR), (GROUPED_SPLIT_X, GROUPED)],
+                         ids=["one-pair", "grouped"])
+def test_split_x_gives_the_bits_of_interleaved_x(split, interleaved):
     """Splitting x's columns apart is a copy and the kernel does the same products in the same order."""
-    for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
-        split, _ = run(case, torch.bfloat16, SPLIT_X)
-        inter, _ = run(case, torch.bfloat16, PER_PAIR)
-        assert torch.equal(split, inter)
-
-
-def test_split_x_with_grouped_pairs_is_refused():
-    with pytest.raises(ValueError, match="split_x"):
-        GemvConfig(4, GemvTiles(8, 64), GemvTiles(8, 64), split_x=True)
+    for case in ("one-token-top8", "all-pairs-one-row", "five-tokens-odd-K-odd-sizes"):
+        assert torch.equal(run(case, torch.bfloat16, split)[0], run(case, torch.bfloat16, interleaved)[0])
 
 
 def test_a_config_with_a_non_boolean_down_per_pair_is_refused_by_name():
@@ -263,6 +260,13 @@ for split in (False, True):
               "SPLIT_ACT": split}
     out["split" if split else "interleaved"] = stats(loop_of(g._gate_up_kernel, gate_up_sig, consts,
                                                              div16 + ["x_ptr", "stride_xt", "x_odd_off"], h200.num_warps))
+# and at the H200's grouped tiles (bucket 1024: block_m 4)
+grp = gt.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(1024)
+for split in (False, True):
+    consts = {"BLOCK_M": grp.block_m, "BLOCK_N": grp.gate_up.block_n, "BLOCK_K": grp.gate_up.block_k, "EVEN_K": True,
+              "SPLIT_X": split, "SPLIT_ACT": False}
+    out["grouped_split" if split else "grouped_interleaved"] = stats(loop_of(
+        g._gate_up_kernel, gate_up_sig, consts, div16 + ["x_ptr", "stride_xt", "x_odd_off"], grp.gate_up.num_warps))
 v4_loads(g._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["stride_ot", "H", "TOPK"], "i32")},
          {"BLOCK": g.SUM_BLOCK}, ["part_ptr", "H"], 4)
 print(json.dumps(out))
@@ -289,3 +293,5 @@ def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90():
     assert r["interleaved"]["barriers"] > 0 and r["interleaved"]["scalar_x_loads"] > 0
     assert r["split"]["barriers"] == 0 and r["split"]["scalar_x_loads"] == 0 and r["split"]["v4_loads"] >= 2
     assert r["down_pair"]["barriers"] == 0 and r["down_pair"]["v4_loads"] >= 3  # weights + even + odd
+    assert r["grouped_interleaved"]["barriers"] > 0 and r["grouped_interleaved"]["scalar_x_loads"] > 0
+    assert r["grouped_split"]["barriers"] == 0 and r["grouped_split"]["scalar_x_loads"] == 0

@@ -188,7 +188,7 @@ def test_decode_moe_matches_the_dequantized_reference_on_the_gpu(pinned_host_row
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)
 
 
-@pytest.mark.parametrize("variant", ["split_x", "down_per_pair", "both"])
+@pytest.mark.parametrize("variant", ["split_x", "down_per_pair", "both", "grouped_split_x"])
 def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(pinned_host_rows, variant):
     """The tuner's choices (kernels/decode_gemv.py: split_x, down_per_pair) compiled for this GPU: close to the
     dequantized reference, split_x bitwise equal to interleaved x, and a captured call replays its eager bits."""
@@ -198,9 +198,11 @@ def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(
 
     host_ER, specs = pinned_host_rows
     views = bank_views(specs, bank_offsets(specs), host_ER.cuda())
-    split, per_pair = variant in ("split_x", "both"), variant in ("down_per_pair", "both")
-    base = GemvConfig(1, GemvTiles(4, 128), GemvTiles(4, 128), down_per_pair=per_pair)
-    cfg = GemvConfig(1, GemvTiles(4, 128), GemvTiles(16 if per_pair else 4, 128), down_per_pair=per_pair, split_x=split)
+    split, per_pair = variant in ("split_x", "both", "grouped_split_x"), variant in ("down_per_pair", "both")
+    block_m = 4 if variant == "grouped_split_x" else 1
+    base = GemvConfig(block_m, GemvTiles(4, 128), GemvTiles(4, 128), down_per_pair=per_pair)
+    cfg = GemvConfig(block_m, GemvTiles(4, 128), GemvTiles(16 if per_pair else 4, 128), down_per_pair=per_pair,
+                     split_x=split)
     gen = torch.Generator().manual_seed(6)
     for T in (1, 5, 16):
         rows = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()

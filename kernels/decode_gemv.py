@@ -78,33 +78,15 @@ def _k_columns_left(offs_kb, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_one_pair(x_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """(gate, up) ``[1, BN]`` sums over K (before the globals) for one token's ``x_ptr`` row."""
-    acc_g = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
-    acc_u = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
-        w_mask = (offs_n[:, None] < I) & k_ok[None, :]
-        s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
-        x_even = tl.load(x_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        x_odd = tl.load(x_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
-        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
-        acc_g += x_even * g_lo + x_odd * g_hi
-        acc_u += x_even * u_lo + x_odd * u_hi
-        q_ptrs += BLOCK_K // 2
-        s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
-    return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
+def _gate_up_one_pair(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+    """(gate, up) ``[1, BN]`` sums over K (before the globals) for one token's x row.
 
-
-@triton.jit
-def _gate_up_one_pair_split(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
-                            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """As ``_gate_up_one_pair`` with x's even and odd columns in two contiguous rows (``split_x``): both are
-    loaded as ``[BN, BK/2]`` tiles of the weight tile's shape (rows repeat one address), which Triton gives
-    the weight tile's layout, so x needs no layout conversion (no shared memory, no barrier) per K step and
-    arrives in 16-byte loads; the interleaved x of ``_gate_up_one_pair`` goes through shared memory twice."""
+    Interleaved x (``xe_ptr`` the row, ``xo_ptr`` unused): x's even and odd columns are ``[BK/2]`` vectors
+    broadcast along the rows, which compiled for sm_90 reach the weight tile's layout through shared memory
+    (barriers) in scalar loads. ``SPLIT_X``: the even and odd columns in two contiguous rows (``xe_ptr``,
+    ``xo_ptr``) loaded as ``[BN, BK/2]`` tiles of the weight tile's shape (rows repeat one address), which
+    Triton gives the weight tile's layout: no layout conversion per K step, 16-byte loads."""
     acc_g = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
     acc_u = tl.zeros((offs_n.shape[0], BLOCK_K // 2), dtype=tl.float32)
     x_offs = offs_n[:, None] * 0 + offs_kb[None, :]
@@ -112,8 +94,12 @@ def _gate_up_one_pair_split(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, 
         k_ok = _k_columns_left(offs_kb, H - k0, EVEN_K)
         w_mask = (offs_n[:, None] < I) & k_ok[None, :]
         s_mask = (offs_n[:, None] < I) & _k_columns_left(offs_sb * BYTES_PER_SCALE, H - k0, EVEN_K)[None, :]
-        x_even = tl.load(xe_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-        x_odd = tl.load(xo_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        if SPLIT_X:
+            x_even = tl.load(xe_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            x_odd = tl.load(xo_ptr + k0 // 2 + x_offs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+        else:
+            x_even = tl.load(xe_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            x_odd = tl.load(xe_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
         u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
         acc_g += x_even * g_lo + x_odd * g_hi
@@ -167,13 +153,10 @@ def _gate_up_kernel(
         x_step, x_odd = BLOCK_K, 1
     up_q, up_s = I * stride_qr, I * stride_sr
 
-    if SPLIT_X and BLOCK_M == 1:
+    if BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
         xe_ptr = x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt
-        gate, up = _gate_up_one_pair_split(xe_ptr, xe_ptr + x_odd_off, q_ptrs, s_ptrs, up_q, up_s,
-                                           offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
-    elif BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
-        gate, up = _gate_up_one_pair(x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt, q_ptrs, s_ptrs, up_q, up_s,
-                                     offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K)
+        gate, up = _gate_up_one_pair(xe_ptr, xe_ptr + x_odd_off, q_ptrs, s_ptrs, up_q, up_s,
+                                     offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K, SPLIT_X)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)

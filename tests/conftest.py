@@ -24,6 +24,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def compiled_without_interpreter():
+    """``run(script)`` -> the last stdout line of ``script`` run in a fresh Python without TRITON_INTERPRET, so
+    Triton compiles for real (e.g. for sm_90 through ``ASTSource``, no GPU needed); skips without Triton's
+    NVIDIA backend. The interpreter runs kernels as Python and accepts code the compiler refuses."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def run(script: str) -> str:
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout.strip().splitlines()[-1]
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """``tiny_ckpt(preset, fmt)`` -> path of a synthetic checkpoint (built once per session)."""

@@ -273,18 +273,13 @@ print(json.dumps(out))
 '''
 
 
-def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90():
+def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90(compiled_without_interpreter):
     """The interpreter runs kernels as Python; this compiles the shipped T = 1 tiles for an H200
     (sm_90) with Triton's own ptxas, no GPU needed, in a process without TRITON_INTERPRET."""
     import json
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = compiled_without_interpreter(_COMPILE_SM90)
+    r = json.loads(out)
     # every thread's share of each weight tile (gate and up: two tiles) arrives as 16-byte loads
     assert r["gate_up"] == 2 * r["gate_up_bytes"] // 16 and r["down"] == r["down_bytes"] // 16
     # interleaved x reaches the weight tile's layout through shared memory (barriers) in scalar loads; split

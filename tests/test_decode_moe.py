@@ -197,17 +197,12 @@ print(json.dumps(out))
 '''
 
 
-def test_decode_kernels_compile_for_sm90_with_16_byte_copies():
+def test_decode_kernels_compile_for_sm90_with_16_byte_copies(compiled_without_interpreter):
     """The interpreter runs kernels as Python; this compiles them for an H200 (sm_90) with Triton's own
     ptxas, no GPU needed, in a process without TRITON_INTERPRET."""
     import json
-    import subprocess
-    import sys
 
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = compiled_without_interpreter(_COMPILE_SM90)
+    result = json.loads(out)
     # 4096 int32 words per item over 128 threads: 8 vector loads of 16 bytes per thread
     assert result["copy_v4_loads"] == 8

@@ -8,7 +8,8 @@
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
 # tune_gemv: benchmarks/tune_decode_gemv.py writes this GPU's decode GEMV tiles (incl. the split_x and down_per_pair
 # variants) into kernels/decode_gemv_tuning.json, used by every later stage of the same machine, and copies the
-# table to $OUT (commit it). Issue 12's next run: "build tune_gemv" (~7 min), then within ~30 s "decode_attn"
+# table to $OUT (commit it). Measured at fb04647: the first T (1) took ~290 s (Triton compiles every candidate once),
+# T = 2/4/8/16 then took seconds to ~3 min each, so 300 s covered T = 1 only; TUNE_TIMEOUT defaults to 540. Issue 12's next run: "build tune_gemv" (~7 min), then within ~30 s "decode_attn"
 # (with DECODE_ATTN_RESIDENCIES=1 it fits one call beside the tests).
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
@@ -59,7 +60,7 @@ if has build; then
 fi
 has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
 if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gemv_tuning.json (used by the stages after)
-  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
+  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)

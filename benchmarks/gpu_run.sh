@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -131,6 +131,16 @@ if has check_decode; then  # bench decode at the check_serve residencies and bat
     --set model.cache_dir=/tmp/moe-cache --residency 0.37,1 --batch 1,4,16,64 --steps 64 --reps 1 --peers none \
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has lookahead; then  # decode.lookahead off, then on: its GPU tests, then bench decode at LOOKAHEAD_RESIDENCIES x 1/4/16 (~4 min)
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_lookahead_gpu.py > "$RES/pytest_lookahead.log" 2>&1
+  for la in false true; do
+    timeout ${DECODE_TIMEOUT:-300} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set decode.lookahead=$la --residency ${LOOKAHEAD_RESIDENCIES:-0.37} \
+      --batch 1,4,16 --steps 64 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/lookahead-$la" \
+      --json > "$RES/lookahead-$la.json" 2> "$RES/lookahead-$la.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 if has decode_paths; then  # decode.path routed vs auto (large batches staged) at low residency, same session (~2 x 2 min)
   for dp in routed auto; do

@@ -80,50 +80,78 @@ class MissPlan:
 
 @triton.jit
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
-                 stats_ptr, record_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr):
+                 stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
+                 PF: tl.constexpr, DENSE: tl.constexpr):
     """One program. need[E] and scratch_of[E] are workspaces (any initial contents). With STATS it also does
     ``kernels/decode_stats.py``'s job (one launch fewer per layer): adds (routed pairs, missed pairs, distinct
-    missed experts) to ``stats_ptr[0:3]`` (int64) and stores the ids into ``record_ptr[0:M]`` (int32)."""
+    missed experts) to ``stats_ptr[0:3]`` (int64) and stores the ids into ``record_ptr[0:M]`` (int32).
+
+    PF (a lookahead copy, ``lookahead.py``): ``pf_ptr[E]`` int32 is the row a missing expert was already
+    copied into (-1: none); such an expert is read there (not copied again); with STATS their distinct count
+    is added to ``stats_ptr[3]``. DENSE (the lookahead's own plan): no rows and no record; ``scratch_of_ptr``
+    becomes ``[E]`` rows for every expert: ``scratch_base + j`` for the j-th distinct missing one, -1 for the
+    rest; with STATS ``stats_ptr[0]`` gets the distinct missing count."""
     for e0 in range(0, E, BLOCK):
         offs_e = e0 + tl.arange(0, BLOCK)
         tl.store(need_ptr + offs_e, tl.zeros((BLOCK,), tl.int32), mask=offs_e < E)
     tl.debug_barrier()
-    for m0 in range(0, M, BLOCK):  # mark missing experts (several pairs may store the same 1)
+    for m0 in range(0, M, BLOCK):  # mark missing experts (several pairs may store the same value)
         offs_m = m0 + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
         valid = (offs_m < M) & (ids >= 0) & (ids < E)
         slot = tl.load(slot_ptr + ids, mask=valid, other=0)
-        tl.store(need_ptr + ids, tl.full((BLOCK,), 1, tl.int32), mask=valid & (slot < 0))
+        mark = tl.full((BLOCK,), 1, tl.int32)
+        if PF:  # 2: missing but already copied by the lookahead (read in place, not copied)
+            pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1)
+            mark = tl.where(pf >= 0, 2, 1)
+        tl.store(need_ptr + ids, mark, mask=valid & (slot < 0))
     tl.debug_barrier()
     total = tl.full((), 0, tl.int32)
+    n_pf = tl.full((), 0, tl.int64)
     for e0 in range(0, E, BLOCK):  # exclusive scan: scratch index of each missing expert, by ascending id
         offs_e = e0 + tl.arange(0, BLOCK)
-        need = tl.load(need_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
+        marked = tl.load(need_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
+        need = (marked == 1).to(tl.int32)
         idx = total + tl.cumsum(need, 0) - need
         missing = (offs_e < E) & (need > 0)
-        tl.store(scratch_of_ptr + offs_e, idx, mask=missing)
+        if DENSE:
+            tl.store(scratch_of_ptr + offs_e, tl.where(missing, scratch_base + idx, -1), mask=offs_e < E)
+        else:
+            tl.store(scratch_of_ptr + offs_e, idx, mask=missing)
         tl.store(miss_ptr + idx, offs_e.to(tl.int32), mask=missing)
         total += tl.sum(need, 0)
+        if PF:
+            n_pf += tl.sum((marked == 2).to(tl.int64), 0)
     tl.store(count_ptr, total)
-    tl.debug_barrier()
-    n_pairs = tl.full((), 0, tl.int64)
-    n_missed = tl.full((), 0, tl.int64)
-    for m0 in range(0, M, BLOCK):
-        offs_m = m0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
-        valid = (offs_m < M) & (ids >= 0) & (ids < E)
-        slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
-        scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0), other=0, volatile=True)
-        row = tl.where(slot >= 0, slot, scratch_base + scratch)
-        tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
+    if DENSE:
         if STATS:
-            n_pairs += tl.sum(valid.to(tl.int64), 0)
-            n_missed += tl.sum((valid & (slot < 0)).to(tl.int64), 0)
-            tl.store(record_ptr + offs_m, ids.to(tl.int32), mask=offs_m < M)
-    if STATS:
-        tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
-        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
-        tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
+            tl.store(stats_ptr, tl.load(stats_ptr) + total.to(tl.int64))
+    else:
+        tl.debug_barrier()
+        n_pairs = tl.full((), 0, tl.int64)
+        n_missed = tl.full((), 0, tl.int64)
+        for m0 in range(0, M, BLOCK):
+            offs_m = m0 + tl.arange(0, BLOCK)
+            ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+            valid = (offs_m < M) & (ids >= 0) & (ids < E)
+            slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
+            if PF:
+                pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1).to(tl.int32)
+            else:
+                pf = tl.full((BLOCK,), -1, tl.int32)
+            scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0) & (pf < 0), other=0, volatile=True)
+            row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
+            tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
+            if STATS:
+                n_pairs += tl.sum(valid.to(tl.int64), 0)
+                n_missed += tl.sum((valid & (slot < 0)).to(tl.int64), 0)
+                tl.store(record_ptr + offs_m, ids.to(tl.int32), mask=offs_m < M)
+        if STATS:
+            tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
+            tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
+            tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
+            if PF:
+                tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_pf)
 
 
 @triton.jit
@@ -179,11 +207,23 @@ def _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base) -> 
                          "rows (size the pool as S slots + min(T*K, E) scratch rows for the largest T)")
 
 
-def _check_stats(stats, T: int, K: int, dev) -> None:
+def _check_row_map(pf_row_E, E: int, dev) -> None:
+    if (not isinstance(pf_row_E, torch.Tensor) or pf_row_E.dtype != torch.int32 or tuple(pf_row_E.shape) != (E,)
+            or pf_row_E.device != dev or pf_row_E.stride(0) != 1):
+        raise ValueError(f"the lookahead row map must be a contiguous int32 [E={E}] tensor on {dev}, got "
+                         f"{getattr(pf_row_E, 'dtype', type(pf_row_E).__name__)} {tuple(getattr(pf_row_E, 'shape', ()))}")
+
+
+def _check_counts(counts_C: torch.Tensor, need: int, dev) -> None:
+    if (counts_C.dim() != 1 or counts_C.shape[0] < need or counts_C.dtype != torch.int64 or counts_C.device != dev
+            or counts_C.stride(0) != 1):
+        raise ValueError(f"stats counts must be a contiguous int64 [>= {need}] on {dev}, got {counts_C.dtype} "
+                         f"{tuple(counts_C.shape)} on {counts_C.device}")
+
+
+def _check_stats(stats, T: int, K: int, dev, need: int = 3) -> None:
     counts_3, record_MK = stats
-    if counts_3.shape != (3,) or counts_3.dtype != torch.int64 or counts_3.device != dev or counts_3.stride(0) != 1:
-        raise ValueError(f"stats counts must be a contiguous int64 [3] on {dev}, got {counts_3.dtype} {tuple(counts_3.shape)} "
-                         f"on {counts_3.device}")
+    _check_counts(counts_3, need, dev)
     if (record_MK.dtype != torch.int32 or record_MK.dim() != 2 or record_MK.shape[0] < T or record_MK.shape[1] != K
             or not record_MK.is_contiguous() or record_MK.device != dev):
         raise ValueError(f"stats record must be a contiguous int32 [>= {T}, {K}] tensor on {dev}, got "
@@ -191,13 +231,16 @@ def _check_stats(stats, T: int, K: int, dev) -> None:
 
 
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                pool_rows_NR: torch.Tensor, scratch_base: int, stats=None) -> MissPlan:
+                pool_rows_NR: torch.Tensor, scratch_base: int, stats=None, pf_row_E: torch.Tensor | None = None,
+                ) -> MissPlan:
     """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
     Arguments as for :func:`serve_misses`."""
     _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
-    if stats is not None:
-        _check_stats(stats, *topk_ids_TK.shape, pool_rows_NR.device)
     dev = pool_rows_NR.device
+    if pf_row_E is not None:
+        _check_row_map(pf_row_E, host_rows_ER.shape[0], dev)
+    if stats is not None:
+        _check_stats(stats, *topk_ids_TK.shape, dev, 4 if pf_row_E is not None else 3)
     T, K = topk_ids_TK.shape
     E = host_rows_ER.shape[0]
     M = T * K
@@ -211,9 +254,53 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     with device_guard(dev):
         counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
         _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
-                           counts_3, record_MK, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=stats is not None,
+                           counts_3, record_MK, slot_of_E if pf_row_E is None else pf_row_E, M, E, scratch_base,
+                           BLOCK=_PLAN_BLOCK, STATS=stats is not None, PF=pf_row_E is not None, DENSE=False,
                            num_warps=4)
     return MissPlan(rows_TK, miss_experts_X, num_missing_1)
+
+
+def prefetch_misses(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                    pool_rows_NR: torch.Tensor, base: int, row_of_E: torch.Tensor, counts_1: torch.Tensor | None = None,
+                    config: MissCopyConfig | None = None) -> None:
+    """The lookahead's copy (enqueue, no host sync): every distinct expert of ``predicted_ids_TK`` that is not
+    resident is copied from host memory into rows ``base + j`` (j its rank by ascending id), and ``row_of_E``
+    (int32 ``[E]``, overwritten whole) gets that row for those experts and -1 for every other; pass it as
+    ``pf_row_E`` to :func:`serve_misses` of the layer it was predicted for. ``counts_1``: optional int64
+    ``[>= 1]`` that the number of copied experts is added to. Two launches, as :func:`serve_misses`."""
+    _check(slot_of_E, predicted_ids_TK, host_rows_ER, pool_rows_NR, base)
+    dev = pool_rows_NR.device
+    E = host_rows_ER.shape[0]
+    _check_row_map(row_of_E, E, dev)
+    if counts_1 is not None:
+        _check_counts(counts_1, 1, dev)
+    M = predicted_ids_TK.numel()
+    miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
+    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    need_E = torch.empty(max(E, 1), dtype=torch.int32, device=dev)
+    ids_M = predicted_ids_TK.reshape(-1)
+    if not ids_M.is_contiguous():
+        ids_M = ids_M.contiguous()
+    with device_guard(dev):
+        _plan_kernel[(1,)](slot_of_E, ids_M, need_E, row_of_E, miss_experts_X, num_missing_1, num_missing_1,
+                           num_missing_1 if counts_1 is None else counts_1, num_missing_1, row_of_E, M, E, base,
+                           BLOCK=_PLAN_BLOCK, STATS=counts_1 is not None, PF=False, DENSE=True, num_warps=4)
+    copy_misses(MissPlan(predicted_ids_TK, miss_experts_X, num_missing_1), host_rows_ER, pool_rows_NR, base, config)
+
+
+def prefetch_misses_reference(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                              pool_rows_NR: torch.Tensor, base: int, row_of_E: torch.Tensor) -> int:
+    """Plain-torch oracle of :func:`prefetch_misses` (syncs; tests and the CPU path): same rows, same map;
+    returns how many experts it copied."""
+    E = host_rows_ER.shape[0]
+    ids = predicted_ids_TK.long().reshape(-1)
+    ids = ids[(ids >= 0) & (ids < E)]
+    missing = torch.unique(ids[slot_of_E.long()[ids] < 0])
+    row_of_E.fill_(-1)
+    for j, e in enumerate(missing.tolist()):
+        pool_rows_NR[base + j].copy_(host_rows_ER[e])
+        row_of_E[e] = base + j
+    return int(missing.numel())
 
 
 def _word_layout(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor) -> tuple[torch.dtype, int, int]:
@@ -257,7 +344,7 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
 
 def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
                  pool_rows_NR: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None,
-                 stats=None) -> torch.Tensor:
+                 stats=None, pf_row_E: torch.Tensor | None = None) -> torch.Tensor:
     """Pool row of every routed pair, with missing experts copied into scratch rows (no host sync).
 
     Args:
@@ -270,28 +357,37 @@ def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_E
         scratch_base: first scratch row.
         config: copy launch shape (default :class:`MissCopyConfig`).
         stats: optional ``(counts_3 int64 [3], record_MK int32 [>= T, K])``: the plan kernel also does what
-            ``kernels/decode_stats.py``'s ``decode_stats`` does with them (same counts, same record).
+            ``kernels/decode_stats.py``'s ``decode_stats`` does with them (same counts, same record); with
+            ``pf_row_E`` counts are ``[>= 4]`` and the 4th gets the distinct missing experts read from a lookahead row.
+        pf_row_E: optional ``[E]`` int32 row map written by :func:`prefetch_misses` (its copies ordered before
+            this call): a missing expert with a row there is read from it, not copied.
 
     Returns:
-        ``rows_TK`` ``[T, K]`` int32: ``slot_of_E[e]`` for resident experts, ``scratch_base + j`` for the
-        j-th distinct missing expert (ascending id), -1 for ids outside [0, E). ``rows_TK >= scratch_base``
-        is the step's miss mask. Ids are not range-checked on the host (that would sync).
+        ``rows_TK`` ``[T, K]`` int32: ``slot_of_E[e]`` for resident experts, ``pf_row_E[e]`` for missing ones
+        the lookahead copied, ``scratch_base + j`` for the j-th distinct other missing expert (ascending id), -1
+        for ids outside [0, E). Without ``pf_row_E``, ``rows_TK >= scratch_base`` is the step's miss mask. Ids
+        are not range-checked on the host (that would sync).
     """
-    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, stats)
+    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, stats, pf_row_E)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan.rows_TK
 
 
 def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                           pool_rows_NR: torch.Tensor, scratch_base: int) -> torch.Tensor:
-    """Plain-torch oracle of :func:`serve_misses` (syncs; tests only): same rows, same scratch contents."""
+                           pool_rows_NR: torch.Tensor, scratch_base: int, pf_row_E: torch.Tensor | None = None,
+                           ) -> torch.Tensor:
+    """Plain-torch oracle of :func:`serve_misses` (syncs; tests and the CPU path): same rows, same scratch
+    contents."""
     E = host_rows_ER.shape[0]
     ids = topk_ids_TK.long()
     valid = (ids >= 0) & (ids < E)
-    slot = torch.where(valid, slot_of_E.long()[ids.clamp(0, max(E - 1, 0))], torch.zeros_like(ids))
-    missing = torch.unique(ids[valid & (slot < 0)])  # sorted ascending
-    pos = torch.searchsorted(missing, ids.clamp(0, max(E - 1, 0)))
-    rows = torch.where(slot >= 0, slot, scratch_base + pos)
+    safe = ids.clamp(0, max(E - 1, 0))
+    slot = torch.where(valid, slot_of_E.long()[safe], torch.zeros_like(ids))
+    pf = pf_row_E.long()[safe] if pf_row_E is not None else torch.full_like(ids, -1)
+    copy = valid & (slot < 0) & (pf < 0)
+    missing = torch.unique(ids[copy])  # sorted ascending
+    pos = torch.searchsorted(missing, safe)
+    rows = torch.where(slot >= 0, slot, torch.where(pf >= 0, pf, scratch_base + pos))
     for j, e in enumerate(missing.tolist()):
         pool_rows_NR[scratch_base + j].copy_(host_rows_ER[e])
     return torch.where(valid, rows, -1).to(torch.int32)

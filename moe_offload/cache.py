@@ -49,7 +49,7 @@ class OffloadMoeCache:
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
                  decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
-                 cost_model=None, observe_routing: bool = False):
+                 cost_model=None, observe_routing: bool = False, lookahead: bool = False):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
@@ -59,7 +59,9 @@ class OffloadMoeCache:
         for this GPU (one measured elsewhere; the CPU has none). ``observe_routing``: the forwards are announced
         (``begin_forward``/``end_forward``, as ``Engine.run_model`` does), so ``prefill.routed_adaptive_max_tokens``
         may apply; a cache whose caller announces nothing keeps the fixed threshold and pays no scratch rows
-        for it."""
+        for it. ``lookahead`` (``decode.lookahead``): steps of at most ``decode_max_tokens`` tokens prefetch the
+        next MoE layer's predicted misses (``lookahead.py``; 2 x min(decode_max_tokens x top-k, E) more rows,
+        taken from the budget like the scratch rows; the layers' routers come from ``set_lookahead_routers``)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -68,15 +70,17 @@ class OffloadMoeCache:
         self.counters = CacheStats()
         tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
+        lookahead_rows = 2 * min(decode_max_tokens * store.geometry.top_k, store.num_experts) if lookahead else 0
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
-                                                 fused_decode, decode_path, cost_model, tp, observe_routing)
+                                                 fused_decode, decode_path, cost_model, tp, observe_routing,
+                                                 lookahead_rows)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
         try:
             pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
-                                     cache_cfg.admit_per_step)
+                                     cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
             if not _is_device_oom(exc):
@@ -277,10 +281,22 @@ class OffloadMoeCache:
         self.staging.done(layer)
 
     # ------------------------------------------------------------------ decode
-    def decode_rows(self, layer: int, ids_TK: torch.Tensor) -> torch.Tensor:
-        """Pool row ``[T, K]`` int32 of each routed pair: its slot, or a scratch row its expert was just
-        copied into from mapped host memory. No host sync (``decode_path.py``)."""
-        return self.decode.rows(layer, ids_TK)
+    def decode_rows(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """Pool row ``[T, K]`` int32 of each routed pair: its slot, a lookahead row, or a scratch row its expert
+        was just copied into from mapped host memory. No host sync (``decode_path.py``). ``hidden_TH``: the
+        layer's MoE input, from which the lookahead (when on) predicts the next MoE layer."""
+        return self.decode.rows(layer, ids_TK, hidden_TH)
+
+    def set_lookahead_routers(self, routers: dict) -> None:
+        """Decoder layer -> router module (``lookahead.routers_by_layer(model)``) for ``decode.lookahead``; a
+        no-op when it is off. MoE layers without a router are never predicted (logged)."""
+        if self.decode.lookahead is None:
+            return
+        missing = self.decode.lookahead.set_routers(routers)
+        if missing:
+            log.event("lookahead_layers_unpredicted", logging.WARNING, layers=missing,
+                      detail="no router module found for these MoE layers; their misses are read in the step")
+            self.counters.declined["lookahead:no_router"] += len(missing)
 
     def decode_views(self) -> dict[str, torch.Tensor]:
         """Bank views ``[S + X, ...]`` of the pool (slots and scratch rows) that ``decode_rows`` index."""
@@ -345,10 +361,20 @@ class OffloadMoeCache:
     def stats(self) -> dict:
         """Counters since the last ``reset`` (HOST SYNC: reads the decode step's device counters)."""
         R = self.store.bytes_per_expert
-        for layer, (pairs, missed, distinct) in self.decode.counts().items():
+        la = {"copied": 0, "used": 0, "missed_experts": 0}
+        for layer, (pairs, missed, distinct, used, copied) in self.decode.counts().items():
             c = self.counters.layer(layer)
             c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
+            c.bytes["decode_lookahead"] = copied * R
+            la["copied"] += copied
+            la["used"] += used
+            la["missed_experts"] += distinct + used
         snap = self.counters.snapshot()
+        if self.decode.lookahead is not None:
+            la["recall"] = la["used"] / la["missed_experts"] if la["missed_experts"] else None
+            la["precision"] = la["used"] / la["copied"] if la["copied"] else None
+            la["used_bytes"] = la["used"] * R
+            snap["lookahead"] = la
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count

@@ -211,6 +211,11 @@ class DecodeConfig(_Strict):
         "(graph-captured); auto: prefill.routed_max_tokens may be lower than decode.max_tokens, and steps of more "
         "rows than it take the staged path (whole missing layers over the copy engine, eagerly: large batches at "
         "low residency, where the cost model predicts staging is cheaper)")
+    lookahead: bool = Field(False, description="prefetch: at each MoE layer of a decode step, the next MoE layer's "
+                            "router applied to this layer's input predicts its experts, and the predicted missing "
+                            "ones are copied from host memory on a side stream while this layer computes "
+                            "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
+                            "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

@@ -9,7 +9,10 @@ In the step (every tensor op on the compute stream, nothing read back; capturabl
   missing expert is copied by SMs straight from mapped pinned host memory (UVA) into one of X scratch
   rows (``kernels/decode_miss.py``), so the compute reads every routed expert in place from the pool
   (rows 0..S-1 slots, S..S+X-1 scratch). On the CPU the same rows come from the torch reference.
-- device counters per layer (routed pairs, missed pairs, distinct missed experts) and one record of
+- with ``decode.lookahead`` (``lookahead.py``), the next layer's predicted misses are copied a layer ahead on a
+  side stream, and ``rows`` reads those from their lookahead rows instead of copying them;
+- device counters per layer (routed pairs, missed pairs, distinct missed experts; with the lookahead also
+  the distinct missed experts read from a lookahead row and the experts it copied) and one record of
   the routed ids, written into mapped pinned host memory (one kernel, ``kernels/decode_stats.py``: a
   device-side write, capturable, no D2H call).
 
@@ -42,14 +45,24 @@ from moe_offload.uva import mapped_device_view, pin_mapped, unpin
 class DecodeResidency:
     """The decode path of one cache (see the module docstring)."""
 
-    def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int):
+    def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int,
+                 lookahead_tokens: int = 0):
+        """``lookahead_tokens`` > 0: steps of at most that many tokens prefetch the next layer's predicted
+        misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
-        K, L = store.geometry.top_k, len(store.layers)
+        K, L, E = store.geometry.top_k, len(store.layers), store.num_experts
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
         self.scratch_base = pool.num_slots
-        # per layer: routed pairs, missed pairs, distinct missed experts (kernels/decode_stats.py)
-        self.counts_L3 = torch.zeros((L, 3), dtype=torch.int64, device=self.device)
+        # per layer: routed pairs, missed pairs, distinct missed experts read in the step (kernels/decode_stats.py),
+        # distinct missed experts read from a lookahead row, experts the lookahead copied (lookahead.py)
+        self.counts_LC = torch.zeros((L, 5), dtype=torch.int64, device=self.device)
+        self.lookahead = None
+        if lookahead_tokens > 0:
+            from moe_offload.lookahead import Lookahead
+
+            rows = min(lookahead_tokens * K, E)
+            self.lookahead = Lookahead(store, pool, pool.rows_NR.shape[0] - 2 * rows, rows, lookahead_tokens)
         self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
@@ -68,26 +81,37 @@ class DecodeResidency:
     def host_rows(self, layer: int) -> torch.Tensor:
         return self.store.device_rows(layer, self.device)
 
-    def rows(self, layer: int, ids_TK: torch.Tensor) -> torch.Tensor:
-        """``rows_TK`` int32: the pool row each routed pair reads (slot, or scratch after a UVA copy)."""
+    def rows(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """``rows_TK`` int32: the pool row each routed pair reads (slot, a lookahead row, or scratch after a UVA
+        copy). ``hidden_TH``: the layer's MoE input; with lookahead on, the next MoE layer's routing is
+        predicted from it and its misses prefetched (after this layer's own prefetch is joined, before its
+        misses are copied)."""
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
                              "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
         table_E = self.pool.table_LE[lp]
+        pf_E = None
+        if self.lookahead is not None:
+            pf_E = self.lookahead.take(lp)
+            if hidden_TH is not None and lp + 1 < len(self.store.layers):
+                self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 4:])
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses
 
             # the plan kernel also counts the step and records its ids (decode_stats' job, one launch fewer)
             rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
-                                   stats=(self.counts_L3[lp], self._record_dev[lp]))
+                                   stats=(self.counts_LC[lp], self._record_dev[lp]), pf_row_E=pf_E)
         else:
             from moe_offload.kernels.decode_miss import serve_misses_reference
 
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
-                                             self.scratch_base)
-            decode_stats(ids_TK, rows_TK, self.counts_L3[lp], self._record_dev[lp], self.scratch_base)
+                                             self.scratch_base, pf_E)
+            if pf_E is None:
+                decode_stats(ids_TK, rows_TK, self.counts_LC[lp, :3], self._record_dev[lp], self.scratch_base)
+            else:
+                _count_with_lookahead(ids_TK, table_E, pf_E, self.counts_LC[lp], self._record_dev[lp])
         self._record_T[lp] = T
         return rows_TK
 
@@ -108,6 +132,8 @@ class DecodeResidency:
         just committed are not victims of this boundary: they serve at least one step (at a pool much
         smaller than a step's routed set every admission was otherwise evicted before its first use)."""
         self.commit_pending()
+        if self.lookahead is not None:
+            self.lookahead.reset()
         try:
             if not self._record_ready:
                 return
@@ -205,13 +231,14 @@ class DecodeResidency:
         self._record_ready = False
 
     # ------------------------------------------------------------------ stats and teardown
-    def counts(self) -> dict[int, tuple[int, int, int]]:
-        """HOST SYNC (stats only): per MoE layer (routed pairs, missed pairs, distinct missed experts)."""
-        c = self.counts_L3.cpu().numpy()
+    def counts(self) -> dict[int, tuple[int, int, int, int, int]]:
+        """HOST SYNC (stats only): per MoE layer (routed pairs, missed pairs, distinct missed experts read in the
+        step, distinct missed experts read from a lookahead row, experts the lookahead copied)."""
+        c = self.counts_LC.cpu().numpy()
         return {self.store.layers[lp]: tuple(int(v) for v in c[lp]) for lp in range(c.shape[0])}
 
     def reset_counts(self) -> None:
-        self.counts_L3.zero_()
+        self.counts_LC.zero_()
 
     @property
     def pinned_bytes(self) -> int:
@@ -223,6 +250,19 @@ class DecodeResidency:
             self._record_dev = self._record_host
             self._unpin()
             self._record_pinned = False
+
+
+def _count_with_lookahead(ids_TK, table_E, pf_E, counts_5, record_MK) -> None:
+    """CPU path: what the plan kernel's STATS + PF counting adds (``kernels/decode_miss.py``)."""
+    E, T = table_E.shape[0], ids_TK.shape[0]
+    ids = ids_TK.long().reshape(-1)
+    valid = (ids >= 0) & (ids < E)
+    safe = ids.clamp(0, max(E - 1, 0))
+    missed = valid & (table_E.long()[safe] < 0)
+    from_pf = missed & (pf_E.long()[safe] >= 0)
+    counts_5[:4] += torch.tensor([int(valid.sum()), int(missed.sum()), torch.unique(ids[missed & ~from_pf]).numel(),
+                                  torch.unique(ids[from_pf]).numel()], dtype=torch.int64)
+    record_MK[:T].copy_(ids_TK)
 
 
 _PAGE = 4096

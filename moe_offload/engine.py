@@ -29,6 +29,7 @@ from moe_offload.guards import finite_logits
 from moe_offload.sampling import sample_tokens
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
+from moe_offload.lookahead import routers_by_layer
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -103,6 +104,7 @@ class Engine:
                                for c in (m.compute, m.prefill_compute, m.decode_compute)}.values())
         for c in self._computes:
             c.bind(cache.counters)
+        cache.set_lookahead_routers(routers_by_layer(model))  # decode.lookahead (a no-op when off)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -117,7 +119,7 @@ class Engine:
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
                                 fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
-                                observe_routing=True)
+                                observe_routing=True, lookahead=cfg.decode.lookahead)
         fmt = get_format(fmt_name)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
@@ -281,6 +283,7 @@ class Engine:
         for c in self._computes:
             c.bind(cache.counters)
         self.cache = cache
+        cache.set_lookahead_routers(routers_by_layer(self.model))
         old.close()
 
     def close(self) -> None:

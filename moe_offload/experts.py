@@ -68,7 +68,7 @@ class OffloadedExperts(nn.Module):
         layers = cache.layers
         if eager and self.layer_idx == layers[0]:
             cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
-        rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK)
+        rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK, hidden_TH)
         out = self.decode_compute(hidden_TH, rows_TK, topk_w_TK, cache.decode_views(), cache.decode_num_rows)
         if eager and self.layer_idx == layers[-1]:
             cache.decode_step_enqueued()

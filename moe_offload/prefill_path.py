@@ -311,15 +311,16 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
 
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
                decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False,
-               observe_routing: bool = True):
+               observe_routing: bool = True, extra_rows: int = 0):
     """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
     with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
-    byte or ``auto`` budget then buys slightly fewer slots)."""
+    byte or ``auto`` budget then buys slightly fewer slots). ``extra_rows``: pool rows on top of the scratch
+    rows (the decode lookahead's), budgeted the same way."""
     from moe_offload.budget import plan_budget
 
     R, E, L, K = store.bytes_per_expert, store.num_experts, len(store.layers), store.geometry.top_k
     budget, reserve = cache_cfg.budget, cache_cfg.auto_reserve
-    base_rows = scratch_rows(decode_max_tokens, K, E)
+    base_rows = scratch_rows(decode_max_tokens, K, E) + extra_rows
     plan = plan_budget(store, budget, device, reserve, base_rows)
     adaptive = prefill_cfg.routed_adaptive_max_tokens if observe_routing else 0
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
@@ -327,7 +328,7 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
                      decode_path, 0 if tensor_parallel else adaptive, model)
     if tensor_parallel and adaptive and choice.reason == "cost_model":
         choice = replace(choice, adaptive_off="tensor parallelism")
-    rows = scratch_rows(choice.record_tokens, K, E)
+    rows = scratch_rows(choice.record_tokens, K, E) + extra_rows
     if rows != base_rows:
         plan = plan_budget(store, budget, device, reserve, rows)
     return plan, choice

@@ -157,7 +157,8 @@ def _instrument(monkeypatch, cache):
             rec.access(cache.staging.rows[b], range(cache.E), False)  # the GEMMs read the whole layer
         return views
 
-    def serve(slot_of_E, ids_TK, host_rows, pool_rows, base):
+    def serve(slot_of_E, ids_TK, host_rows, pool_rows, base, pf_row_E=None):
+        assert pf_row_E is None  # decode.lookahead is off here: every row >= base is a scratch row written now
         rows = real_serve(slot_of_E, ids_TK, host_rows, pool_rows, base)
         flat = rows.flatten().tolist()
         rec.access(pool_rows, [r for r in flat if 0 <= r < base], False)

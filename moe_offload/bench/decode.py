@@ -223,7 +223,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
     B, tok_s, per_step = len(prompts), [], []
-    hits = misses = uva = h2d = staged = staged_h2d = 0
+    hits = misses = uva = h2d = staged = staged_h2d = ahead = 0
+    la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
     for _ in range(plan.reps):
         engine.cache.set_residency(resident)
@@ -234,6 +235,10 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         t = stats["total"]
         hits, misses = hits + t["hits"], misses + t["misses"]
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
+        ahead += t["bytes"].get("decode_lookahead", 0)
+        if la is not None:
+            for k in la:
+                la[k] += stats["lookahead"][k]
         # decode.path auto: steps above the routed threshold are staged forwards like the prompt's prefill;
         # with the pool full every staged forward copies the same missing experts, so a step's share is exact
         forwards = stats["prefills"]
@@ -245,6 +250,13 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
             per_layer[str(layer)] = per_layer.get(str(layer), 0) + c["hits"] + c["misses"]
     n = plan.reps * plan.steps
     q = sorted(per_step)
+    R = engine.store.bytes_per_expert
+    if la is not None:  # decode.lookahead: how well the next layer's router predicted the misses (lookahead.py)
+        la = {"recall": la["used"] / la["missed_experts"] if la["missed_experts"] else None,
+              "precision": la["used"] / la["copied"] if la["copied"] else None,
+              "copied_experts_per_step": la["copied"] / n, "used_experts_per_step": la["used"] / n,
+              "missed_experts_per_step": la["missed_experts"] / n}
+    used = la["used_experts_per_step"] * R * n if la is not None else 0
     return {
         "tok_s": {"median": statistics.median(tok_s), "reps": tok_s},
         "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
@@ -252,8 +264,11 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         "routed_experts_per_step": (hits + misses) / n, "missed_experts_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
-        "pcie_bytes_per_step": {"total": (uva + h2d + staged_h2d) / n, "decode_uva": uva / n, "decode_h2d": h2d / n,
-                                "staged_h2d": staged_h2d / n},
+        "pcie_bytes_per_step": {"total": (uva + ahead + h2d + staged_h2d) / n, "decode_uva": uva / n,
+                                "decode_lookahead": ahead / n, "decode_h2d": h2d / n, "staged_h2d": staged_h2d / n,
+                                # the distinct missing experts the steps read, wherever from: the PCIe floor's bytes
+                                "missed": (uva + used) / n},
+        "lookahead": la,
         "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
                   "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
@@ -325,7 +340,8 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
                      "slots": {str(r): n for r, n in part["slots"].items()},
                      "residency_sets": "first round(r*E) experts of a seeded per-layer permutation (nested)",
                      "prompts": "seeded random ids, equal length; batch B takes the first B of the largest batch",
-                     "cuda_graphs": cfg.decode.cuda_graphs, "peers": list(plan.peers),
+                     "cuda_graphs": cfg.decode.cuda_graphs, "lookahead": cfg.decode.lookahead,
+                     "decode_attention": cfg.compute.decode_attention, "peers": list(plan.peers),
                      "peer_batches": list(plan.peer_batches), "compiled_batches": list(plan.compiled_batches),
                      "peer_layers": plan.peer_layers, "peer_reps": plan.peer_reps},
         "floors": part["floors"],

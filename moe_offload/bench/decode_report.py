@@ -35,7 +35,8 @@ def derive(result: dict) -> None:
     positions = s["prompt_len"] + (s["steps"] + 1) / 2
     f["hbm_definition"] = ("(routed distinct experts x expert bytes + non-expert weights without the input "
                            "embedding + batch x KV bytes per position x mean positions) / HBM bandwidth")
-    f["pcie_definition"] = "decode_uva bytes per step (misses read from host memory) / H2D bandwidth"
+    f["pcie_definition"] = ("bytes of the distinct missing experts a step reads (in the step, or from a lookahead "
+                            "copy) / H2D bandwidth")
     for c in result["cells"]:
         expert = c["routed_experts_per_step"] * m["bytes_per_expert"]
         kv = c["batch"] * m["kv_bytes_per_position"] * positions
@@ -48,7 +49,8 @@ def derive(result: dict) -> None:
             c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
             c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
             continue
-        c["pcie_floor_ms"] = c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3
+        p = c["pcie_bytes_per_step"]
+        c["pcie_floor_ms"] = p.get("missed", p["decode_uva"]) / h2d * 1e3
         c["floor_ms"] = max(c["hbm_floor_ms"], c["pcie_floor_ms"])
         c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
         c["ratio_to_floor"] = c["ms_per_step"]["median"] / c["floor_ms"] if c["floor_ms"] > 0 else None
@@ -105,7 +107,8 @@ def _header(result: dict) -> list[str]:
         f"Prompt {s['prompt_len']} tokens per sequence (seeded random ids), then {s['steps']} greedy decode steps; "
         f"{s['reps']} timed runs per cell after one untimed; "
         f"{('CUDA graph steps ' + ('on' if s['cuda_graphs'] else 'off')) if on_cuda(result) else 'eager steps (CPU)'}; "
-        f"slot pool: {_POOL[s['budget']]}. "
+        f"slot pool: {_POOL[s['budget']]}; decode attention {s.get('decode_attention', 'sdpa')}; lookahead "
+        f"{'on' if s.get('lookahead') else 'off'}. "
         f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}). "
         f"Experts {m['bytes_per_expert'] / 1e6:.3g} MB each; non-expert weights read per step "
         f"{m['non_expert_bytes'] / 1e6:.4g} MB; KV {m['kv_bytes_per_position'] / 1e3:.4g} kB per position per "
@@ -119,7 +122,7 @@ def _header(result: dict) -> list[str]:
 
 
 def _cells_table(result: dict) -> list[str]:
-    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d [+ staged]) | "
+    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | "
             "HBM floor ms | PCIe floor ms | ×floor | graph |")
     lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 11) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
@@ -130,11 +133,25 @@ def _cells_table(result: dict) -> list[str]:
         if c.get("path", "routed") != "routed":
             graph += f", {c['path']} (decode.path auto)"
         staged = f" + {p['staged_h2d'] / 1e6:.3g}" if p.get("staged_h2d") else ""
+        if c.get("lookahead") is not None:
+            staged += f" + lookahead {p['decode_lookahead'] / 1e6:.3g}"
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
                      f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}{staged}) | "
                      f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
                      f"{graph} |")
+    ahead = [c for c in result["cells"] if c.get("lookahead") is not None]
+    if ahead:
+        lines += ["", "Lookahead (`decode.lookahead`): the next MoE layer's router on this layer's input predicts its "
+                  "experts; the missing predicted ones are copied a layer ahead. Recall = missing experts read from "
+                  "a lookahead copy / missing experts read; precision = of those copied, the share read.", "",
+                  "| residency | batch | recall | precision | copied / used / missed experts per step |",
+                  "| --- | --- | --- | --- | --- |"]
+        for c in sorted(ahead, key=lambda c: (c["residency"], c["batch"])):
+            a = c["lookahead"]
+            lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(a['recall'], 3)} | {_num(a['precision'], 3)} | "
+                         f"{a['copied_experts_per_step']:.1f} / {a['used_experts_per_step']:.1f} / "
+                         f"{a['missed_experts_per_step']:.1f} |")
     return lines
 
 

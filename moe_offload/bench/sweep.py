@@ -125,7 +125,7 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     free_memory()
     engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
                                          fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
-                                         observe_routing=True))
+                                         observe_routing=True, lookahead=cfg.decode.lookahead))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()

@@ -1,0 +1,111 @@
+"""Lookahead prefetch of the decode path (``decode.lookahead``): the next MoE layer's missing experts are
+copied while this layer computes.
+
+Legend: L MoE layers (``lp`` = position in ``store.layers``), E experts per layer, T tokens of a step, K top-k,
+X rows per parity (``min(decode.max_tokens * K, E)``), R bytes of one expert row.
+
+At MoE layer ``lp`` of a decode step (``T <= decode.max_tokens``), before its own misses are served:
+1. ``take(lp)``: if this forward predicted layer ``lp`` (at ``lp - 1``), the compute stream waits for that
+   copy (``wait_stream`` on the lookahead stream) and gets its row map ``row_of_PE[lp % 2]``; the miss
+   server reads the experts it holds from there instead of copying them (``kernels/decode_miss.py``, PF).
+2. ``issue(lp + 1, hidden_TH)``: layer ``lp + 1``'s router applied to this layer's MoE input predicts its
+   routing (``router.forward``: the module's hooks, e.g. transformers' router-logit recorder, do not see
+   it); on the lookahead stream, after everything queued on the compute stream so far, the predicted
+   experts that are not resident are copied by SMs from mapped host memory into parity ``(lp + 1) % 2``'s
+   X rows (``prefetch_misses``), which that layer reads after its own ``take``.
+
+The copy of layer ``lp + 1`` overlaps layer ``lp``'s own miss copy and expert compute and layer ``lp + 1``'s
+attention. Parity ``p``'s rows are rewritten two layers later, by a copy that starts after the compute
+stream's position, i.e. after the layer that read them. Nothing here syncs the host; in a captured step
+the fork and the join are graph edges. Wrong predictions cost bytes over PCIe (counted), never results:
+a mispredicted expert is read from host memory in the step as without lookahead, and every row holds the
+exact host bytes of its expert, so outputs are bitwise those of the step without lookahead.
+
+Counted per layer (``DecodeResidency.counts_LC`` columns 3 and 4): distinct missing experts read from a
+lookahead row (used) and experts the lookahead copied; ``stats()["lookahead"]`` gives recall (used /
+distinct missing) and precision (used / copied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_offload.kernels.decode_miss import prefetch_misses, prefetch_misses_reference
+
+
+def routers_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Decoder layer index -> its MoE router module (transformers' ``*TopKRouter``/``*TopkRouter``, which return
+    ``(logits, weights, ids)`` for every family of ``checkpoint/families.py``)."""
+    from moe_offload.integrations.hf import layer_of
+
+    out = {}
+    for name, mod in model.named_modules():
+        if type(mod).__name__.endswith(("TopKRouter", "TopkRouter")):
+            out[layer_of(name)] = mod
+    return out
+
+
+class Lookahead:
+    """The lookahead state of one cache's decode path (see the module docstring)."""
+
+    def __init__(self, store, pool, base: int, rows: int, max_tokens: int):
+        self.store, self.pool = store, pool
+        self.device = pool.device
+        self.base, self.rows, self.max_tokens = base, rows, max_tokens
+        E = store.num_experts
+        self.row_of_PE = torch.full((2, E), -1, dtype=torch.int32, device=self.device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._routers: dict[int, torch.nn.Module] = {}  # lp -> router of that MoE layer
+        self._issued: set[int] = set()  # lps this forward predicted and has not taken yet
+        self._keep: dict[int, torch.Tensor] = {}  # predicted ids read by the lookahead stream, kept until joined
+
+    def set_routers(self, routers: dict[int, torch.nn.Module]) -> list[int]:
+        """``routers``: decoder layer -> router module (``routers_by_layer``). Returns the MoE layers without
+        one (those are never predicted)."""
+        self._routers = {lp: routers[layer] for lp, layer in enumerate(self.store.layers) if layer in routers}
+        return [layer for layer in self.store.layers if layer not in routers]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._routers)
+
+    def take(self, lp: int) -> torch.Tensor | None:
+        """The row map of layer ``lp``'s prefetch, if this forward issued one (the compute stream then waits
+        for its copy), else None."""
+        if lp not in self._issued:
+            return None
+        self._issued.discard(lp)
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._keep.pop(lp, None)  # joined: the compute stream may reuse its memory now
+        return self.row_of_PE[lp % 2]
+
+    def issue(self, lp: int, hidden_TH: torch.Tensor, counts_1: torch.Tensor) -> None:
+        """Predict MoE layer ``lp``'s routing from ``hidden_TH`` and copy its missing experts (no host sync)."""
+        router = self._routers.get(lp)
+        if router is None or hidden_TH.shape[0] > self.max_tokens:
+            return
+        with torch.no_grad():
+            ids_TK = router.forward(hidden_TH)[2]
+        layer = self.store.layers[lp]
+        table_E = self.pool.table_LE[lp]
+        host = self.store.device_rows(layer, self.device)
+        row_of_E = self.row_of_PE[lp % 2]
+        base = self.base + (lp % 2) * self.rows
+        if self.stream is None:
+            counts_1 += prefetch_misses_reference(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E)
+        else:
+            cur = torch.cuda.current_stream(self.device)
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1)
+            self._keep[lp] = ids_TK
+        self._issued.add(lp)
+
+    def reset(self) -> None:
+        """A new step: nothing issued (a forward that raised may have left a prefetch untaken; its rows and
+        map stay consistent, but a new step predicts afresh)."""
+        self._issued.clear()
+        if self._keep and self.stream is not None:  # an untaken copy may still read its ids
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._keep.clear()

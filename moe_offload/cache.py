@@ -34,6 +34,7 @@ from moe_offload.budget import BudgetError, BudgetPlan, plan_budget
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
+from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
 from moe_offload.prefill_path import plan_cache
 from moe_offload.slot_pool import SlotPool
@@ -59,9 +60,8 @@ class OffloadMoeCache:
         for this GPU (one measured elsewhere; the CPU has none). ``observe_routing``: the forwards are announced
         (``begin_forward``/``end_forward``, as ``Engine.run_model`` does), so ``prefill.routed_adaptive_max_tokens``
         may apply; a cache whose caller announces nothing keeps the fixed threshold and pays no scratch rows
-        for it. ``lookahead`` (``decode.lookahead``): steps of at most ``decode_max_tokens`` tokens prefetch the
-        next MoE layer's predicted misses (``lookahead.py``; 2 x min(decode_max_tokens x top-k, E) more rows,
-        taken from the budget like the scratch rows; the layers' routers come from ``set_lookahead_routers``)."""
+        for it. ``lookahead`` (``decode.lookahead``): decode steps prefetch the next MoE layer's predicted misses
+        (``lookahead.py``: its rows come out of the budget; ``lookahead.attach_routers`` gives it the routers)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -70,10 +70,9 @@ class OffloadMoeCache:
         self.counters = CacheStats()
         tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
-        lookahead_rows = 2 * min(decode_max_tokens * store.geometry.top_k, store.num_experts) if lookahead else 0
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
-                                                 lookahead_rows)
+                                                 lookahead_rows(decode_max_tokens, store) if lookahead else 0)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
@@ -287,17 +286,6 @@ class OffloadMoeCache:
         layer's MoE input, from which the lookahead (when on) predicts the next MoE layer."""
         return self.decode.rows(layer, ids_TK, hidden_TH)
 
-    def set_lookahead_routers(self, routers: dict) -> None:
-        """Decoder layer -> router module (``lookahead.routers_by_layer(model)``) for ``decode.lookahead``; a
-        no-op when it is off. MoE layers without a router are never predicted (logged)."""
-        if self.decode.lookahead is None:
-            return
-        missing = self.decode.lookahead.set_routers(routers)
-        if missing:
-            log.event("lookahead_layers_unpredicted", logging.WARNING, layers=missing,
-                      detail="no router module found for these MoE layers; their misses are read in the step")
-            self.counters.declined["lookahead:no_router"] += len(missing)
-
     def decode_views(self) -> dict[str, torch.Tensor]:
         """Bank views ``[S + X, ...]`` of the pool (slots and scratch rows) that ``decode_rows`` index."""
         return self.pool.views()
@@ -360,21 +348,10 @@ class OffloadMoeCache:
 
     def stats(self) -> dict:
         """Counters since the last ``reset`` (HOST SYNC: reads the decode step's device counters)."""
-        R = self.store.bytes_per_expert
-        la = {"copied": 0, "used": 0, "missed_experts": 0}
-        for layer, (pairs, missed, distinct, used, copied) in self.decode.counts().items():
-            c = self.counters.layer(layer)
-            c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
-            c.bytes["decode_lookahead"] = copied * R
-            la["copied"] += copied
-            la["used"] += used
-            la["missed_experts"] += distinct + used
+        lookahead = self.decode.account()
         snap = self.counters.snapshot()
-        if self.decode.lookahead is not None:
-            la["recall"] = la["used"] / la["missed_experts"] if la["missed_experts"] else None
-            la["precision"] = la["used"] / la["copied"] if la["copied"] else None
-            la["used_bytes"] = la["used"] * R
-            snap["lookahead"] = la
+        if lookahead is not None:
+            snap["lookahead"] = lookahead
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count

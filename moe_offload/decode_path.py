@@ -51,7 +51,7 @@ class DecodeResidency:
         misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
-        K, L, E = store.geometry.top_k, len(store.layers), store.num_experts
+        K, L = store.geometry.top_k, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
         self.scratch_base = pool.num_slots
         # per layer: routed pairs, missed pairs, distinct missed experts read in the step (kernels/decode_stats.py),
@@ -59,10 +59,10 @@ class DecodeResidency:
         self.counts_LC = torch.zeros((L, 5), dtype=torch.int64, device=self.device)
         self.lookahead = None
         if lookahead_tokens > 0:
-            from moe_offload.lookahead import Lookahead
+            from moe_offload.lookahead import Lookahead, lookahead_rows
 
-            rows = min(lookahead_tokens * K, E)
-            self.lookahead = Lookahead(store, pool, pool.rows_NR.shape[0] - 2 * rows, rows, lookahead_tokens)
+            rows = lookahead_rows(lookahead_tokens, store)
+            self.lookahead = Lookahead(store, pool, pool.rows_NR.shape[0] - rows, rows // 2, lookahead_tokens)
         self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
@@ -236,6 +236,25 @@ class DecodeResidency:
         step, distinct missed experts read from a lookahead row, experts the lookahead copied)."""
         c = self.counts_LC.cpu().numpy()
         return {self.store.layers[lp]: tuple(int(v) for v in c[lp]) for lp in range(c.shape[0])}
+
+    def account(self) -> dict | None:
+        """HOST SYNC (stats only): the device counts into the per-layer counters (hits, misses, bytes read in
+        the step and copied by the lookahead); returns the lookahead's summary (None when it is off)."""
+        R = self.store.bytes_per_expert
+        la = {"copied": 0, "used": 0, "missed_experts": 0}
+        for layer, (pairs, missed, distinct, used, copied) in self.counts().items():
+            c = self.counters.layer(layer)
+            c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
+            c.bytes["decode_lookahead"] = copied * R
+            la["copied"] += copied
+            la["used"] += used
+            la["missed_experts"] += distinct + used
+        if self.lookahead is None:
+            return None
+        la["recall"] = la["used"] / la["missed_experts"] if la["missed_experts"] else None
+        la["precision"] = la["used"] / la["copied"] if la["copied"] else None
+        la["used_bytes"] = la["used"] * R
+        return la
 
     def reset_counts(self) -> None:
         self.counts_LC.zero_()

@@ -29,7 +29,7 @@ from moe_offload.guards import finite_logits
 from moe_offload.sampling import sample_tokens
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
-from moe_offload.lookahead import routers_by_layer
+from moe_offload.lookahead import attach_routers
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -104,7 +104,7 @@ class Engine:
                                for c in (m.compute, m.prefill_compute, m.decode_compute)}.values())
         for c in self._computes:
             c.bind(cache.counters)
-        cache.set_lookahead_routers(routers_by_layer(model))  # decode.lookahead (a no-op when off)
+        attach_routers(cache, model)  # decode.lookahead (a no-op when off)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -283,7 +283,7 @@ class Engine:
         for c in self._computes:
             c.bind(cache.counters)
         self.cache = cache
-        cache.set_lookahead_routers(routers_by_layer(self.model))
+        attach_routers(cache, self.model)
         old.close()
 
     def close(self) -> None:

@@ -28,8 +28,11 @@ distinct missing) and precision (used / copied).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from moe_offload import log
 from moe_offload.kernels.decode_miss import prefetch_misses, prefetch_misses_reference
 
 
@@ -43,6 +46,17 @@ def routers_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
         if type(mod).__name__.endswith(("TopKRouter", "TopkRouter")):
             out[layer_of(name)] = mod
     return out
+
+
+def lookahead_rows(max_tokens: int, store) -> int:
+    """Pool rows the lookahead needs: two parities of ``min(max_tokens * K, E)``."""
+    return 2 * min(max_tokens * store.geometry.top_k, store.num_experts)
+
+
+def attach_routers(cache, model: torch.nn.Module) -> None:
+    """Give ``cache``'s lookahead (``decode.lookahead``) the routers of ``model``; a no-op when it is off."""
+    if cache.decode.lookahead is not None:
+        cache.decode.lookahead.set_routers(routers_by_layer(model), cache.counters)
 
 
 class Lookahead:
@@ -59,11 +73,18 @@ class Lookahead:
         self._issued: set[int] = set()  # lps this forward predicted and has not taken yet
         self._keep: dict[int, torch.Tensor] = {}  # predicted ids read by the lookahead stream, kept until joined
 
-    def set_routers(self, routers: dict[int, torch.nn.Module]) -> list[int]:
-        """``routers``: decoder layer -> router module (``routers_by_layer``). Returns the MoE layers without
-        one (those are never predicted)."""
+    def set_routers(self, routers: dict[int, torch.nn.Module], counters=None) -> list[int]:
+        """``routers``: decoder layer -> router module (``routers_by_layer``). MoE layers after the first without
+        one are never predicted: logged once and counted in ``counters.declined["lookahead:no_router"]``.
+        Returns them."""
         self._routers = {lp: routers[layer] for lp, layer in enumerate(self.store.layers) if layer in routers}
-        return [layer for layer in self.store.layers if layer not in routers]
+        missing = [layer for layer in self.store.layers[1:] if layer not in routers]
+        if missing:
+            log.event("lookahead_layers_unpredicted", logging.WARNING, layers=missing,
+                      detail="no router module found for these MoE layers; their misses are read in the step")
+            if counters is not None:
+                counters.declined["lookahead:no_router"] += len(missing)
+        return missing
 
     @property
     def ready(self) -> bool:

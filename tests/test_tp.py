@@ -99,6 +99,11 @@ def _equivalence_job(tp, paths: dict) -> dict:
         out[key] = {"logits": logits, "tokens": tokens, "expert_bytes": rt.engine.store.reader_bytes,
                     "checks": rt.monitor.checks}
         rt.monitor.detach()
+    # decode.lookahead on one checkpoint: each rank predicts and prefetches on its own, results must not move
+    key = (FAMILY_PRESETS[0], "nvfp4-modelopt")
+    rt = build_tp_engine(_cfg(paths[key], f"parallel.tp={WORLD}", "decode.lookahead=true"), tp, progress=False)
+    out["lookahead"] = {"logits": _prefill_logits(rt.engine), "tokens": rt.engine.generate(PROMPT, NEW_TOKENS).token_ids,
+                        "stats": rt.engine.cache.stats()["lookahead"], "key": key}
     return out
 
 
@@ -185,6 +190,15 @@ def test_tp2_prefill_logits_equal_tp1(tp2_runs, tp1, preset, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_tp2_greedy_tokens_equal_tp1(tp2_runs, tp1, preset, fmt):
     assert tp2_runs[0][preset, fmt]["tokens"] == tp1(preset, fmt)["tokens"]
+
+
+def test_tp2_with_the_lookahead_gives_the_bits_without_it(tp2_runs):
+    for rank in tp2_runs:
+        la = rank["lookahead"]
+        want = rank[la["key"]]
+        assert la["tokens"] == want["tokens"] and la["stats"]["copied"] > 0
+        for T in PREFILL_LENGTHS:
+            assert torch.equal(la["logits"][T], want["logits"][T]), f"T={T}"
 
 
 @pytest.mark.parametrize("preset", FAMILY_PRESETS)

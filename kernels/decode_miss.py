@@ -82,15 +82,17 @@ class MissPlan:
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
                  stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
                  PF: tl.constexpr, DENSE: tl.constexpr):
-    """One program. need[E] and scratch_of[E] are workspaces (any initial contents). With STATS it also does
-    ``kernels/decode_stats.py``'s job (one launch fewer per layer): adds (routed pairs, missed pairs, distinct
-    missed experts) to ``stats_ptr[0:3]`` (int64) and stores the ids into ``record_ptr[0:M]`` (int32).
+    """One program. need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
+    counters at ``stats_ptr``, int64) also counts the step and stores its ids into ``record_ptr[0:M]`` (int32):
+    adds routed pairs, missed pairs, distinct missed experts copied here to ``stats_ptr[0:3]``; with STATS >= 4
+    the distinct routed experts to ``stats_ptr[3]``; with PF and STATS >= 5 the distinct missing experts read
+    from a lookahead row to ``stats_ptr[4]``.
 
     PF (a lookahead copy, ``lookahead.py``): ``pf_ptr[E]`` int32 is the row a missing expert was already
-    copied into (-1: none); such an expert is read there (not copied again); with STATS their distinct count
-    is added to ``stats_ptr[3]``. DENSE (the lookahead's own plan): no rows and no record; ``scratch_of_ptr``
-    becomes ``[E]`` rows for every expert: ``scratch_base + j`` for the j-th distinct missing one, -1 for the
-    rest; with STATS ``stats_ptr[0]`` gets the distinct missing count."""
+    copied into (-1: none); such an expert is read there (not copied again). DENSE (the lookahead's own plan):
+    no rows and no record; ``scratch_of_ptr`` becomes ``[E]`` rows for every expert: ``scratch_base + j`` for
+    the j-th distinct missing one, -1 for the rest; with STATS ``stats_ptr[0]`` gets the distinct missing
+    count."""
     for e0 in range(0, E, BLOCK):
         offs_e = e0 + tl.arange(0, BLOCK)
         tl.store(need_ptr + offs_e, tl.zeros((BLOCK,), tl.int32), mask=offs_e < E)
@@ -100,14 +102,15 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
         valid = (offs_m < M) & (ids >= 0) & (ids < E)
         slot = tl.load(slot_ptr + ids, mask=valid, other=0)
-        mark = tl.full((BLOCK,), 1, tl.int32)
-        if PF:  # 2: missing but already copied by the lookahead (read in place, not copied)
+        mark = tl.where(slot >= 0, 3, 1)  # 3: resident (counted as routed), 1: missing, to copy
+        if PF:  # 2: missing but already copied by the lookahead (read there, not copied)
             pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1)
-            mark = tl.where(pf >= 0, 2, 1)
-        tl.store(need_ptr + ids, mark, mask=valid & (slot < 0))
+            mark = tl.where((slot < 0) & (pf >= 0), 2, mark)
+        tl.store(need_ptr + ids, mark, mask=valid)
     tl.debug_barrier()
     total = tl.full((), 0, tl.int32)
     n_pf = tl.full((), 0, tl.int64)
+    n_routed = tl.full((), 0, tl.int64)
     for e0 in range(0, E, BLOCK):  # exclusive scan: scratch index of each missing expert, by ascending id
         offs_e = e0 + tl.arange(0, BLOCK)
         marked = tl.load(need_ptr + offs_e, mask=offs_e < E, other=0, volatile=True)
@@ -120,11 +123,11 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
             tl.store(scratch_of_ptr + offs_e, idx, mask=missing)
         tl.store(miss_ptr + idx, offs_e.to(tl.int32), mask=missing)
         total += tl.sum(need, 0)
-        if PF:
-            n_pf += tl.sum((marked == 2).to(tl.int64), 0)
+        n_pf += tl.sum((marked == 2).to(tl.int64), 0)
+        n_routed += tl.sum((marked > 0).to(tl.int64), 0)
     tl.store(count_ptr, total)
     if DENSE:
-        if STATS:
+        if STATS > 0:
             tl.store(stats_ptr, tl.load(stats_ptr) + total.to(tl.int64))
     else:
         tl.debug_barrier()
@@ -142,16 +145,18 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
             scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0) & (pf < 0), other=0, volatile=True)
             row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
             tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
-            if STATS:
+            if STATS > 0:
                 n_pairs += tl.sum(valid.to(tl.int64), 0)
                 n_missed += tl.sum((valid & (slot < 0)).to(tl.int64), 0)
                 tl.store(record_ptr + offs_m, ids.to(tl.int32), mask=offs_m < M)
-        if STATS:
+        if STATS > 0:
             tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
             tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
             tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
-            if PF:
-                tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_pf)
+        if STATS >= 4:
+            tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_routed)
+        if STATS >= 5:
+            tl.store(stats_ptr + 4, tl.load(stats_ptr + 4) + n_pf)
 
 
 @triton.jit
@@ -240,7 +245,7 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     if pf_row_E is not None:
         _check_row_map(pf_row_E, host_rows_ER.shape[0], dev)
     if stats is not None:
-        _check_stats(stats, *topk_ids_TK.shape, dev, 4 if pf_row_E is not None else 3)
+        _check_stats(stats, *topk_ids_TK.shape, dev, 5 if pf_row_E is not None else 3)
     T, K = topk_ids_TK.shape
     E = host_rows_ER.shape[0]
     M = T * K
@@ -255,8 +260,8 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
         counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
         _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
                            counts_3, record_MK, slot_of_E if pf_row_E is None else pf_row_E, M, E, scratch_base,
-                           BLOCK=_PLAN_BLOCK, STATS=stats is not None, PF=pf_row_E is not None, DENSE=False,
-                           num_warps=4)
+                           BLOCK=_PLAN_BLOCK, STATS=min(counts_3.shape[0], 5) if stats is not None else 0,
+                           PF=pf_row_E is not None, DENSE=False, num_warps=4)
     return MissPlan(rows_TK, miss_experts_X, num_missing_1)
 
 
@@ -284,8 +289,26 @@ def prefetch_misses(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, hos
     with device_guard(dev):
         _plan_kernel[(1,)](slot_of_E, ids_M, need_E, row_of_E, miss_experts_X, num_missing_1, num_missing_1,
                            num_missing_1 if counts_1 is None else counts_1, num_missing_1, row_of_E, M, E, base,
-                           BLOCK=_PLAN_BLOCK, STATS=counts_1 is not None, PF=False, DENSE=True, num_warps=4)
+                           BLOCK=_PLAN_BLOCK, STATS=int(counts_1 is not None), PF=False, DENSE=True, num_warps=4)
     copy_misses(MissPlan(predicted_ids_TK, miss_experts_X, num_missing_1), host_rows_ER, pool_rows_NR, base, config)
+
+
+def count_step_reference(ids_TK: torch.Tensor, slot_of_E: torch.Tensor, pf_row_E: torch.Tensor | None,
+                         counts_C: torch.Tensor, record_MK: torch.Tensor) -> None:
+    """Plain-torch oracle of the plan kernel's counting (the CPU path uses it): adds (routed pairs, missed pairs,
+    distinct missed experts copied in the step[, distinct routed experts[, distinct missing experts read from a
+    lookahead row]]) to ``counts_C`` (as many as it holds, 3 to 5) and stores the ids into ``record_MK[:T]``."""
+    E, T = slot_of_E.shape[0], ids_TK.shape[0]
+    ids = ids_TK.long().reshape(-1)
+    valid = (ids >= 0) & (ids < E)
+    safe = ids.clamp(0, max(E - 1, 0))
+    missed = valid & (slot_of_E.long()[safe] < 0)
+    from_pf = missed & (pf_row_E.long()[safe] >= 0) if pf_row_E is not None else torch.zeros_like(missed)
+    got = [int(valid.sum()), int(missed.sum()), torch.unique(ids[missed & ~from_pf]).numel(),
+           torch.unique(ids[valid]).numel(), torch.unique(ids[from_pf]).numel()]
+    n = min(counts_C.shape[0], 5)
+    counts_C[:n] += torch.tensor(got[:n], dtype=torch.int64, device=counts_C.device)
+    record_MK[:T].copy_(ids_TK)
 
 
 def prefetch_misses_reference(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
@@ -356,9 +379,10 @@ def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_E
             are scratch (overwritten); resident slots are only read through ``rows_TK``.
         scratch_base: first scratch row.
         config: copy launch shape (default :class:`MissCopyConfig`).
-        stats: optional ``(counts_3 int64 [3], record_MK int32 [>= T, K])``: the plan kernel also does what
-            ``kernels/decode_stats.py``'s ``decode_stats`` does with them (same counts, same record); with
-            ``pf_row_E`` counts are ``[>= 4]`` and the 4th gets the distinct missing experts read from a lookahead row.
+        stats: optional ``(counts_C int64 [C >= 3], record_MK int32 [>= T, K])``: the plan kernel also adds the
+            step's routed pairs, missed pairs and distinct missed experts copied here (C >= 4: distinct routed
+            experts; C >= 5: distinct missing experts read from a lookahead row, needed with ``pf_row_E``) to
+            ``counts_C`` and stores the ids into ``record_MK`` (:func:`count_step_reference` is the oracle).
         pf_row_E: optional ``[E]`` int32 row map written by :func:`prefetch_misses` (its copies ordered before
             this call): a missing expert with a row there is read from it, not copied.
 

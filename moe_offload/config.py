@@ -26,7 +26,7 @@ _PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 PRESETS = PRESET_NAMES
 #: largest token count of a forward on the routed-only path (decode_path.py): its routing record and
-#: the kernels' single-program loops (kernels/decode_stats.py, kernels/moe_align.py decode_align) hold
+#: the kernels' single-program loops (kernels/decode_miss.py's plan, kernels/moe_align.py decode_align) hold
 #: T*K pairs at once, and K <= 256 keeps T*K within Triton's 2**20-element tensor limit
 ROUTED_MAX_TOKENS_LIMIT = 4096
 FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")

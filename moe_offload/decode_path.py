@@ -11,10 +11,10 @@ In the step (every tensor op on the compute stream, nothing read back; capturabl
   (rows 0..S-1 slots, S..S+X-1 scratch). On the CPU the same rows come from the torch reference.
 - with ``decode.lookahead`` (``lookahead.py``), the next layer's predicted misses are copied a layer ahead on a
   side stream, and ``rows`` reads those from their lookahead rows instead of copying them;
-- device counters per layer (routed pairs, missed pairs, distinct missed experts; with the lookahead also
-  the distinct missed experts read from a lookahead row and the experts it copied) and one record of
-  the routed ids, written into mapped pinned host memory (one kernel, ``kernels/decode_stats.py``: a
-  device-side write, capturable, no D2H call).
+- device counters per layer (routed pairs, missed pairs, distinct missed experts, distinct routed experts;
+  with the lookahead also the distinct missed experts read from a lookahead row and the experts it copied)
+  and one record of the routed ids, written into mapped pinned host memory by the miss server's plan
+  kernel (a device-side write, capturable, no D2H call).
 
 Between steps (``boundary``, host; the engine calls it before each step and the first MoE layer of
 an eager forward calls it too), deterministic so TP ranks stay in agreement:
@@ -38,7 +38,6 @@ import torch
 
 from moe_offload import log
 from moe_offload.copy_paths import RowCopy
-from moe_offload.kernels.decode_stats import decode_stats
 from moe_offload.uva import mapped_device_view, pin_mapped, unpin
 
 
@@ -54,9 +53,10 @@ class DecodeResidency:
         K, L = store.geometry.top_k, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
         self.scratch_base = pool.num_slots
-        # per layer: routed pairs, missed pairs, distinct missed experts read in the step (kernels/decode_stats.py),
-        # distinct missed experts read from a lookahead row, experts the lookahead copied (lookahead.py)
-        self.counts_LC = torch.zeros((L, 5), dtype=torch.int64, device=self.device)
+        # per layer (kernels/decode_miss.py plan kernel): routed pairs, missed pairs, distinct missed experts read in
+        # the step, distinct routed experts, distinct missed experts read from a lookahead row, experts the
+        # lookahead copied (lookahead.py)
+        self.counts_LC = torch.zeros((L, 6), dtype=torch.int64, device=self.device)
         self.lookahead = None
         if lookahead_tokens > 0:
             from moe_offload.lookahead import Lookahead, lookahead_rows
@@ -96,22 +96,19 @@ class DecodeResidency:
         if self.lookahead is not None:
             pf_E = self.lookahead.take(lp)
             if hidden_TH is not None and lp + 1 < len(self.store.layers):
-                self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 4:])
+                self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses
 
-            # the plan kernel also counts the step and records its ids (decode_stats' job, one launch fewer)
+            # the plan kernel also counts the step and records its ids (no launch of its own)
             rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
                                    stats=(self.counts_LC[lp], self._record_dev[lp]), pf_row_E=pf_E)
         else:
-            from moe_offload.kernels.decode_miss import serve_misses_reference
+            from moe_offload.kernels.decode_miss import count_step_reference, serve_misses_reference
 
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
                                              self.scratch_base, pf_E)
-            if pf_E is None:
-                decode_stats(ids_TK, rows_TK, self.counts_LC[lp, :3], self._record_dev[lp], self.scratch_base)
-            else:
-                _count_with_lookahead(ids_TK, table_E, pf_E, self.counts_LC[lp], self._record_dev[lp])
+            count_step_reference(ids_TK, table_E, pf_E, self.counts_LC[lp], self._record_dev[lp])
         self._record_T[lp] = T
         return rows_TK
 
@@ -231,9 +228,10 @@ class DecodeResidency:
         self._record_ready = False
 
     # ------------------------------------------------------------------ stats and teardown
-    def counts(self) -> dict[int, tuple[int, int, int, int, int]]:
+    def counts(self) -> dict[int, tuple[int, ...]]:
         """HOST SYNC (stats only): per MoE layer (routed pairs, missed pairs, distinct missed experts read in the
-        step, distinct missed experts read from a lookahead row, experts the lookahead copied)."""
+        step, distinct routed experts, distinct missed experts read from a lookahead row, experts the lookahead
+        copied), summed over steps."""
         c = self.counts_LC.cpu().numpy()
         return {self.store.layers[lp]: tuple(int(v) for v in c[lp]) for lp in range(c.shape[0])}
 
@@ -242,9 +240,10 @@ class DecodeResidency:
         the step and copied by the lookahead); returns the lookahead's summary (None when it is off)."""
         R = self.store.bytes_per_expert
         la = {"copied": 0, "used": 0, "missed_experts": 0}
-        for layer, (pairs, missed, distinct, used, copied) in self.counts().items():
+        for layer, (pairs, missed, distinct, routed, used, copied) in self.counts().items():
             c = self.counters.layer(layer)
             c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
+            c.routed_experts = routed
             c.bytes["decode_lookahead"] = copied * R
             la["copied"] += copied
             la["used"] += used
@@ -269,19 +268,6 @@ class DecodeResidency:
             self._record_dev = self._record_host
             self._unpin()
             self._record_pinned = False
-
-
-def _count_with_lookahead(ids_TK, table_E, pf_E, counts_5, record_MK) -> None:
-    """CPU path: what the plan kernel's STATS + PF counting adds (``kernels/decode_miss.py``)."""
-    E, T = table_E.shape[0], ids_TK.shape[0]
-    ids = ids_TK.long().reshape(-1)
-    valid = (ids >= 0) & (ids < E)
-    safe = ids.clamp(0, max(E - 1, 0))
-    missed = valid & (table_E.long()[safe] < 0)
-    from_pf = missed & (pf_E.long()[safe] >= 0)
-    counts_5[:4] += torch.tensor([int(valid.sum()), int(missed.sum()), torch.unique(ids[missed & ~from_pf]).numel(),
-                                  torch.unique(ids[from_pf]).numel()], dtype=torch.int64)
-    record_MK[:T].copy_(ids_TK)
 
 
 _PAGE = 4096

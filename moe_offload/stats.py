@@ -18,13 +18,15 @@ class LayerCounters:
 
     hits: int = 0
     misses: int = 0
+    routed_experts: int = 0  # distinct experts routed by each decode step, summed over steps
     evictions: int = 0
     prefill_hits: int = 0
     prefill_misses: int = 0
     bytes: Counter = field(default_factory=Counter)
 
     def as_dict(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "evictions": self.evictions,
+        return {"hits": self.hits, "misses": self.misses, "routed_experts": self.routed_experts,
+                "evictions": self.evictions,
                 "prefill_hits": self.prefill_hits, "prefill_misses": self.prefill_misses,
                 "bytes": {p: int(self.bytes[p]) for p in PATHS}}
 
@@ -56,6 +58,7 @@ class CacheStats:
         for c in self.layers.values():
             total.hits += c.hits
             total.misses += c.misses
+            total.routed_experts += c.routed_experts
             total.evictions += c.evictions
             total.prefill_hits += c.prefill_hits
             total.prefill_misses += c.prefill_misses

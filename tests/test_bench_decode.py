@@ -71,9 +71,9 @@ def test_all_resident_cells_hit_every_lookup_and_read_nothing_from_host(bench):
 def test_with_nothing_resident_the_pcie_floor_counts_the_misses_of_each_step(bench):
     _, _, result, _ = bench
     c, m, h2d = _cell(result, 0.0, 1), result["model"], result["floors"]["h2d"]["GBps"] * 1e9
-    assert c["hit_rate"] < 1.0 and c["missed_experts_per_step"] > 0
-    # decode_uva bytes are whole expert rows: misses per step x row bytes, exactly
-    assert c["pcie_bytes_per_step"]["decode_uva"] == pytest.approx(c["missed_experts_per_step"] * m["bytes_per_expert"])
+    assert c["hit_rate"] < 1.0 and c["missed_pairs_per_step"] > 0
+    # decode_uva bytes are whole expert rows; at batch 1 a step's missed pairs are distinct experts
+    assert c["pcie_bytes_per_step"]["decode_uva"] == pytest.approx(c["missed_pairs_per_step"] * m["bytes_per_expert"])
     assert c["pcie_floor_ms"] == pytest.approx(c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3)
 
 
@@ -86,6 +86,19 @@ def test_the_hbm_floor_reads_routed_experts_non_expert_weights_and_the_kv_cache(
     assert s["steps"] == STEPS and m["non_expert_bytes"] > 0
     assert c["hbm_bytes_per_step"]["total"] == pytest.approx(expected)
     assert c["hbm_floor_ms"] == pytest.approx(expected / (result["floors"]["hbm"]["GBps"] * 1e9) * 1e3)
+
+
+def test_the_hbm_floor_counts_each_routed_expert_once_per_step_not_once_per_pair(bench):
+    _, _, result, _ = bench
+    K = result["model"]["top_k"]
+    for batch in (1, 2):
+        c = _cell(result, 1.0, batch)
+        layers = len(c["routed_per_layer_per_step"])
+        assert c["routed_pairs_per_step"] == batch * K * layers
+        if batch == 1:  # one token routes to K distinct experts
+            assert c["routed_experts_per_step"] == c["routed_pairs_per_step"]
+        else:  # two tokens share some experts on these prompts: fewer distinct than pairs, at least one token's
+            assert K * layers <= c["routed_experts_per_step"] <= c["routed_pairs_per_step"]
 
 
 def test_each_cell_has_its_ratio_to_the_larger_floor(bench):

@@ -72,24 +72,27 @@ def test_serve_misses_matches_the_reference(case, config):
     check_against_reference(*setup(T, K, E, B, resident), config=config)
 
 
+@pytest.mark.parametrize("n", [3, 4])
 @pytest.mark.parametrize("case", CASES.keys())
-def test_the_plan_kernel_counts_and_records_as_decode_stats_does(case):
-    """``serve_misses(..., stats=)`` (the decode path's one launch for both) leaves the counts and the routing
-    record ``kernels/decode_stats.py`` leaves after a plain ``serve_misses``; an id outside the layer counts
-    as no pair, as there."""
-    from moe_offload.kernels.decode_stats import decode_stats
+def test_the_plan_kernel_counts_and_records_as_its_reference(case, n):
+    """``serve_misses(..., stats=)`` (the decode path's counting, no launch of its own) adds what
+    ``count_step_reference`` adds to earlier steps' sums and leaves the same routing record; an id outside the
+    layer counts as no pair and no routed expert."""
+    from moe_offload.kernels.decode_miss import count_step_reference
 
     slot_of_E, ids, host_ER, pool_NR, S = setup(*CASES[case], seed=2)
     T, K = ids.shape
     ids[0, 0] = 99  # outside [0, E): row -1, recorded as routed, counted as no pair
-    counts = torch.tensor([5, 2, 1], dtype=torch.int64, device=DEVICE)  # earlier steps' sums
+    counts = torch.tensor([5, 2, 1, 4][:n], dtype=torch.int64, device=DEVICE)  # earlier steps' sums
     record = torch.full((T + 2, K), -7, dtype=torch.int32, device=DEVICE)
     want_counts, want_record = counts.clone(), record.clone()
     rows = serve_misses(slot_of_E, ids, host_ER, pool_NR.clone(), S)
-    decode_stats(ids, rows, want_counts, want_record, S)
+    count_step_reference(ids, slot_of_E, None, want_counts, want_record)
     got = serve_misses(slot_of_E, ids, host_ER, pool_NR, S, stats=(counts, record))
     assert torch.equal(got, rows)
     assert torch.equal(counts, want_counts) and torch.equal(record, want_record)
+    missed = {e for e in ids.flatten().tolist() if 0 <= e < slot_of_E.shape[0] and slot_of_E[e] < 0}
+    assert int(counts[2] - 1) == len(missed)  # distinct missed experts, independently
     with pytest.raises(ValueError, match="stats record"):
         serve_misses(slot_of_E, ids, host_ER, pool_NR, S, stats=(counts, record.long()))
 

@@ -88,20 +88,6 @@ def test_prompts_of_different_lengths_are_refused_with_the_lengths(tiny_ckpt):
         eng.generate_batch([[5, 6, 7], [5, 6, 7, 8]], 4)
 
 
-def test_the_stats_kernel_counts_and_records_like_the_torch_path():
-    """kernels/decode_stats.py through the Triton interpreter (CPU tensors) against its torch path."""
-    from moe_offload.kernels import decode_stats as ds
-
-    ids = torch.tensor([[3, 9, 1], [9, 4, 3]], dtype=torch.int64)
-    rows = torch.tensor([[5, 20, 21], [20, 2, 5]], dtype=torch.int32)  # scratch_base 20: expert 9 and 1 missed
-    want_c, want_r = torch.zeros(3, dtype=torch.int64), torch.zeros((4, 3), dtype=torch.int32)
-    ds.decode_stats(ids, rows, want_c, want_r, 20)
-    assert want_c.tolist() == [6, 3, 2]
-    got_c, got_r = torch.zeros(3, dtype=torch.int64), torch.zeros((4, 3), dtype=torch.int32)
-    ds._stats_kernel[(1,)](ids, rows, got_c, got_r, 6, 20, BLOCK=8)
-    assert got_c.tolist() == want_c.tolist() and torch.equal(got_r, want_r)
-
-
 def test_a_second_thread_gets_a_clear_error_instead_of_sharing_the_engine(tiny_ckpt):
     import threading
 

@@ -11,8 +11,8 @@ import torch
 from moe_offload.config import load_config
 from moe_offload.decode_graph import StaticDecoder
 from moe_offload.engine import Engine
-from moe_offload.kernels.decode_miss import (prefetch_misses, prefetch_misses_reference, serve_misses,
-                                             serve_misses_reference)
+from moe_offload.kernels.decode_miss import (count_step_reference, prefetch_misses, prefetch_misses_reference,
+                                             serve_misses, serve_misses_reference)
 
 
 def _engine(path, *extra):
@@ -54,7 +54,7 @@ def test_the_prefetch_and_the_served_rows_equal_their_references(seed):
 
     routed = torch.randint(0, E, (T, K), generator=g)
     routed[0, 0] = E + 3  # out of range: row -1, nothing copied
-    counts = torch.zeros(5, dtype=torch.int64)
+    counts = torch.zeros(5, dtype=torch.int64)  # pairs, missed, copied here, routed, from a lookahead row
     record = torch.zeros((T, K), dtype=torch.int32)
     rows = serve_misses(slot, routed, host, pools[0], S, stats=(counts, record), pf_row_E=maps[0])
     ref = serve_misses_reference(slot, routed, host, pools[1], S, maps[1])
@@ -68,7 +68,28 @@ def test_the_prefetch_and_the_served_rows_equal_their_references(seed):
     valid = [e for e in routed.flatten().tolist() if e < E]
     missed = [e for e in valid if slot[e] < 0]
     from_pf = {e for e in missed if e in want_copied}
-    assert counts.tolist() == [len(valid), len(missed), len(set(missed) - from_pf), len(from_pf), 0]
+    assert counts.tolist() == [len(valid), len(missed), len(set(missed) - from_pf), len(set(valid)), len(from_pf)]
+    ref_counts, ref_record = torch.zeros(6, dtype=torch.int64), torch.zeros((T, K), dtype=torch.int32)
+    count_step_reference(routed, slot, maps[1], ref_counts, ref_record)
+    assert ref_counts[:5].tolist() == counts.tolist() and ref_counts[5] == 0 and torch.equal(ref_record, record)
+
+
+@pytest.mark.parametrize("n", [3, 4, 6])
+def test_the_plan_kernel_counts_like_its_reference_without_the_lookahead(n):
+    g = torch.Generator().manual_seed(n)
+    E, R, S, T, K = 32, 16, 8, 5, 4
+    host = torch.randint(0, 256, (E, R), dtype=torch.uint8, generator=g)
+    slot = torch.full((E,), -1, dtype=torch.int32)
+    slot[torch.randperm(E, generator=g)[:S]] = torch.arange(S, dtype=torch.int32)
+    pool = torch.zeros((S + T * K, R), dtype=torch.uint8)
+    ids = torch.randint(0, E, (T, K), generator=g)
+    got, want = torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+    rec, ref_rec = torch.zeros((T, K), dtype=torch.int32), torch.zeros((T, K), dtype=torch.int32)
+    serve_misses(slot, ids, host, pool, S, stats=(got, rec))
+    count_step_reference(ids, slot, None, want, ref_rec)
+    assert got.tolist() == want.tolist() and torch.equal(rec, ref_rec)
+    if n >= 4:
+        assert got[3] == len(set(ids.flatten().tolist()))  # distinct routed experts: the HBM floor's count
 
 
 def test_a_row_map_of_the_wrong_shape_is_refused_with_its_name():
@@ -182,7 +203,7 @@ from moe_offload.kernels import decode_miss as dm
 fn = dm._plan_kernel
 names = fn.arg_names
 ok = []
-for stats, pf, dense in ((True, False, False), (True, True, False), (True, False, True), (False, False, True)):
+for stats, pf, dense in ((3, False, False), (5, True, False), (6, False, False), (1, False, True), (0, False, True)):
     sig = {n: "*i32" for n in names}
     sig.update({"stats_ptr": "*i64", "M": "i32", "E": "i32", "scratch_base": "i32"})
     consts = {"BLOCK": 1024, "STATS": stats, "PF": pf, "DENSE": dense}

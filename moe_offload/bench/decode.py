@@ -223,7 +223,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
     B, tok_s, per_step = len(prompts), [], []
-    hits = misses = uva = h2d = staged = staged_h2d = ahead = 0
+    hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
     for _ in range(plan.reps):
@@ -233,7 +233,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         tok_s.append(B * plan.steps / decode_s)
         per_step += steps_s
         t = stats["total"]
-        hits, misses = hits + t["hits"], misses + t["misses"]
+        hits, misses, routed = hits + t["hits"], misses + t["misses"], routed + t["routed_experts"]
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
         ahead += t["bytes"].get("decode_lookahead", 0)
         if la is not None:
@@ -262,7 +262,10 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
                         * 1e3, "mean": statistics.fmean(q) * 1e3},
         "hit_rate": hits / (hits + misses) if hits + misses else None,
-        "routed_experts_per_step": (hits + misses) / n, "missed_experts_per_step": misses / n,
+        # distinct experts routed per step (summed over layers): what the step must read; pairs read each once
+        # per routed token (the HBM floor counts the distinct ones)
+        "routed_experts_per_step": routed / n, "routed_pairs_per_step": (hits + misses) / n,
+        "missed_pairs_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
         "pcie_bytes_per_step": {"total": (uva + ahead + h2d + staged_h2d) / n, "decode_uva": uva / n,
                                 "decode_lookahead": ahead / n, "decode_h2d": h2d / n, "staged_h2d": staged_h2d / n,

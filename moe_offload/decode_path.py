@@ -62,7 +62,7 @@ class DecodeResidency:
             from moe_offload.lookahead import Lookahead, lookahead_rows
 
             rows = lookahead_rows(lookahead_tokens, store)
-            self.lookahead = Lookahead(store, pool, pool.rows_NR.shape[0] - rows, rows // 2, lookahead_tokens)
+            self.lookahead = Lookahead(store, pool, streams, pool.rows_NR.shape[0] - rows, rows // 2, lookahead_tokens)
         self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host

@@ -62,13 +62,13 @@ def attach_routers(cache, model: torch.nn.Module) -> None:
 class Lookahead:
     """The lookahead state of one cache's decode path (see the module docstring)."""
 
-    def __init__(self, store, pool, base: int, rows: int, max_tokens: int):
+    def __init__(self, store, pool, streams, base: int, rows: int, max_tokens: int):
         self.store, self.pool = store, pool
         self.device = pool.device
         self.base, self.rows, self.max_tokens = base, rows, max_tokens
         E = store.num_experts
         self.row_of_PE = torch.full((2, E), -1, dtype=torch.int32, device=self.device)
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stream = streams.lookahead()  # None on the CPU; cache.synchronize() waits for it
         self._routers: dict[int, torch.nn.Module] = {}  # lp -> router of that MoE layer
         self._issued: set[int] = set()  # lps this forward predicted and has not taken yet
         self._keep: dict[int, torch.Tensor] = {}  # predicted ids read by the lookahead stream, kept until joined

@@ -1,6 +1,6 @@
 """Streams and events of one cache, and their CPU no-op.
 
-Three streams on CUDA: ``copy`` (PCIe copies: prefill misses, decode admissions), ``hit`` (device-side
+Three streams on CUDA (four with ``decode.lookahead``, whose copies run on ``lookahead()``): ``copy`` (PCIe copies: prefill misses, decode admissions), ``hit`` (device-side
 prefill hit copies: an SM gather queued on the copy stream would wait for SMs held by the compute
 stream's GEMMs and hold the next layer's PCIe copy behind it) and the caller's current stream
 (compute). Ordering between them is by events only; nothing here synchronizes the host except
@@ -23,6 +23,14 @@ class Streams:
         self.is_cuda = device.type == "cuda"
         self.copy = torch.cuda.Stream(device) if self.is_cuda else None
         self.hit = torch.cuda.Stream(device) if self.is_cuda else None
+        self.ahead = None  # the decode lookahead's stream (``lookahead``), made on first use
+
+    def lookahead(self):
+        """The decode lookahead's stream (``moe_offload/lookahead.py``: it copies the next layer's predicted
+        misses beside the compute stream), made once; ``synchronize`` waits for it too. None on the CPU."""
+        if self.is_cuda and self.ahead is None:
+            self.ahead = torch.cuda.Stream(self.device)
+        return self.ahead
 
     def event(self):
         return torch.cuda.Event() if self.is_cuda else None
@@ -60,8 +68,10 @@ class Streams:
             cur.wait_stream(self.hit)
 
     def synchronize(self) -> None:
-        """HOST SYNC: wait for the copy, hit and current streams (teardown, tests, benchmarks)."""
+        """HOST SYNC: wait for the copy, hit, lookahead and current streams (teardown, tests, benchmarks)."""
         if self.is_cuda:
             self.copy.synchronize()
             self.hit.synchronize()
+            if self.ahead is not None:
+                self.ahead.synchronize()
             self.current().synchronize()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
-#   stages: tune_dequant build probe tune_gemv ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
+#   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
@@ -62,6 +62,11 @@ has probe && moe-offload probe --json > "$RES/probe.json" 2> "$RES/probe.err"
 if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gemv_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: 32-64 rows) for this GPU
+  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-32 64} \
+    > "$RES/tune_moe.log" 2>&1
+  cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
   timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \

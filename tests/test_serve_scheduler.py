@@ -188,6 +188,20 @@ def test_other_families_batch_to_the_greedy_tokens_of_engine_generate(tiny_ckpt,
         s.stop()
 
 
+def test_serving_with_the_decode_lookahead_gives_the_tokens_without_it(tiny_ckpt):
+    """decode.lookahead (moe_offload/lookahead.py) in the serving loop, at a cache small enough to miss: the
+    batched rows' tokens are those of Engine.generate without the lookahead, and it did copy experts."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    ref = [make_engine(path, "cache.budget=0.3").generate(p, n).token_ids for p, n in zip(PROMPTS[:4], MAX_NEW[:4])]
+    eng = make_engine(path, "cache.budget=0.3", "decode.lookahead=true")
+    s = Scheduler(eng, ServeConfig(max_batch=4)).start()
+    try:
+        assert run_concurrently(s, PROMPTS[:4], MAX_NEW[:4]) == ref
+    finally:
+        s.stop()
+    assert eng.cache.stats()["lookahead"]["used"] > 0
+
+
 def test_a_decode_steps_tokens_are_sent_after_the_next_step_is_enqueued_and_the_last_one_at_once(engine, reference):
     """The sinks (and the HTTP work behind them) overlap the next device step instead of delaying its launch."""
     s = Scheduler(engine, ServeConfig(max_batch=4, max_queue=64))

@@ -93,6 +93,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
     no rows and no record; ``scratch_of_ptr`` becomes ``[E]`` rows for every expert: ``scratch_base + j`` for
     the j-th distinct missing one, -1 for the rest; with STATS ``stats_ptr[0]`` gets the distinct missing
     count."""
+    tl.static_assert(DENSE or STATS == 0 or STATS >= 3, "STATS is the number of counters: 0, or 3 to 5")
     for e0 in range(0, E, BLOCK):
         offs_e = e0 + tl.arange(0, BLOCK)
         tl.store(need_ptr + offs_e, tl.zeros((BLOCK,), tl.int32), mask=offs_e < E)

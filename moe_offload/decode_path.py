@@ -84,19 +84,15 @@ class DecodeResidency:
     def rows(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None) -> torch.Tensor:
         """``rows_TK`` int32: the pool row each routed pair reads (slot, a lookahead row, or scratch after a UVA
         copy). ``hidden_TH``: the layer's MoE input; with lookahead on, the next MoE layer's routing is
-        predicted from it and its misses prefetched (after this layer's own prefetch is joined, before its
-        misses are copied)."""
+        predicted from it and its misses prefetched (after this layer's own prefetch is joined and its own
+        misses are enqueued)."""
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
         if T > self.max_tokens:
             raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
                              "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
         table_E = self.pool.table_LE[lp]
-        pf_E = None
-        if self.lookahead is not None:
-            pf_E = self.lookahead.take(lp)
-            if hidden_TH is not None and lp + 1 < len(self.store.layers):
-                self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
+        pf_E = self.lookahead.take(lp) if self.lookahead is not None else None
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses
 
@@ -109,6 +105,10 @@ class DecodeResidency:
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
                                              self.scratch_base, pf_E)
             count_step_reference(ids_TK, table_E, pf_E, self.counts_LC[lp], self._record_dev[lp])
+        if self.lookahead is not None and hidden_TH is not None and lp + 1 < len(self.store.layers):
+            # after this layer's own misses are enqueued: its copy, on the critical path, goes first; the
+            # prefetch overlaps this layer's expert compute and the next layer's attention
+            self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
         self._record_T[lp] = T
         return rows_TK
 
@@ -240,6 +240,7 @@ class DecodeResidency:
         the step and copied by the lookahead); returns the lookahead's summary (None when it is off)."""
         R = self.store.bytes_per_expert
         la = {"copied": 0, "used": 0, "missed_experts": 0}
+        first = self.store.layers[0]  # never predicted: its misses stay out of the lookahead's recall
         for layer, (pairs, missed, distinct, routed, used, copied) in self.counts().items():
             c = self.counters.layer(layer)
             c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
@@ -247,7 +248,7 @@ class DecodeResidency:
             c.bytes["decode_lookahead"] = copied * R
             la["copied"] += copied
             la["used"] += used
-            la["missed_experts"] += distinct + used
+            la["missed_experts"] += (distinct + used) if layer != first else 0
         if self.lookahead is None:
             return None
         la["recall"] = la["used"] / la["missed_experts"] if la["missed_experts"] else None

@@ -4,26 +4,32 @@ copied while this layer computes.
 Legend: L MoE layers (``lp`` = position in ``store.layers``), E experts per layer, T tokens of a step, K top-k,
 X rows per parity (``min(decode.max_tokens * K, E)``), R bytes of one expert row.
 
-At MoE layer ``lp`` of a decode step (``T <= decode.max_tokens``), before its own misses are served:
-1. ``take(lp)``: if this forward predicted layer ``lp`` (at ``lp - 1``), the compute stream waits for that
-   copy (``wait_stream`` on the lookahead stream) and gets its row map ``row_of_PE[lp % 2]``; the miss
-   server reads the experts it holds from there instead of copying them (``kernels/decode_miss.py``, PF).
-2. ``issue(lp + 1, hidden_TH)``: layer ``lp + 1``'s router applied to this layer's MoE input predicts its
-   routing (``router.forward``: the module's hooks, e.g. transformers' router-logit recorder, do not see
-   it); on the lookahead stream, after everything queued on the compute stream so far, the predicted
-   experts that are not resident are copied by SMs from mapped host memory into parity ``(lp + 1) % 2``'s
-   X rows (``prefetch_misses``), which that layer reads after its own ``take``.
+At MoE layer ``lp`` of a decode step (``T <= decode.max_tokens``):
+1. ``take(lp)``, before its misses are served: if this forward predicted layer ``lp`` (at ``lp - 1``), the
+   compute stream waits for that copy (``wait_stream`` on the lookahead stream) and gets its row map
+   ``row_of_PE[lp % 2]``; the miss server reads the experts it holds from there instead of copying them
+   (``kernels/decode_miss.py``, PF).
+2. ``issue(lp + 1, hidden_TH)``, after this layer's own misses are enqueued: layer ``lp + 1``'s router
+   applied to this layer's MoE input predicts its routing (``router.forward``: the module's hooks, e.g.
+   transformers' router-logit recorder, do not see it); on the lookahead stream, after everything queued on
+   the compute stream so far, the predicted experts that are not resident are copied by SMs (one CTA per SM,
+   leaving the rest to the compute) from mapped host memory into parity ``(lp + 1) % 2``'s X rows
+   (``prefetch_misses``), which that layer reads after its own ``take``.
 
-The copy of layer ``lp + 1`` overlaps layer ``lp``'s own miss copy and expert compute and layer ``lp + 1``'s
-attention. Parity ``p``'s rows are rewritten two layers later, by a copy that starts after the compute
+The copy of layer ``lp + 1`` overlaps layer ``lp``'s expert compute and layer ``lp + 1``'s attention; this
+layer's own miss copy, on the critical path, is not slowed by it. Parity ``p``'s rows are rewritten two layers later, by a copy that starts after the compute
 stream's position, i.e. after the layer that read them. Nothing here syncs the host; in a captured step
 the fork and the join are graph edges. Wrong predictions cost bytes over PCIe (counted), never results:
 a mispredicted expert is read from host memory in the step as without lookahead, and every row holds the
 exact host bytes of its expert, so outputs are bitwise those of the step without lookahead.
 
-Counted per layer (``DecodeResidency.counts_LC`` columns 3 and 4): distinct missing experts read from a
+Counted per layer (``DecodeResidency.counts_LC`` columns 4 and 5): distinct missing experts read from a
 lookahead row (used) and experts the lookahead copied; ``stats()["lookahead"]`` gives recall (used /
-distinct missing) and precision (used / copied).
+distinct missing experts of the layers it predicts, i.e. all but the first) and precision (used / copied).
+
+Enabling it takes 2 x min(decode.max_tokens x K, E) rows from the budget: a byte or fraction budget then buys
+fewer slots, which may move ``prefill.routed_max_tokens: auto``'s threshold (chosen from the resident
+fraction); logits are bitwise those without the lookahead at the same slots and paths.
 """
 
 from __future__ import annotations
@@ -33,7 +39,11 @@ import logging
 import torch
 
 from moe_offload import log
-from moe_offload.kernels.decode_miss import prefetch_misses, prefetch_misses_reference
+from moe_offload.kernels.decode_miss import MissCopyConfig, prefetch_misses, prefetch_misses_reference
+
+#: one CTA per SM for the prefetch copy (the miss server's own copy uses 4): ~130 x 16 KiB reads in flight
+#: cover PCIe's latency x bandwidth (~100 KB) and leave the SMs to the compute it overlaps
+_COPY = MissCopyConfig(ctas_per_sm=1)
 
 
 def routers_by_layer(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -119,7 +129,7 @@ class Lookahead:
             cur = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(cur)
             with torch.cuda.stream(self.stream):
-                prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1)
+                prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1, _COPY)
             self._keep[lp] = ids_TK
         self._issued.add(lp)
 

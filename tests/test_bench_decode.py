@@ -97,8 +97,9 @@ def test_the_hbm_floor_counts_each_routed_expert_once_per_step_not_once_per_pair
         assert c["routed_pairs_per_step"] == batch * K * layers
         if batch == 1:  # one token routes to K distinct experts
             assert c["routed_experts_per_step"] == c["routed_pairs_per_step"]
-        else:  # two tokens share some experts on these prompts: fewer distinct than pairs, at least one token's
-            assert K * layers <= c["routed_experts_per_step"] <= c["routed_pairs_per_step"]
+        else:  # two tokens share some experts on these seeded prompts: fewer distinct than pairs (measured 29.3
+            # of 32 per step), at least one token's; a count of pairs would fail here
+            assert K * layers <= c["routed_experts_per_step"] < c["routed_pairs_per_step"]
 
 
 def test_each_cell_has_its_ratio_to_the_larger_floor(bench):

@@ -86,3 +86,26 @@ def test_a_steady_state_step_with_the_lookahead_makes_no_host_sync(tiny_ckpt):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert eng.cache.stats()["lookahead"]["copied"] > 0
+
+
+def test_a_slow_prefetch_is_still_waited_for(tiny_ckpt, monkeypatch):
+    """Each prefetch starts with ~1 ms of GPU sleep on the lookahead stream: a missing join (the next layer's
+    miss server reading its rows before the copy lands) would read stale rows and change the logits."""
+    from moe_offload import lookahead as la_module
+
+    real = la_module.prefetch_misses
+
+    def slow(*args, **kwargs):
+        torch.cuda._sleep(2_000_000)  # cycles, on the current (lookahead) stream
+        return real(*args, **kwargs)
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    prompts = [list(range(10, 42))]
+    want = _run(StaticDecoder(_engine(path, "cache.budget=8 slots"), 1, 64, graphs=False), prompts, 6)
+    monkeypatch.setattr(la_module, "prefetch_misses", slow)
+    for graphs in (False, True):
+        eng = _engine(path, "cache.budget=8 slots", "decode.lookahead=true")
+        got = _run(StaticDecoder(eng, 1, 64, graphs=graphs), prompts, 6)
+        assert eng.cache.stats()["lookahead"]["used"] > 0
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"graphs={graphs}: step {i} differs"

@@ -34,6 +34,7 @@ fraction); logits are bitwise those without the lookahead at the same slots and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -78,7 +79,7 @@ class Lookahead:
         self.base, self.rows, self.max_tokens = base, rows, max_tokens
         E = store.num_experts
         self.row_of_PE = torch.full((2, E), -1, dtype=torch.int32, device=self.device)
-        self.stream = streams.lookahead()  # None on the CPU; cache.synchronize() waits for it
+        self.streams = streams  # its copies run on streams.lookahead(); cache.synchronize() waits for it
         self._routers: dict[int, torch.nn.Module] = {}  # lp -> router of that MoE layer
         self._issued: set[int] = set()  # lps this forward predicted and has not taken yet
         self._keep: dict[int, torch.Tensor] = {}  # predicted ids read by the lookahead stream, kept until joined
@@ -106,8 +107,9 @@ class Lookahead:
         if lp not in self._issued:
             return None
         self._issued.discard(lp)
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        s = self.streams
+        if s.is_cuda:
+            s.current().wait_stream(s.lookahead())
         self._keep.pop(lp, None)  # joined: the compute stream may reuse its memory now
         return self.row_of_PE[lp % 2]
 
@@ -123,20 +125,22 @@ class Lookahead:
         host = self.store.device_rows(layer, self.device)
         row_of_E = self.row_of_PE[lp % 2]
         base = self.base + (lp % 2) * self.rows
-        if self.stream is None:
-            counts_1 += prefetch_misses_reference(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E)
-        else:
-            cur = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(cur)
-            with torch.cuda.stream(self.stream):
-                prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1, _COPY)
+        s = self.streams
+        if s.is_cuda:  # fork: after everything the compute stream has queued (the reads of these rows included)
+            ahead = s.lookahead()
+            ahead.wait_stream(s.current())
             self._keep[lp] = ids_TK
+        with s.on(s.lookahead()) if s.is_cuda else contextlib.nullcontext():
+            if self.device.type == "cuda":
+                prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1, _COPY)
+            else:  # the CPU (the stream-order tests run it under fake streams)
+                counts_1 += prefetch_misses_reference(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E)
         self._issued.add(lp)
 
     def reset(self) -> None:
         """A new step: nothing issued (a forward that raised may have left a prefetch untaken; its rows and
         map stay consistent, but a new step predicts afresh)."""
         self._issued.clear()
-        if self._keep and self.stream is not None:  # an untaken copy may still read its ids
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self._keep and self.streams.is_cuda:  # an untaken copy may still read its ids
+            self.streams.current().wait_stream(self.streams.lookahead())
         self._keep.clear()

@@ -15,6 +15,7 @@ import torch
 import moe_offload.hit_copy as hit_copy
 import moe_offload.kernels.copy as copy_kernels
 import moe_offload.kernels.decode_miss as decode_miss
+import moe_offload.lookahead as lookahead_module
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.host_store import ExpertStore
@@ -45,7 +46,7 @@ class FakeEvent:
 
     def synchronize(self):
         """The host waited for the event: whatever it enqueues next, on any stream, comes after."""
-        for s in (self.streams.compute, self.streams.copy, self.streams.hit):
+        for s in (self.streams.compute, self.streams.copy, self.streams.hit, self.streams.ahead):
             s.merge(self.vc)
 
 
@@ -55,7 +56,11 @@ class FakeStreams:
     def __init__(self, device, skip=lambda event: False):
         self.device, self.is_cuda, self.skip = device, True, skip
         self.compute, self.copy, self.hit = FakeStream("compute"), FakeStream("copy"), FakeStream("hit")
+        self.ahead = FakeStream("lookahead")
         self._current = self.compute
+
+    def lookahead(self):
+        return self.ahead
 
     def event(self):
         return FakeEvent(self)
@@ -93,8 +98,9 @@ class FakeStreams:
         self.compute.wait_stream(self.hit)
 
     def synchronize(self):
-        for s in (self.compute, self.copy, self.hit):
-            for t in (self.compute, self.copy, self.hit):
+        every = (self.compute, self.copy, self.hit, self.ahead)
+        for s in every:
+            for t in every:
                 s.merge(t.vc)
 
 
@@ -112,8 +118,10 @@ class Recorder:
 
     def access(self, t, rows, write):
         name = self.resource(t)
-        if name is None:
-            return
+        if name is not None:
+            self.access_named(name, rows, write)
+
+    def access_named(self, name, rows, write):
         s = self.cache.streams.current()
         self.log.append((name, frozenset(int(r) for r in rows), write, s.name, s.tick()))
 
@@ -157,28 +165,57 @@ def _instrument(monkeypatch, cache):
             rec.access(cache.staging.rows[b], range(cache.E), False)  # the GEMMs read the whole layer
         return views
 
+    la = cache.decode.lookahead
+    ahead_base = la.base if la is not None else None
+    real_prefetch = decode_miss.prefetch_misses_reference
+
     def serve(slot_of_E, ids_TK, host_rows, pool_rows, base, pf_row_E=None):
-        assert pf_row_E is None  # decode.lookahead is off here: every row >= base is a scratch row written now
-        rows = real_serve(slot_of_E, ids_TK, host_rows, pool_rows, base)
+        rows = real_serve(slot_of_E, ids_TK, host_rows, pool_rows, base, pf_row_E)
         flat = rows.flatten().tolist()
-        rec.access(pool_rows, [r for r in flat if 0 <= r < base], False)
-        rec.access(pool_rows, sorted({r for r in flat if r >= base}), True)
+        if pf_row_E is not None:  # the lookahead's row map (which parity: by address), then its rows, are read
+            rec.access_named(f"map{(pf_row_E.data_ptr() - la.row_of_PE.data_ptr()) // pf_row_E.nbytes}", [0], False)
+        rec.access(pool_rows, [r for r in flat if 0 <= r < base or (ahead_base is not None and r >= ahead_base)],
+                   False)
+        rec.access(pool_rows, sorted({r for r in flat if r >= base and (ahead_base is None or r < ahead_base)}), True)
         return rows
+
+    def prefetch(slot_of_E, ids_TK, host_rows, pool_rows, base, row_of_E):
+        n = real_prefetch(slot_of_E, ids_TK, host_rows, pool_rows, base, row_of_E)
+        rec.access_named(f"map{(row_of_E.data_ptr() - la.row_of_PE.data_ptr()) // row_of_E.nbytes}", [0], True)
+        rec.access(pool_rows, range(base, base + n), True)
+        return n
 
     monkeypatch.setattr(hit_copy.H2DRows, "copy", h2d)
     monkeypatch.setattr(copy_kernels, "gather_rows", gather)
     monkeypatch.setattr(type(cache.staging), "_copy_full", full)
     monkeypatch.setattr(cache, "stage", stage)
     monkeypatch.setattr(decode_miss, "serve_misses_reference", serve)
+    monkeypatch.setattr(lookahead_module, "prefetch_misses_reference", prefetch)
     return rec, real_done
 
 
-def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced"):
+class _Router:
+    """A stand-in router for the lookahead (its predictions only move bytes): K ids from the hidden state."""
+
+    def __init__(self, E, K, salt):
+        self.E, self.K, self.salt = E, K, salt
+
+    def forward(self, hidden_TH):
+        ids = ((hidden_TH[:, :self.K].abs() * 1000).long() + self.salt) % self.E
+        return None, None, ids
+
+
+def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced", lookahead=False):
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
-    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", policy=policy), PrefillConfig(hit_copy="gather"), "cpu")
+    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", policy=policy), PrefillConfig(hit_copy="gather"), "cpu",
+                            lookahead=lookahead)
     cache.streams = FakeStreams(cache.device, skip)
-    for part in (cache.staging, cache.decode):
+    parts = [cache.staging, cache.decode] + ([cache.decode.lookahead] if lookahead else [])
+    for part in parts:
         part.streams = cache.streams
+    if lookahead:
+        E, K = store.num_experts, store.geometry.top_k
+        cache.decode.lookahead.set_routers({layer: _Router(E, K, i) for i, layer in enumerate(store.layers)})
     ev = cache.streams.event
     for name in ("misses_done", "hits_done", "released"):
         setattr(cache.staging, name, [ev(), ev()])
@@ -192,9 +229,11 @@ def _traffic(cache, store, rng, steps):
         kind = rng.choice(["prefill", "aborted", "decode", "decode"])
         if kind == "decode":
             cache.step_boundary()
+            T = rng.choice([1, 2])
             for layer in layers:
-                ids = torch.tensor([rng.sample(range(E), K) for _ in range(rng.choice([1, 2]))])
-                cache.decode_rows(layer, ids)
+                ids = torch.tensor([rng.sample(range(E), K) for _ in range(T)])
+                hidden = torch.randn(T, 8, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+                cache.decode_rows(layer, ids, hidden)
             cache.decode_step_enqueued()
             continue
         try:
@@ -215,6 +254,34 @@ def test_random_traffic_leaves_no_unordered_pair_of_accesses(tiny_ckpt, monkeypa
     _traffic(cache, store, random.Random(seed), 40)
     assert len(rec.log) > 200 and {r for r, *_ in rec.log} == {"pool", "staging0", "staging1"}
     assert rec.hazards() == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_decode_lookahead_traffic_leaves_no_unordered_pair_of_accesses(tiny_ckpt, monkeypatch, seed):
+    """decode.lookahead: the lookahead stream writes a parity's rows and row map, the next layer's miss server
+    reads them on the compute stream, and two layers later the next prefetch rewrites them."""
+    store, cache = _cache(tiny_ckpt, lookahead=True)
+    rec, _ = _instrument(monkeypatch, cache)
+    _traffic(cache, store, random.Random(seed), 40)
+    names = {r for r, *_ in rec.log}
+    assert {"map0", "map1"} <= names and any(s == "lookahead" for *_, s, _ in rec.log)
+    assert cache.stats()["lookahead"]["used"] > 0  # lookahead rows were read
+    assert rec.hazards() == []
+
+
+@pytest.mark.parametrize("dropped", ["join", "fork"])
+def test_the_checker_finds_the_lookahead_hazard_when_its_join_or_fork_is_dropped(tiny_ckpt, monkeypatch, dropped):
+    """join: the compute stream no longer waits for the lookahead stream before a layer reads its rows; fork:
+    the lookahead stream no longer waits for the compute stream before rewriting rows a layer may still read."""
+    store, cache = _cache(tiny_ckpt, lookahead=True)
+    fake = cache.streams
+    waiter, waited = (fake.compute, fake.ahead) if dropped == "join" else (fake.ahead, fake.compute)
+    real_wait = waiter.wait_stream
+    waiter.wait_stream = lambda other: None if other is waited else real_wait(other)
+    rec, _ = _instrument(monkeypatch, cache)
+    _traffic(cache, store, random.Random(0), 40)
+    found = rec.hazards()
+    assert any(r == "pool" or r.startswith("map") for r, *_ in found), "a checker that cannot fail proves nothing"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

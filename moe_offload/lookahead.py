@@ -34,7 +34,6 @@ fraction); logits are bitwise those without the lookahead at the same slots and 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -81,8 +80,9 @@ class Lookahead:
         self.row_of_PE = torch.full((2, E), -1, dtype=torch.int32, device=self.device)
         self.streams = streams  # its copies run on streams.lookahead(); cache.synchronize() waits for it
         self._routers: dict[int, torch.nn.Module] = {}  # lp -> router of that MoE layer
-        self._issued: set[int] = set()  # lps this forward predicted and has not taken yet
-        self._keep: dict[int, torch.Tensor] = {}  # predicted ids read by the lookahead stream, kept until joined
+        # lp -> predicted ids of a prefetch this forward issued and has not taken yet (kept alive until joined:
+        # the lookahead stream reads them)
+        self._issued: dict[int, torch.Tensor] = {}
 
     def set_routers(self, routers: dict[int, torch.nn.Module], counters=None) -> list[int]:
         """``routers``: decoder layer -> router module (``routers_by_layer``). MoE layers after the first without
@@ -106,11 +106,10 @@ class Lookahead:
         for its copy), else None."""
         if lp not in self._issued:
             return None
-        self._issued.discard(lp)
         s = self.streams
         if s.is_cuda:
             s.current().wait_stream(s.lookahead())
-        self._keep.pop(lp, None)  # joined: the compute stream may reuse its memory now
+        del self._issued[lp]  # joined: the compute stream may reuse the ids' memory now
         return self.row_of_PE[lp % 2]
 
     def issue(self, lp: int, hidden_TH: torch.Tensor, counts_1: torch.Tensor) -> None:
@@ -127,20 +126,17 @@ class Lookahead:
         base = self.base + (lp % 2) * self.rows
         s = self.streams
         if s.is_cuda:  # fork: after everything the compute stream has queued (the reads of these rows included)
-            ahead = s.lookahead()
-            ahead.wait_stream(s.current())
-            self._keep[lp] = ids_TK
-        with s.on(s.lookahead()) if s.is_cuda else contextlib.nullcontext():
+            s.lookahead().wait_stream(s.current())
+        with s.on(s.lookahead()):  # a no-op on the CPU
             if self.device.type == "cuda":
                 prefetch_misses(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E, counts_1, _COPY)
             else:  # the CPU (the stream-order tests run it under fake streams)
                 counts_1 += prefetch_misses_reference(table_E, ids_TK, host, self.pool.rows_NR, base, row_of_E)
-        self._issued.add(lp)
+        self._issued[lp] = ids_TK
 
     def reset(self) -> None:
         """A new step: nothing issued (a forward that raised may have left a prefetch untaken; its rows and
         map stay consistent, but a new step predicts afresh)."""
-        self._issued.clear()
-        if self._keep and self.streams.is_cuda:  # an untaken copy may still read its ids
+        if self._issued and self.streams.is_cuda:  # an untaken copy may still read its ids
             self.streams.current().wait_stream(self.streams.lookahead())
-        self._keep.clear()
+        self._issued.clear()

@@ -8,16 +8,11 @@ tests/gpu/test_lookahead_gpu.py runs it on CUDA (side stream, captured step)."""
 import pytest
 import torch
 
-from moe_offload.config import load_config
+from test_decode_static import _engine
+
 from moe_offload.decode_graph import StaticDecoder
-from moe_offload.engine import Engine
 from moe_offload.kernels.decode_miss import (count_step_reference, prefetch_misses, prefetch_misses_reference,
                                              serve_misses, serve_misses_reference)
-
-
-def _engine(path, *extra):
-    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "logging.level=WARNING", *extra])
-    return Engine.from_config(cfg, progress=False)
 
 
 def _decode(eng, prompts, n):

@@ -250,13 +250,12 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
             per_layer[str(layer)] = per_layer.get(str(layer), 0) + c["hits"] + c["misses"]
     n = plan.reps * plan.steps
     q = sorted(per_step)
-    R = engine.store.bytes_per_expert
+    used = la["used"] * engine.store.bytes_per_expert if la is not None else 0  # missed bytes read from its rows
     if la is not None:  # decode.lookahead: how well the next layer's router predicted the misses (lookahead.py)
         la = {"recall": la["used"] / la["missed_experts"] if la["missed_experts"] else None,
               "precision": la["used"] / la["copied"] if la["copied"] else None,
               "copied_experts_per_step": la["copied"] / n, "used_experts_per_step": la["used"] / n,
               "missed_experts_per_step": la["missed_experts"] / n}
-    used = la["used_experts_per_step"] * R * n if la is not None else 0
     return {
         "tok_s": {"median": statistics.median(tok_s), "reps": tok_s},
         "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]

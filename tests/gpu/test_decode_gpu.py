@@ -19,7 +19,8 @@ def _engine(path, *extra):
 
 
 def _run(dec, prompt, steps):
-    logits = dec.prefill(torch.tensor([prompt], device="cuda"))
+    """Greedy static-cache decode of ``prompt`` (ids, or a batch of equal-length id lists): every step's logits."""
+    logits = dec.prefill(torch.tensor(prompt if isinstance(prompt[0], list) else [prompt], device="cuda"))
     seen = [logits.clone()]
     for _ in range(steps):
         logits = dec.step(logits.argmax(-1))

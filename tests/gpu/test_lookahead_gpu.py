@@ -5,27 +5,12 @@ changes between replays; a steady-state step with it makes no host sync."""
 import pytest
 import torch
 
-from moe_offload.config import load_config
+from test_decode_gpu import _engine, _run
+
 from moe_offload.decode_graph import StaticDecoder
-from moe_offload.engine import Engine
 from moe_offload.kernels.decode_miss import prefetch_misses, prefetch_misses_reference
 
 pytestmark = pytest.mark.gpu
-
-
-def _engine(path, *extra):
-    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
-                             "logging.level=WARNING", *extra])
-    return Engine.from_config(cfg, progress=False)
-
-
-def _run(dec, prompts, steps):
-    logits = dec.prefill(torch.tensor(prompts, device="cuda"))
-    seen = [logits.clone()]
-    for _ in range(steps):
-        logits = dec.step(logits.argmax(-1))
-        seen.append(logits.clone())
-    return seen
 
 
 def test_the_prefetch_from_mapped_host_memory_equals_its_reference(tiny_ckpt):

@@ -6,7 +6,8 @@ Methods (same routing, same weights):
 - ``bf16_grouped_mm``: weights already dense bf16 (the all-resident bf16 compute floor);
   ``torch._grouped_mm`` for gate_up and down.
 - ``dequant_grouped_mm``: ``dequant_banks`` (all E experts) to bf16 per call, then the same path.
-- ``fused_nvfp4``: ``fused_moe_nvfp4`` (W4A16, dequant in the K loops, no dense copy).
+- ``fused_nvfp4``: ``fused_moe_nvfp4`` (W4A16, dequant in the K loops, no dense copy) with the tuning
+  table's tiles for this GPU (the row's ``config`` says which kernel pair: ``swap_ab``).
 
 Floors measured in the same run: HBM bandwidth (one large device copy) turns the bytes of the
 routed experts' weights into a weight-read floor for the NVFP4 and bf16 layouts. Every time is also
@@ -33,7 +34,7 @@ SHAPES = {
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "flash-next": (2560, 640, 512, 10),
 }
-TOKENS = (128, 1024, 8192)
+TOKENS = (16, 64, 128, 1024, 8192)
 
 
 def random_banks(H: int, I: int, E: int, device, seed: int = 0) -> dict:
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="directory for JSON + markdown")
     ap.add_argument("--json", action="store_true", help="print the JSON report to stdout")
     ap.add_argument("--git-sha", help="record this commit (default: `git rev-parse HEAD`; for copies without .git)")
+    ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="token counts T of the layer call")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/fused_moe.py needs CUDA", file=sys.stderr)
@@ -202,7 +204,7 @@ def main(argv=None) -> int:
     bandwidth = hbm_bandwidth(device)
     results = []
     for name in SHAPES:
-        for T in TOKENS:
+        for T in args.tokens:
             results += bench_shape(name, T, device, bandwidth)
             torch.cuda.empty_cache()
     report = {"versions": versions(device, args.git_sha), "hbm_bandwidth_GBps": bandwidth / 1e9, "results": results}

@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -233,6 +233,17 @@ if has flash; then  # ~4 min of build beside nothing, ~3 min of benches
   timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft $F --layers ${FLASH_LAYERS:-8} --prompt-lens 16,64,256,1024 \
     --residency 0,0.37,0.5,0.75 --modes gather --prefill-path staged,routed --reps 3 --peers none \
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/flash" --json > "$RES/flash-ttft.json" 2> "$RES/flash-ttft.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (both kernel pairs; prefill sizes, then decode 16-64 rows), then
+  # the one-layer benchmark with them (fused vs dequant + grouped_mm vs bf16 grouped_mm); tables copied to $OUT (commit them)
+  timeout ${TUNE_FUSED_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b \
+    --tokens ${TUNE_FUSED_TOKENS:-128 1024 8192} --layouts ${TUNE_FUSED_LAYOUTS:-swap ab} > "$RES/tune_fused.log" 2>&1
+  cp kernels/fused_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+  timeout ${TUNE_MOE_TIMEOUT:-240} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-16 32 64} \
+    --layouts ${TUNE_FUSED_LAYOUTS:-swap ab} > "$RES/tune_moe.log" 2>&1
+  cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+  timeout 180 python3 benchmarks/fused_moe.py --out "$RES" --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/fused_moe.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1

@@ -33,6 +33,8 @@ DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 SPACES = {
     "small": {"block_n": (16, 32, 64), "block_k": (128, 256), "num_warps": (4,), "num_stages": (3, 4)},
     "full": {"block_n": (16, 32, 64, 128), "block_k": (64, 128, 256), "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5)},
+    # fused_moe_swap.py: the weight tile is the wgmma's M side (64 rows per warpgroup), so block_n >= 64
+    "swap": {"block_n": (64, 128), "block_k": (128, 256), "num_warps": (4,), "num_stages": (3, 4)},
 }
 BLOCK_MS = (16, 32)
 
@@ -71,9 +73,10 @@ def tile_space(space: str):
         yield KernelTiles(block_n=bn, block_k=bk, group_m=1, num_warps=w, num_stages=st)
 
 
-def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, space: str) -> tuple[dict, float]:
+def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str]) -> tuple[dict, float]:
+    """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name), per layer in a graph."""
     from moe_offload.kernels.decode_moe import decode_align
-    from moe_offload.kernels.fused_moe import down_weighted, gate_up_silu
+    from moe_offload.kernels.fused_moe import kernel_calls
     from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
 
     dev = layers_views[0]["w13_q"].device
@@ -81,37 +84,31 @@ def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int
     rows_TK, weights_TK = random_routing(T, E, K, dev)
     hidden_TH = torch.randn(T, H, device=dev).bfloat16()
     M = T * K
-    act_MI = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
     terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
     weights_M = weights_TK.reshape(-1).float()
     best, best_ms = None, float("inf")
-    for block_m in BLOCK_MS:
-        if block_m > 16 and M <= E:  # about one pair per expert: a wider block is only padding
-            continue
-        align = decode_align(rows_TK, E, block_m)
-        align_ms = graph_ms(lambda: decode_align(rows_TK, E, block_m))
-        timed = {}
-        for which in ("gate_up", "down"):
+    for swap_ab, space in spaces.items():
+        for block_m in BLOCK_MS:
+            if block_m > 16 and M <= E:  # about one pair per expert: a wider block is only padding
+                continue
+            align = decode_align(rows_TK, E, block_m)
+            align_ms = graph_ms(lambda: decode_align(rows_TK, E, block_m))
+            timed = {}
             for tiles in tile_space(space):
-                cfg = FusedMoeConfig(block_m, tiles, tiles)
-                if which == "gate_up":
-                    def fn(cfg=cfg):
-                        for views in layers_views:
-                            gate_up_silu(hidden_TH, views, align, act_MI, K, cfg)
-                else:
-                    def fn(cfg=cfg):
-                        for views in layers_views:
-                            down_weighted(act_MI, views, weights_M, align, terms_MH, cfg)
-                ms = graph_ms(fn)
-                if ms is not None and ms / L < timed.get(which, (None, float("inf")))[1]:
-                    timed[which] = (tiles, ms / L)
-        if len(timed) < 2 or align_ms is None:
-            continue
-        total = align_ms + timed["gate_up"][1] + timed["down"][1]
-        print(f"  T={T:3d} block_m={block_m:3d}: align {align_ms * 1e3:.1f} + gate_up {timed['gate_up'][1] * 1e3:.1f} "
-              f"+ down {timed['down'][1] * 1e3:.1f} = {total * 1e3:.1f} us", flush=True)
-        if total < best_ms:
-            best, best_ms = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0]), total
+                cfg = FusedMoeConfig(block_m, tiles, tiles, swap_ab=swap_ab)
+                calls = [kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg) for views in layers_views]
+                for i, which in enumerate(("gate_up", "down")):
+                    ms = graph_ms(lambda: [c[i]() for c in calls])
+                    if ms is not None and ms / L < timed.get(which, (None, float("inf")))[1]:
+                        timed[which] = (tiles, ms / L)
+            if len(timed) < 2 or align_ms is None:
+                continue
+            total = align_ms + timed["gate_up"][1] + timed["down"][1]
+            print(f"  T={T:3d} swap_ab={swap_ab:d} block_m={block_m:3d}: align {align_ms * 1e3:.1f} + gate_up "
+                  f"{timed['gate_up'][1] * 1e3:.1f} + down {timed['down'][1] * 1e3:.1f} = {total * 1e3:.1f} us", flush=True)
+            if total < best_ms:
+                best = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0], swap_ab=swap_ab)
+                best_ms = total
     if best is None:
         raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
     return best.to_dict(), best_ms
@@ -124,7 +121,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=DEFAULT_TOKENS, help="token counts T to tune at")
-    ap.add_argument("--space", choices=sorted(SPACES), default="small")
+    ap.add_argument("--space", choices=sorted(SPACES), default="small", help="tile space of the fused_moe.py kernels")
+    ap.add_argument("--layouts", nargs="+", choices=("ab", "swap"), default=("ab", "swap"),
+                    help="kernel pairs to tune: ab = fused_moe.py (over --space), swap = fused_moe_swap.py (its own space)")
     ap.add_argument("--layers", type=int, default=8, help="weight copies cycled so reads come from HBM, not L2")
     ap.add_argument("--out", type=Path, default=DECODE_TUNING_PATH, help="tuning table to update")
     args = ap.parse_args(argv)
@@ -135,20 +134,21 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device)
     data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
     TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
+    spaces = {layout == "swap": "swap" if layout == "swap" else args.space for layout in args.layouts}
     for shape in args.shapes:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}, {args.layers} layers of weights", flush=True)
         layers_views = [random_banks(H, I, E, device, seed=s) for s in range(args.layers)]
         entries = {}
         for T in sorted(args.tokens):
-            cfg, ms = tune_bucket(layers_views, H, I, E, K, T, args.space)
+            cfg, ms = tune_bucket(layers_views, H, I, E, K, T, spaces)
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms * 1e3:.1f} us per layer with {cfg}", flush=True)
-        data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+            data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+            TuningTable.from_json(data, str(args.out))  # what we write must load
+            args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each bucket: a cut-short run keeps its results
         del layers_views
         torch.cuda.empty_cache()
-        TuningTable.from_json(data, str(args.out))  # what we write must load
-        args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each shape: a cut-short run keeps its results
         print(f"wrote {shape} to {args.out}", flush=True)
     return 0
 

@@ -2,8 +2,9 @@
 
 Legend: T tokens, K top-k, M = T*K routed pairs, E experts, H hidden, I intermediate.
 
-For each layer shape and token count, every ``block_m`` is tried; for each, the gate_up and the down
-kernel are timed separately over their tile space (``triton.testing.do_bench``) and the fastest of
+For each layer shape and token count, each kernel pair (``--layouts``: the ``fused_moe.py`` kernels and
+the swapped-operand ones of ``fused_moe_swap.py``) and every ``block_m`` is tried; for each, the gate_up and
+the down kernel are timed separately over their tile space (``triton.testing.do_bench``) and the fastest of
 each is kept; the entry stored for bucket M is the ``block_m`` with the lowest sum. Results go under
 ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other devices' entries are kept.
 
@@ -30,11 +31,13 @@ DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SPACES = {
     "small": {"block_n": (64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)},
     "full": {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
+    # fused_moe_swap.py: the weight tile is the wgmma's M side (64 rows per warpgroup), so block_n >= 64
+    "swap": {"block_n": (64, 128), "block_k": (128, 256), "num_warps": (4, 8), "num_stages": (3, 4)},
 }
 BLOCK_MS = (16, 32, 64, 128)
 
 
-def tile_space(space: str, group_m: int):
+def tile_space(space: str, group_m: int = 1):
     from moe_offload.kernels.fused_moe_tuning import KernelTiles
 
     s = SPACES[space]
@@ -53,42 +56,42 @@ def time_ms(fn) -> float | None:
         return None
 
 
-def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, space: str) -> tuple[dict, float]:
-    from moe_offload.kernels.fused_moe import down_weighted, gate_up_silu, moe_align
+def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str]) -> tuple[dict, float]:
+    """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name)."""
+    from moe_offload.kernels.fused_moe import kernel_calls, moe_align
     from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
 
     dev = views["w13_q"].device
     rows_TK, weights_TK = random_routing(T, E, K, dev)
     hidden_TH = torch.randn(T, H, device=dev).bfloat16()
     M = T * K
-    act_MI = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
     terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
     weights_M = weights_TK.reshape(-1).float()
     # group_m only helps when several M blocks share an expert's weight tiles
     group_m = 1 if M <= E else 8
     best, best_ms = None, float("inf")
-    for block_m in BLOCK_MS:
-        if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
-            continue
-        align = moe_align(rows_TK, E, block_m)
-        align_ms = time_ms(lambda: moe_align(rows_TK, E, block_m))
-        timed = {}
-        for which in ("gate_up", "down"):
+    for swap_ab, space in spaces.items():
+        for block_m in BLOCK_MS:
+            if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
+                continue
+            align = moe_align(rows_TK, E, block_m)
+            align_ms = time_ms(lambda: moe_align(rows_TK, E, block_m))
+            timed = {}
             for tiles in tile_space(space, group_m):
-                cfg = FusedMoeConfig(block_m, tiles, tiles)
-                if which == "gate_up":
-                    ms = time_ms(lambda: gate_up_silu(hidden_TH, views, align, act_MI, K, cfg))
-                else:
-                    ms = time_ms(lambda: down_weighted(act_MI, views, weights_M, align, terms_MH, cfg))
-                if ms is not None and ms < timed.get(which, (None, float("inf")))[1]:
-                    timed[which] = (tiles, ms)
-        if len(timed) < 2 or align_ms is None:
-            continue
-        total = align_ms + timed["gate_up"][1] + timed["down"][1]
-        print(f"  T={T:5d} block_m={block_m:3d}: align {align_ms:.3f} + gate_up {timed['gate_up'][1]:.3f} "
-              f"+ down {timed['down'][1]:.3f} = {total:.3f} ms", flush=True)
-        if total < best_ms:
-            best, best_ms = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0]), total
+                cfg = FusedMoeConfig(block_m, tiles, tiles, swap_ab=swap_ab)
+                gate_up, down = kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg)
+                for which, fn in (("gate_up", gate_up), ("down", down)):
+                    ms = time_ms(fn)
+                    if ms is not None and ms < timed.get(which, (None, float("inf")))[1]:
+                        timed[which] = (tiles, ms)
+            if len(timed) < 2 or align_ms is None:
+                continue
+            total = align_ms + timed["gate_up"][1] + timed["down"][1]
+            print(f"  T={T:5d} swap_ab={swap_ab:d} block_m={block_m:3d}: align {align_ms:.3f} + gate_up "
+                  f"{timed['gate_up'][1]:.3f} + down {timed['down'][1]:.3f} = {total:.3f} ms", flush=True)
+            if total < best_ms:
+                best = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0], swap_ab=swap_ab)
+                best_ms = total
     if best is None:
         raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
     return best.to_dict(), best_ms
@@ -100,7 +103,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=DEFAULT_TOKENS, help="token counts T to tune at")
-    ap.add_argument("--space", choices=sorted(SPACES), default="small")
+    ap.add_argument("--space", choices=sorted(SPACES), default="small", help="tile space of the fused_moe.py kernels")
+    ap.add_argument("--layouts", nargs="+", choices=("ab", "swap"), default=("ab", "swap"),
+                    help="kernel pairs to tune: ab = fused_moe.py (over --space), swap = fused_moe_swap.py (its own space)")
     ap.add_argument("--out", type=Path, default=TUNING_PATH, help="tuning table to update")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -110,20 +115,21 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device)
     data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
     TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
+    spaces = {layout == "swap": "swap" if layout == "swap" else args.space for layout in args.layouts}
     for shape in args.shapes:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}", flush=True)
         views = random_banks(H, I, E, device)
         entries = {}
         for T in sorted(args.tokens):
-            cfg, ms = tune_bucket(views, H, I, E, K, T, args.space)
+            cfg, ms = tune_bucket(views, H, I, E, K, T, spaces)
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms:.3f} ms with {cfg}", flush=True)
-        data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+            data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
+            TuningTable.from_json(data, str(args.out))  # what we write must load
+            args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each bucket: a cut-short run keeps its results
         del views
         torch.cuda.empty_cache()
-        TuningTable.from_json(data, str(args.out))  # what we write must load
-        args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each shape: a cut-short run keeps its results
         print(f"wrote {shape} to {args.out}", flush=True)
     return 0
 

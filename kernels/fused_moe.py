@@ -286,14 +286,37 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
         hidden_TH = hidden_TH.contiguous()
     alignment = align(rows_TK, N, config.block_m)
     weights_M = weights_TK.reshape(-1).contiguous()  # read in its own dtype, fp32 in the kernel: no cast launch
-    act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    gate_up_silu(hidden_TH, views, alignment, act_MI, K, config)
-    down_weighted(act_MI, views, weights_M, alignment, terms_MH, config)
+    gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config)
+    gate_up()
+    down()
     if K == 1:
         return terms_MH
     return terms_MH.view(T, K, H).sum(dim=1)
+
+
+def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig):
+    """``(gate_up, down)``: the two kernel launches of a fused-MoE call as closures over their intermediate
+    buffer (``run_fused`` calls both in order; the tuners time each alone). ``config.swap_ab`` picks the
+    kernels of ``fused_moe_swap.py`` (gate_up then also reorders the hidden states into its split layout)."""
+    M, H = terms_MH.shape
+    I = views["w2_q"].shape[2] * 2
+    dev = hidden_TH.device
+    if not config.swap_ab:
+        act_MI = torch.empty((M, I), dtype=hidden_TH.dtype, device=dev)
+        return (lambda: gate_up_silu(hidden_TH, views, alignment, act_MI, topk, config),
+                lambda: down_weighted(act_MI, views, weights_M, alignment, terms_MH, config))
+    from moe_offload.kernels import fused_moe_swap as swap  # it imports this module: imported at call time
+
+    dot = _dot_setup(hidden_TH.dtype, dev)
+    act_split = swap.act_buffer(M, I, hidden_TH.dtype, dev, config.down.block_k)
+
+    def gate_up():
+        x_split = swap.split_columns(hidden_TH, config.gate_up.block_k)
+        swap.gate_up_silu_swap(x_split, views, alignment, act_split, topk, M, H, I, config, dot)
+
+    return gate_up, lambda: swap.down_weighted_swap(act_split, views, weights_M, alignment, terms_MH, I, config, dot)
 
 
 def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:

@@ -39,11 +39,14 @@ class KernelTiles:
 @dataclass(frozen=True)
 class FusedMoeConfig:
     """Tiles of one fused-MoE call: ``block_m`` rows per block (shared by both kernels: it sets the
-    padding of ``moe_align``), plus the tiles of the gate_up and down kernels."""
+    padding of ``moe_align``), the tiles of the gate_up and down kernels, and which kernel pair runs:
+    ``swap_ab`` False the ``fused_moe.py`` kernels (activations as the dot's left operand), True those of
+    ``fused_moe_swap.py`` (the dequantized weight tile as the left operand)."""
 
     block_m: int
     gate_up: KernelTiles
     down: KernelTiles
+    swap_ab: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -52,11 +55,16 @@ class FusedMoeConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "FusedMoeConfig":
         try:
-            return cls(block_m=int(d["block_m"]), gate_up=KernelTiles(**d["gate_up"]), down=KernelTiles(**d["down"]))
+            unknown = set(d) - {"block_m", "gate_up", "down", "swap_ab"}
+            if unknown:
+                raise KeyError(f"unknown keys {sorted(unknown)}")
+            return cls(block_m=int(d["block_m"]), gate_up=KernelTiles(**d["gate_up"]), down=KernelTiles(**d["down"]),
+                       swap_ab=bool(d.get("swap_ab", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where}: bad fused-MoE config {d!r} ({exc}); expected "
-                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}}'
+                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}, '
+                '"swap_ab": bool (optional)}'
             ) from exc
 
     def to_dict(self) -> dict:

@@ -49,7 +49,9 @@ def make_pool(N: int, H: int, I: int, seed: int = 0):
 SMALL = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1), KernelTiles(16, 32, group_m=1))  # many N tiles, K steps
 WIDE_K = FusedMoeConfig(16, KernelTiles(32, 128), KernelTiles(32, 128))  # BLOCK_K > H, I: masked K tail
 BM32 = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(16, 32))
-CONFIGS = {"small": SMALL, "wide-k": WIDE_K, "block-m-32": BM32, "table": None}
+# the swapped-operand kernels (fused_moe_swap.py) read pool rows through the same alignment
+SWAP = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1), KernelTiles(32, 128, group_m=1), swap_ab=True)
+CONFIGS = {"small": SMALL, "wide-k": WIDE_K, "block-m-32": BM32, "table": None, "swap": SWAP}
 
 CASES = {  # T, K, N, H, I, routing
     "one-token-top1": (1, 1, 3, 32, 16, "random"),

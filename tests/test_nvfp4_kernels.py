@@ -217,7 +217,13 @@ def test_moe_align_leaves_out_rows_outside_the_bank_without_writing_out_of_bound
 
 SMALL_TILES = FusedMoeConfig(16, KernelTiles(16, 32, group_m=2), KernelTiles(16, 32, group_m=2))  # many K steps/N tiles
 WIDE_K = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(32, 64))  # BLOCK_K > H or I: masked K tail
-CONFIGS = {"small-tiles": SMALL_TILES, "wide-k": WIDE_K, "table": None}
+# the swapped-operand kernels (fused_moe_swap.py): small tiles with many K steps and N tiles, and a K tile wider
+# than H or I (masked tail, padded split layout); down's BLOCK_K differs from gate_up's so the activations are
+# written in a split layout other than the one the hidden states were read in
+SWAP_SMALL = FusedMoeConfig(16, KernelTiles(16, 32, group_m=2), KernelTiles(32, 64, group_m=2), swap_ab=True)
+SWAP_WIDE_K = FusedMoeConfig(32, KernelTiles(32, 128), KernelTiles(16, 32), swap_ab=True)
+CONFIGS = {"small-tiles": SMALL_TILES, "wide-k": WIDE_K, "table": None, "swap-small": SWAP_SMALL,
+           "swap-wide-k": SWAP_WIDE_K}
 
 # (T, K, N, H, I, routing)
 CASES = {
@@ -270,7 +276,7 @@ def test_fused_moe_matches_the_reference_in_fp32(case, config):
     assert_close_to_scale(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("config", [SMALL_TILES, None], ids=["small-tiles", "table"])
+@pytest.mark.parametrize("config", [SMALL_TILES, None, SWAP_SMALL], ids=["small-tiles", "table", "swap-small"])
 @pytest.mark.parametrize("case", CASES.keys())
 def test_fused_moe_matches_the_reference_in_bf16(case, config):
     out, ref = run_case(case, torch.bfloat16, config)

@@ -50,15 +50,31 @@ def test_dequant_kernel_is_bit_identical_to_the_reference_in_bf16_and_fp32(banks
         assert torch.equal(w13, ref13) and torch.equal(w2, ref2)
 
 
-def test_fused_moe_matches_the_dequantized_reference_at_qwen3_sizes(banks):
+def _swap(block_m, bn, bk, warps, stages, group_m):
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles
+
+    tiles = KernelTiles(bn, bk, group_m=group_m, num_warps=warps, num_stages=stages)
+    return FusedMoeConfig(block_m, tiles, tiles, swap_ab=True)
+
+
+# the table's tiles, and the swapped-operand kernels (fused_moe_swap.py, wgmma with the weight tile from registers)
+# at prefill-sized and decode-sized tiles, one and two warpgroups
+CONFIGS = {"table": None, "swap-64x128x128-w8": (64, 128, 128, 8, 3, 8), "swap-16x64x256-w4": (16, 64, 256, 4, 4, 1),
+           "swap-32x128x256-w4": (32, 128, 256, 4, 3, 8)}
+
+
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_fused_moe_matches_the_dequantized_reference_at_qwen3_sizes(banks, config):
     from moe_offload.kernels.fused_moe import fused_moe_nvfp4, moe_reference
+
+    config = None if config is None else _swap(*config)
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
     logits = torch.randn(T, N, device="cuda", generator=gen)
     weights, rows = torch.softmax(logits, -1).topk(K, dim=-1)
     rows[:3] = torch.arange(K, device="cuda")  # a few tokens share exactly the same experts
-    out = fused_moe_nvfp4(hidden, rows, weights, banks)
+    out = fused_moe_nvfp4(hidden, rows, weights, banks, config=config)
     w13, w2 = FMT.dequantize(banks, torch.float32)
     ref = moe_reference(hidden.float(), rows, weights, w13, w2)
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
@@ -72,8 +88,11 @@ def test_fused_moe_matches_the_dequantized_reference_at_qwen3_sizes(banks):
     assert rel_fro < 5e-3  # typical error is ~2^-9 = 2e-3 (one rounding dominates)
 
 
-def test_fused_moe_decode_step_reads_only_routed_rows(banks):
+@pytest.mark.parametrize("config", [None, (16, 64, 256, 4, 4, 1)], ids=["table", "swap"])
+def test_fused_moe_decode_step_reads_only_routed_rows(banks, config):
     from moe_offload.kernels.fused_moe import fused_moe_nvfp4, moe_reference
+
+    config = None if config is None else _swap(*config)
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     hidden = torch.randn(1, H, device="cuda", generator=gen).bfloat16()
@@ -84,7 +103,7 @@ def test_fused_moe_decode_step_reads_only_routed_rows(banks):
     unused[rows.flatten()] = False
     # NaN globals on rows nobody routes to: any read of them would poison the output
     poisoned["gs"] = torch.where(unused[:, None], torch.nan, banks["gs"])
-    out = fused_moe_nvfp4(hidden, rows, weights, poisoned)
+    out = fused_moe_nvfp4(hidden, rows, weights, poisoned, config=config)
     ref = moe_reference(hidden.float(), rows, weights, *FMT.dequantize(banks, torch.float32))
     scale = ref.abs().max().item()
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)  # as above

@@ -1,0 +1,246 @@
+"""Fused W4A16 NVFP4 MoE with swapped dot operands (Triton): the dequantized weight tile is the LEFT operand.
+
+Legend: T tokens, K top-k, M = T*K routed pairs, N bank rows (experts or slots), H hidden, I expert
+intermediate, C a GEMM's K dim (H for gate_up, I for down), Cp C rounded up to whole BLOCK_K chunks.
+
+Same math and contract as ``fused_moe.gate_up_silu`` / ``fused_moe.down_weighted`` (``run_fused`` picks
+these kernels when the tiles say ``swap_ab``); each block computes the transposed tile
+
+    out^T [BLOCK_N weight rows, BLOCK_M pairs] = W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, BLOCK_M]
+
+Why swap: the weight tile is made in registers (codes * block scales); on Hopper a wgmma takes its left
+operand from registers but its right one from shared memory, so as the left operand the dequantized
+tile needs no shared-memory round trip, and the pairs (1..64 per expert at decode and short prefill)
+become the dot's N dim. The block scales are loaded once per 16 columns (``[BLOCK_N, BLOCK_K/16]``,
+broadcast in registers) rather than once per byte as in ``fused_moe.py``.
+
+Activations are read in a K-split layout (``split_columns``): within each BLOCK_K chunk the even
+columns come first, then the odd ones, so the two activation tiles that match a byte's low and high
+nibble are contiguous loads. The hidden states are reordered by one torch copy per call; the gate_up
+kernel writes the intermediate activations straight into the down kernel's split layout.
+
+Numerics as ``fused_moe.py``: exact NVFP4 values as tensor-core operands, fp32 accumulation, globals on
+the fp32 accumulator, roundings only where a bf16 model rounds (the activation, each per-pair term).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moe_offload.kernels.fused_moe import _block_coords
+from moe_offload.kernels.moe_align import MoeAlignment
+from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, SCALE_BLOCK, device_guard, e2m1_to_f32
+
+
+@triton.jit
+def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
+    """``(lo, hi)``, each ``[BLOCK_N, BLOCK_K/2]`` = ``code * block_scale`` (exact in DOT_DTYPE) of the
+    bytes at ``q_ptrs`` (``[BLOCK_N rows, BLOCK_K/2 bytes]``, contiguous along dim 1): lo holds the even
+    K columns, hi the odd ones. ``s_ptrs`` address ``[BLOCK_N, BLOCK_K/16]`` scales, one per 8 bytes."""
+    packed = tl.load(q_ptrs, mask=w_mask, other=0).to(tl.int32)
+    scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    R: tl.constexpr = scale.shape[0]
+    S: tl.constexpr = scale.shape[1]
+    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+    lo = (e2m1_to_f32(packed & 15) * scale).to(DOT_DTYPE)
+    hi = (e2m1_to_f32(packed >> 4) * scale).to(DOT_DTYPE)
+    return lo, hi
+
+
+@triton.jit
+def _swap_masks(valid_m, valid_n, offs_kb, offs_ks, k_left, EVEN_K: tl.constexpr):
+    """Masks of one K step: activations ``[BK/2, BM]``, weight bytes ``[BN, BK/2]``, scales ``[BN, BK/16]``
+    (``k_left`` K columns remain; C is a multiple of 16, so a byte's two columns are both in or both out)."""
+    if EVEN_K:
+        x_mask = valid_m[None, :]
+        w_mask = valid_n[:, None]
+        s_mask = valid_n[:, None]
+    else:
+        x_mask = valid_m[None, :] & (offs_kb[:, None] < k_left // 2)
+        w_mask = valid_n[:, None] & (offs_kb[None, :] < k_left // 2)
+        s_mask = valid_n[:, None] & (offs_ks[None, :] < k_left // SCALE_BLOCK)
+    return x_mask, w_mask, s_mask
+
+
+@triton.jit
+def _dot_rows(acc, x_even, x_odd, q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc [BN, BM] += W @ x^T`` for one NVFP4 weight tile, as two dots over its even and odd K columns."""
+    lo, hi = _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE)
+    acc = tl.dot(lo, x_even, acc, input_precision=INPUT_PRECISION)
+    return tl.dot(hi, x_odd, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _gate_up_swap_kernel(
+    x_ptr, stride_xt,  # hidden in split layout [T, Hp]
+    q_ptr, stride_qn, stride_qr,  # w13_q [N, 2I, H/2] u8
+    s_ptr, stride_sn, stride_sr,  # w13_s [N, 2I, H/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32 (column stride 1)
+    act_ptr, stride_am,  # act in the down kernel's split layout [M, Ip]
+    sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+    M, H, I, TOPK, num_blocks_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT_BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid_m = pair < M
+    token = (pair // TOPK).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < I
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // SCALE_BLOCK)
+
+    x_ptrs = x_ptr + token[None, :] * stride_xt + offs_kb[:, None]  # [BK/2, BM]: the chunk's even columns
+    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]  # gate rows [BN, BK/2]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_ks[None, :]  # [BN, BK/16]
+    up_q = I * stride_qr
+    up_s = I * stride_sr
+
+    acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        x_mask, w_mask, s_mask = _swap_masks(valid_m, valid_n, offs_kb, offs_ks, H - k0, EVEN_K)
+        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(DOT_DTYPE)
+        x_odd = tl.load(x_ptrs + BLOCK_K // 2, mask=x_mask, other=0.0).to(DOT_DTYPE)
+        acc_gate = _dot_rows(acc_gate, x_even, x_odd, q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE, INPUT_PRECISION)
+        acc_up = _dot_rows(acc_up, x_even, x_odd, q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask, DOT_DTYPE,
+                           INPUT_PRECISION)
+        x_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // SCALE_BLOCK
+
+    gate = acc_gate * tl.load(g_ptr + row * stride_gn)
+    up = acc_up * tl.load(g_ptr + row * stride_gn + 1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    # column n of the activation goes where the down kernel's split layout reads it
+    j = offs_n % ACT_BLOCK_K
+    pos = offs_n - j + (j % 2) * (ACT_BLOCK_K // 2) + j // 2
+    act_ptrs = act_ptr + pair.to(tl.int64)[None, :] * stride_am + pos[:, None]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
+
+
+@triton.jit
+def _down_swap_kernel(
+    act_ptr, stride_am,  # act in split layout [M, Ip]
+    q_ptr, stride_qn, stride_qr,  # w2_q [N, H, I/2] u8
+    s_ptr, stride_sn, stride_sr,  # w2_s [N, H, I/16] e4m3
+    g_ptr, stride_gn,  # gs [N, 3] f32 (column stride 1)
+    w_ptr,  # routing weights [M] (any float dtype; used in fp32)
+    out_ptr, stride_om,  # terms [M, H] (or the output [T, H] when K == 1)
+    sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+    M, H, I, num_blocks_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid_m = pair < M
+    pair64 = pair.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    valid_n = offs_n < H
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // SCALE_BLOCK)
+
+    a_ptrs = act_ptr + pair64[None, :] * stride_am + offs_kb[:, None]  # [BK/2, BM] even columns
+    q_ptrs = q_ptr + row * stride_qn + offs_n[:, None] * stride_qr + offs_kb[None, :]
+    s_ptrs = s_ptr + row * stride_sn + offs_n[:, None] * stride_sr + offs_ks[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a_mask, w_mask, s_mask = _swap_masks(valid_m, valid_n, offs_kb, offs_ks, I - k0, EVEN_K)
+        a_even = tl.load(a_ptrs, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        a_odd = tl.load(a_ptrs + BLOCK_K // 2, mask=a_mask, other=0.0).to(DOT_DTYPE)
+        acc = _dot_rows(acc, a_even, a_odd, q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE, INPUT_PRECISION)
+        a_ptrs += BLOCK_K
+        q_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // SCALE_BLOCK
+
+    route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0).to(tl.float32)
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[None, :]
+    out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def padded_cols(cols: int, block_k: int) -> int:
+    """Cp: ``cols`` rounded up to whole ``block_k`` chunks (the split layout's row length)."""
+    return triton.cdiv(cols, block_k) * block_k
+
+
+def split_columns(x_TC: torch.Tensor, block_k: int) -> torch.Tensor:
+    """``[T, Cp]``: ``x_TC`` zero-padded to whole ``block_k`` chunks, each chunk's even columns first,
+    then its odd ones (one copy; no host sync)."""
+    T, C = x_TC.shape
+    Cp = padded_cols(C, block_k)
+    if Cp != C:
+        x_TC = F.pad(x_TC, (0, Cp - C))
+    return x_TC.reshape(T, Cp // block_k, block_k // 2, 2).transpose(2, 3).reshape(T, Cp)
+
+
+def act_buffer(M: int, I: int, dtype: torch.dtype, device, down_block_k: int) -> torch.Tensor:
+    """The intermediate activations ``[M, Ip]`` in the down kernel's split layout (columns past I are
+    never written and never read: the down kernel masks them)."""
+    return torch.empty((M, padded_cols(I, down_block_k)), dtype=dtype, device=device)
+
+
+def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int, M: int, H: int, I: int,
+                      config, dot_setup) -> None:
+    """Kernel 1 (enqueue only): ``act[pair] = silu(gate @ x) * (up @ x)`` for every routed pair, written
+    in the down kernel's split layout; ``x_split = split_columns(hidden_TH, config.gate_up.block_k)``."""
+    q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
+    tiles = config.gate_up
+    num_blocks_m = align.sorted_ids_P.numel() // config.block_m
+    dot_dtype, precision = dot_setup
+    grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
+    with device_guard(x_split.device):
+        _gate_up_swap_kernel[grid](
+            x_split, x_split.stride(0),
+            q, q.stride(0), q.stride(1),
+            s, s.stride(0), s.stride(1),
+            gs, gs.stride(0),
+            act_split, act_split.stride(0),
+            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            M, H, I, topk, num_blocks_m,
+            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            ACT_BLOCK_K=config.down.block_k, EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype,
+            INPUT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+
+
+def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_MH, I: int, config, dot_setup) -> None:
+    """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act[pair])``."""
+    q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
+    M, H = terms_MH.shape
+    tiles = config.down
+    num_blocks_m = align.sorted_ids_P.numel() // config.block_m
+    dot_dtype, precision = dot_setup
+    grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
+    with device_guard(act_split.device):
+        _down_swap_kernel[grid](
+            act_split, act_split.stride(0),
+            q, q.stride(0), q.stride(1),
+            s, s.stride(0), s.stride(1),
+            gs, gs.stride(0),
+            weights_M,
+            terms_MH, terms_MH.stride(0),
+            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            M, H, I, num_blocks_m,
+            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )

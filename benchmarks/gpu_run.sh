@@ -238,10 +238,11 @@ fi
 if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (both kernel pairs; prefill sizes, then decode 16-64 rows), then
   # the one-layer benchmark with them (fused vs dequant + grouped_mm vs bf16 grouped_mm); tables copied to $OUT (commit them)
   timeout ${TUNE_FUSED_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b \
-    --tokens ${TUNE_FUSED_TOKENS:-128 1024 8192} --layouts ${TUNE_FUSED_LAYOUTS:-swap ab} > "$RES/tune_fused.log" 2>&1
+    --tokens ${TUNE_FUSED_TOKENS:-128 1024 8192} --block-ms ${TUNE_FUSED_BLOCK_MS:-32 64 128} \
+    --layouts ${TUNE_FUSED_LAYOUTS:-swap} > "$RES/tune_fused.log" 2>&1
   cp kernels/fused_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
   timeout ${TUNE_MOE_TIMEOUT:-240} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-16 32 64} \
-    --layouts ${TUNE_FUSED_LAYOUTS:-swap ab} > "$RES/tune_moe.log" 2>&1
+    --layouts ${TUNE_FUSED_LAYOUTS:-swap} > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
   timeout 180 python3 benchmarks/fused_moe.py --out "$RES" --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/fused_moe.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .

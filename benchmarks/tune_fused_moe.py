@@ -32,7 +32,7 @@ SPACES = {
     "small": {"block_n": (64, 128), "block_k": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)},
     "full": {"block_n": (32, 64, 128, 256), "block_k": (64, 128, 256), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5)},
     # fused_moe_swap.py: the weight tile is the wgmma's M side (64 rows per warpgroup), so block_n >= 64
-    "swap": {"block_n": (64, 128), "block_k": (128, 256), "num_warps": (4, 8), "num_stages": (3, 4)},
+    "swap": {"block_n": (64, 128), "block_k": (128, 256), "num_warps": (4, 8), "num_stages": (3,)},
 }
 BLOCK_MS = (16, 32, 64, 128)
 
@@ -56,7 +56,8 @@ def time_ms(fn) -> float | None:
         return None
 
 
-def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str]) -> tuple[dict, float]:
+def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str],
+                block_ms=BLOCK_MS) -> tuple[dict, float]:
     """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name)."""
     from moe_offload.kernels.fused_moe import kernel_calls, moe_align
     from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
@@ -71,7 +72,7 @@ def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool
     group_m = 1 if M <= E else 8
     best, best_ms = None, float("inf")
     for swap_ab, space in spaces.items():
-        for block_m in BLOCK_MS:
+        for block_m in block_ms:
             if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
                 continue
             align = moe_align(rows_TK, E, block_m)
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--space", choices=sorted(SPACES), default="small", help="tile space of the fused_moe.py kernels")
     ap.add_argument("--layouts", nargs="+", choices=("ab", "swap"), default=("ab", "swap"),
                     help="kernel pairs to tune: ab = fused_moe.py (over --space), swap = fused_moe_swap.py (its own space)")
+    ap.add_argument("--block-ms", nargs="+", type=int, default=BLOCK_MS, help="block_m values to try (compiles scale with them)")
     ap.add_argument("--out", type=Path, default=TUNING_PATH, help="tuning table to update")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
         views = random_banks(H, I, E, device)
         entries = {}
         for T in sorted(args.tokens):
-            cfg, ms = tune_bucket(views, H, I, E, K, T, spaces)
+            cfg, ms = tune_bucket(views, H, I, E, K, T, spaces, args.block_ms)
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms:.3f} ms with {cfg}", flush=True)
             data["devices"].setdefault(name, {})[shape_key(H, I)] = entries

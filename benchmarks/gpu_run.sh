@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -244,8 +244,18 @@ if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (both kernel pairs
   timeout ${TUNE_MOE_TIMEOUT:-240} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-16 32 64} \
     --layouts ${TUNE_FUSED_LAYOUTS:-swap} > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
-  timeout 180 python3 benchmarks/fused_moe.py --out "$RES" --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/fused_moe.log" 2>&1
-  tar czf "$OUT/results.tgz" -C "$RES" .
+  mkdir -p /tmp/tables; cp kernels/fused_moe_tuning.json kernels/decode_moe_tuning.json /tmp/tables/  # for tables_back
+fi
+# tables_back: a later call on the same warm machine gets the tables fused_tune wrote (the call's tree has the old ones)
+has tables_back && cp /tmp/tables/*.json kernels/
+if has compute_ab; then  # compute.backend auto (fused kernels where the table measured them faster) vs torch, same machine
+  for cb in auto torch; do
+    timeout ${TTFT_TIMEOUT:-200} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set compute.backend=$cb --prompt-lens ${COMPUTE_AB_LENS:-256,1024,4096} \
+      --residency ${COMPUTE_AB_RESIDENCIES:-1} --modes gather --reps 3 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} \
+      --out "$RES/compute-$cb" --json > "$RES/compute-$cb.json" 2> "$RES/compute-$cb.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 has copy && timeout 180 python3 benchmarks/copy_paths.py --out "$RES" > "$RES/copy_paths.log" 2>&1
 has fused && timeout 180 python3 benchmarks/fused_moe.py --out "$RES" > "$RES/fused_moe.log" 2>&1

@@ -114,6 +114,19 @@ def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int
     return best.to_dict(), best_ms
 
 
+def gemv_ms(layers_views: list[dict], E: int, K: int, T: int) -> float | None:
+    """ms per layer of ``decode_gemv_nvfp4`` (``kernels/decode_gemv.py``, its tuning table's tiles) at T tokens,
+    same harness and routing as ``tune_bucket``: the tiles' competitor below ``gemv_max_pairs``."""
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+
+    dev = layers_views[0]["w13_q"].device
+    H = layers_views[0]["w13_q"].shape[2] * 2
+    rows_TK, weights_TK = random_routing(T, E, K, dev)
+    hidden_TH = torch.randn(T, H, device=dev).bfloat16()
+    ms = graph_ms(lambda: [decode_gemv_nvfp4(hidden_TH, rows_TK, weights_TK, v) for v in layers_views])
+    return None if ms is None else ms / len(layers_views)
+
+
 def main(argv=None) -> int:
     from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH
     from moe_offload.kernels.fused_moe_tuning import TuningTable, shape_key
@@ -144,6 +157,9 @@ def main(argv=None) -> int:
             cfg, ms = tune_bucket(layers_views, H, I, E, K, T, spaces)
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms * 1e3:.1f} us per layer with {cfg}", flush=True)
+            gemv = gemv_ms(layers_views, E, K, T)
+            print(f"  -> T={T}: the decode GEMV (its table's tiles) {gemv * 1e3:.1f} us per layer" if gemv else
+                  f"  -> T={T}: the decode GEMV did not run", flush=True)
             data["devices"].setdefault(name, {})[shape_key(H, I)] = entries
             TuningTable.from_json(data, str(args.out))  # what we write must load
             args.out.write_text(json.dumps(data, indent=1) + "\n")  # after each bucket: a cut-short run keeps its results

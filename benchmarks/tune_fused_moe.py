@@ -6,7 +6,9 @@ For each layer shape and token count, each kernel pair (``--layouts``: the ``fus
 the swapped-operand ones of ``fused_moe_swap.py``) and every ``block_m`` is tried; for each, the gate_up and
 the down kernel are timed separately over their tile space (``triton.testing.do_bench``) and the fastest of
 each is kept; the entry stored for bucket M is the ``block_m`` with the lowest sum. Results go under
-``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other devices' entries are kept.
+``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other devices' entries are kept. Each bucket
+also records the whole fused call against the runtime's dequant + grouped_mm at the same size
+(``faster_than_dequant``, read by ``compute.backend: auto``; ``ms`` and ``dequant_ms`` as a record).
 
 Usage (CUDA only): ``python benchmarks/tune_fused_moe.py [--shapes qwen3-30b-a3b flash-next]
 [--tokens 1 8 64 ...] [--space small|full] [--out kernels/fused_moe_tuning.json]``.
@@ -98,6 +100,28 @@ def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool
     return best.to_dict(), best_ms
 
 
+def against_dequant(views, E: int, K: int, T: int, cfg: dict) -> dict:
+    """The whole fused call with ``cfg`` (alignment, the hidden states' split copy, both kernels, the sum over
+    K) against the runtime's dequant + grouped_mm compute (every expert dequantized, as at prefill), same
+    routing: ``{"faster_than_dequant", "ms", "dequant_ms"}`` for the table (``compute/auto.py`` reads the flag)."""
+    from moe_offload.compute.dequant import DequantGroupedCompute
+    from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+    from moe_offload.kernels.fused_moe import fused_moe_nvfp4
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
+
+    dev = views["w13_q"].device
+    H = views["w13_q"].shape[2] * 2
+    rows_TK, weights_TK = random_routing(T, E, K, dev)
+    hidden_TH = torch.randn(T, H, device=dev).bfloat16()
+    config = FusedMoeConfig.from_dict(cfg)
+    dequant = DequantGroupedCompute(Nvfp4ModelOptFormat(), torch.bfloat16, E, use_triton_dequant=True)
+    fused_ms = time_ms(lambda: fused_moe_nvfp4(hidden_TH, rows_TK, weights_TK, views, config=config))
+    dequant_ms = time_ms(lambda: dequant(hidden_TH, rows_TK, weights_TK, views, E))
+    faster = fused_ms is not None and dequant_ms is not None and fused_ms < dequant_ms
+    print(f"  T={T:5d}: fused {fused_ms} ms, dequant + grouped_mm {dequant_ms} ms", flush=True)
+    return {"faster_than_dequant": faster, "ms": fused_ms, "dequant_ms": dequant_ms}
+
+
 def main(argv=None) -> int:
     from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, TuningTable, shape_key
 
@@ -125,6 +149,7 @@ def main(argv=None) -> int:
         entries = {}
         for T in sorted(args.tokens):
             cfg, ms = tune_bucket(views, H, I, E, K, T, spaces, args.block_ms)
+            cfg.update(against_dequant(views, E, K, T, cfg))
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms:.3f} ms with {cfg}", flush=True)
             data["devices"].setdefault(name, {})[shape_key(H, I)] = entries

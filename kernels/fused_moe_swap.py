@@ -35,19 +35,83 @@ from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, SCALE_BLOCK, device_guard, e2m1_to_f32
 
 
+# E2M1 codes -> bf16 in PTX, 4 bytes (8 codes) per call: each byte's low and high nibble are placed into a bf16
+# bit pattern (sign -> bit 15, the 3 magnitude bits -> bits 6-8: exponent field e, top mantissa bit m) whose
+# value is E2M1 * 2^-126 (the code 0.5 lands on a bf16 subnormal), then multiplied by its block scale times
+# 2^112 (``_weight_rows_tile``): E2M1 * scale * 2^-14, exact (<= 6 significant bits, in the normal range).
+# $0-$1: the low-nibble values of elements 0-1 and 2-3, $2-$3: the high-nibble ones, $4-$5: the four
+# elements' scales, $6: the four bytes.
+_E2M1_TO_BF16_SCALED = tl.constexpr("""
+{
+.reg .b32 t0, t1, u, v;
+prmt.b32 t0, $6, 0, 0x4140;
+prmt.b32 t1, $6, 0, 0x4342;
+shl.b32 u, t0, 6;
+shl.b32 v, t0, 12;
+lop3.b32 u, u, v, 0x80008000, 0xD8;
+and.b32 u, u, 0x81C081C0;
+mul.rn.bf16x2 $0, u, $4;
+shl.b32 u, t1, 6;
+shl.b32 v, t1, 12;
+lop3.b32 u, u, v, 0x80008000, 0xD8;
+and.b32 u, u, 0x81C081C0;
+mul.rn.bf16x2 $1, u, $5;
+shl.b32 u, t0, 2;
+shl.b32 v, t0, 8;
+lop3.b32 u, u, v, 0x80008000, 0xD8;
+and.b32 u, u, 0x81C081C0;
+mul.rn.bf16x2 $2, u, $4;
+shl.b32 u, t1, 2;
+shl.b32 v, t1, 8;
+lop3.b32 u, u, v, 0x80008000, 0xD8;
+and.b32 u, u, 0x81C081C0;
+mul.rn.bf16x2 $3, u, $5;
+}
+""")
+
+
 @triton.jit
 def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
-    """``(lo, hi)``, each ``[BLOCK_N, BLOCK_K/2]`` = ``code * block_scale`` (exact in DOT_DTYPE) of the
-    bytes at ``q_ptrs`` (``[BLOCK_N rows, BLOCK_K/2 bytes]``, contiguous along dim 1): lo holds the even
-    K columns, hi the odd ones. ``s_ptrs`` address ``[BLOCK_N, BLOCK_K/16]`` scales, one per 8 bytes."""
-    packed = tl.load(q_ptrs, mask=w_mask, other=0).to(tl.int32)
-    scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+    """``(lo, hi)``, each ``[BLOCK_N, BLOCK_K/2]`` = ``code * block_scale`` (exact) of the bytes at ``q_ptrs``
+    (``[BLOCK_N rows, BLOCK_K/2 bytes]``, contiguous along dim 1): lo holds the even K columns, hi the odd
+    ones. ``s_ptrs`` address ``[BLOCK_N, BLOCK_K/16]`` scales, one per 8 bytes, broadcast here.
+
+    bf16 and fp16 dots get ``code * scale * 2^-14`` (``_acc_shift`` undoes it on the accumulator): an E2M1
+    value (<= 2 significant bits, lowest 2^-1) times an E4M3 scale (<= 4 bits, lowest 2^-9) times 2^-14 has
+    <= 6 significant bits, is a multiple of 2^-24 (fp16's subnormal step) and is below 6 * 448 * 2^-14, so
+    both formats hold it exactly. bf16 (CUDA only): ``_E2M1_TO_BF16_SCALED``, about 3 instructions per
+    weight on 32-bit registers; fp16: 16-bit integer ops and one fp16 multiply per weight. fp32 dots (the
+    CPU interpreter, fp32 models): ``nvfp4.e2m1_to_f32`` in fp32 with the shift in the scale."""
+    packed = tl.load(q_ptrs, mask=w_mask, other=0)
+    scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
     R: tl.constexpr = scale.shape[0]
     S: tl.constexpr = scale.shape[1]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-    lo = (e2m1_to_f32(packed & 15) * scale).to(DOT_DTYPE)
-    hi = (e2m1_to_f32(packed >> 4) * scale).to(DOT_DTYPE)
-    return lo, hi
+    if DOT_DTYPE == tl.float32:
+        scale = scale.to(tl.float32) * E2M1_F16_SHIFT
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        packed = packed.to(tl.int32)
+        lo = e2m1_to_f32(packed & 15) * scale
+        hi = e2m1_to_f32(packed >> 4) * scale
+    elif DOT_DTYPE == tl.bfloat16:
+        scale = (scale.to(tl.float32) * 5.192296858534828e33).to(tl.bfloat16)  # * 2^112: exact
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        lo, hi = tl.inline_asm_elementwise(_E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [scale, packed],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        scale = scale.to(tl.float16)
+        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        packed = packed.to(tl.int16)
+        lo = (((packed & 8) << 12) | ((packed & 7) << 9)).to(tl.float16, bitcast=True) * scale
+        hi = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True) * scale
+    return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
+
+
+@triton.jit
+def _acc_shift(DOT_DTYPE: tl.constexpr):
+    """What the accumulator is multiplied by to undo ``_weight_rows_tile``'s 2^-14 (a power of two: exact)."""
+    if DOT_DTYPE == tl.float32:
+        return 1.0
+    return 16384.0
 
 
 @triton.jit
@@ -117,8 +181,8 @@ def _gate_up_swap_kernel(
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
-    gate = acc_gate * tl.load(g_ptr + row * stride_gn)
-    up = acc_up * tl.load(g_ptr + row * stride_gn + 1)
+    gate = acc_gate * tl.load(g_ptr + row * stride_gn) * _acc_shift(DOT_DTYPE)
+    up = acc_up * tl.load(g_ptr + row * stride_gn + 1) * _acc_shift(DOT_DTYPE)
     act = gate / (1.0 + tl.exp(-gate)) * up
     # column n of the activation goes where the down kernel's split layout reads it
     j = offs_n % ACT_BLOCK_K
@@ -168,7 +232,7 @@ def _down_swap_kernel(
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
     route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0).to(tl.float32)
-    out = acc * tl.load(g_ptr + row * stride_gn + 2) * route_w[None, :]
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * _acc_shift(DOT_DTYPE) * route_w[None, :]
     out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
 

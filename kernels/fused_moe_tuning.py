@@ -41,12 +41,15 @@ class FusedMoeConfig:
     """Tiles of one fused-MoE call: ``block_m`` rows per block (shared by both kernels: it sets the
     padding of ``moe_align``), the tiles of the gate_up and down kernels, and which kernel pair runs:
     ``swap_ab`` False the ``fused_moe.py`` kernels (activations as the dot's left operand), True those of
-    ``fused_moe_swap.py`` (the dequantized weight tile as the left operand)."""
+    ``fused_moe_swap.py`` (the dequantized weight tile as the left operand). ``faster_than_dequant``: the
+    tuner measured these kernels faster than dequant + grouped_mm at this bucket (``compute/auto.py`` reads
+    it; entries may also carry the two times, ``ms`` and ``dequant_ms``, as a record)."""
 
     block_m: int
     gate_up: KernelTiles
     down: KernelTiles
     swap_ab: bool = False
+    faster_than_dequant: bool = False
 
     def __post_init__(self):
         if self.block_m < 16 or self.block_m & (self.block_m - 1):
@@ -55,16 +58,16 @@ class FusedMoeConfig:
     @classmethod
     def from_dict(cls, d: dict, where: str = "config") -> "FusedMoeConfig":
         try:
-            unknown = set(d) - {"block_m", "gate_up", "down", "swap_ab"}
+            unknown = set(d) - {"block_m", "gate_up", "down", "swap_ab", "faster_than_dequant", "ms", "dequant_ms"}
             if unknown:
                 raise KeyError(f"unknown keys {sorted(unknown)}")
             return cls(block_m=int(d["block_m"]), gate_up=KernelTiles(**d["gate_up"]), down=KernelTiles(**d["down"]),
-                       swap_ab=bool(d.get("swap_ab", False)))
+                       swap_ab=bool(d.get("swap_ab", False)), faster_than_dequant=bool(d.get("faster_than_dequant", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where}: bad fused-MoE config {d!r} ({exc}); expected "
                 '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}, '
-                '"swap_ab": bool (optional)}'
+                '"swap_ab": bool, "faster_than_dequant": bool (both optional)}'
             ) from exc
 
     def to_dict(self) -> dict:

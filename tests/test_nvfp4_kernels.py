@@ -390,3 +390,47 @@ def test_fused_compute_reading_a_layer_in_place_equals_the_gathered_layer():
     in_place = compute(hidden, rows, weights, pool, E, index)
     want = compute(hidden, rows, weights, gathered, E)
     assert torch.equal(in_place, want)
+
+
+def test_auto_compute_sends_each_call_where_the_table_measured_it_faster():
+    # compute.backend auto: per call, the fused kernels where the bucket says faster_than_dequant, else dequant +
+    # grouped_mm; both give the reference's answer and each call is counted under the path it took
+    from moe_offload.compute.auto import AutoNvfp4Compute
+    from moe_offload.compute.dequant import DequantGroupedCompute
+    from moe_offload.compute.fused import FusedNvfp4Compute
+    from moe_offload.stats import CacheStats
+
+    E, H, I, K = 5, 64, 32, 2
+    tiles = KernelTiles(16, 32, group_m=1)
+    table = TuningTable({"default": {"default": {
+        8: FusedMoeConfig(16, tiles, tiles, swap_ab=True, faster_than_dequant=True),  # up to 4 tokens: fused
+        64: FusedMoeConfig(16, tiles, tiles)}}})  # more: dequant
+    compute = AutoNvfp4Compute(FusedNvfp4Compute(torch.float32),
+                               DequantGroupedCompute(FMT, torch.float32, E, use_triton_dequant=False))
+    compute._config_for = lambda dev, h, i, pairs: table.lookup("default", h, i, pairs)
+    stats = CacheStats()
+    compute.bind(stats)
+    views = make_banks(N=E, H=H, I=I)
+    w13, w2 = FMT.dequantize(views, torch.float32)
+    gen = torch.Generator().manual_seed(5)
+    for T, want in ((3, "fused"), (9, "dequant")):
+        assert compute.pick(torch.device(DEVICE), T, K, H, I) == want
+        hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+        rows, weights = routing(T, K, E, "random", gen)
+        out = compute(hidden, rows, weights, views, E)
+        # fp32 on both sides, exact weights: summation order only (as the fp32 fused test)
+        assert_close_to_scale(out, moe_reference(hidden, rows, weights, w13, w2), 1e-5)
+    assert stats.compute["prefill_fused_calls"] == 1 and stats.compute["prefill_dequant_calls"] == 1
+
+
+def test_tuning_entries_without_a_measurement_never_prefer_the_fused_kernels():
+    # the shipped default entries (any GPU without its own, and the CPU) keep dequant + grouped_mm under auto
+    table = load_tuning()
+    for dev, shapes in table.devices.items():
+        if dev == "default":
+            assert not any(c.faster_than_dequant for b in shapes.values() for c in b.values())
+    assert FusedMoeConfig.from_dict({"block_m": 16, "gate_up": {"block_n": 16, "block_k": 32},
+                                     "down": {"block_n": 16, "block_k": 32}}).faster_than_dequant is False
+    with pytest.raises(ValueError, match="unknown keys"):
+        FusedMoeConfig.from_dict({"block_m": 16, "gate_up": {"block_n": 16, "block_k": 32},
+                                  "down": {"block_n": 16, "block_k": 32}, "swapab": True})

@@ -5,24 +5,30 @@ from __future__ import annotations
 
 import torch
 
+from moe_offload.compute.auto import AutoNvfp4Compute
 from moe_offload.compute.base import ExpertCompute
 from moe_offload.compute.dequant import DequantGroupedCompute
 from moe_offload.compute.fused import FusedNvfp4Compute
 from moe_offload.compute.graphed import GraphedCompute
 from moe_offload.config import OffloadConfig, parse_bytes
 
-__all__ = ["ExpertCompute", "DequantGroupedCompute", "FusedNvfp4Compute", "GraphedCompute", "make_compute",
+__all__ = ["AutoNvfp4Compute", "ExpertCompute", "DequantGroupedCompute", "FusedNvfp4Compute", "GraphedCompute", "make_compute",
            "dequant_chunk_rows"]
 
 
 def make_compute(cfg: OffloadConfig, fmt, store, device: torch.device, dtype: torch.dtype) -> ExpertCompute:
-    """The configured compute (``compute.backend``) for ``fmt`` on ``device``."""
+    """The configured compute (``compute.backend``) for ``fmt`` on ``device``: triton = the fused kernels,
+    torch = dequant + grouped_mm, auto = per call the faster of the two as measured on this GPU for NVFP4 on
+    CUDA (``compute/auto.py``), else dequant + grouped_mm."""
     if cfg.compute.backend == "triton":
         if not (fmt.is_quantized and device.type == "cuda"):
             raise RuntimeError("compute.backend=triton needs an NVFP4 checkpoint on a CUDA device; use auto or torch")
         return FusedNvfp4Compute(dtype)
     use_triton_dequant = device.type == "cuda" and fmt.is_quantized
-    return DequantGroupedCompute(fmt, dtype, dequant_chunk_rows(cfg, store, dtype), use_triton_dequant)
+    dequant = DequantGroupedCompute(fmt, dtype, dequant_chunk_rows(cfg, store, dtype), use_triton_dequant)
+    if cfg.compute.backend == "auto" and use_triton_dequant:
+        return AutoNvfp4Compute(FusedNvfp4Compute(dtype), dequant)
+    return dequant
 
 
 def prefill_compute(cfg: OffloadConfig, compute: ExpertCompute, device: torch.device, dtype: torch.dtype):

@@ -63,21 +63,23 @@ CONFIGS = {"table": None, "swap-64x128x128-w8": (64, 128, 128, 8, 3, 8), "swap-1
            "swap-32x128x256-w4": (32, 128, 256, 4, 3, 8)}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_fused_moe_matches_the_dequantized_reference_at_qwen3_sizes(banks, config):
+def test_fused_moe_matches_the_dequantized_reference_at_qwen3_sizes(banks, config, dtype):
+    # bf16: the swapped kernels' PTX conversion (bf16 subnormal codes times scaled scales); fp16: their fp16 form
     from moe_offload.kernels.fused_moe import fused_moe_nvfp4, moe_reference
 
     config = None if config is None else _swap(*config)
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    hidden = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
     logits = torch.randn(T, N, device="cuda", generator=gen)
     weights, rows = torch.softmax(logits, -1).topk(K, dim=-1)
     rows[:3] = torch.arange(K, device="cuda")  # a few tokens share exactly the same experts
     out = fused_moe_nvfp4(hidden, rows, weights, banks, config=config)
     w13, w2 = FMT.dequantize(banks, torch.float32)
     ref = moe_reference(hidden.float(), rows, weights, w13, w2)
-    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert out.dtype == dtype and out.shape == (T, H)
     # The fp32 reference sees the same bf16 inputs and exact weights; the kernel rounds to bf16 (RNE,
     # 2^-9 relative) three times (the SiLU activation, each weighted term, the output), so errors stay
     # below ~3 * 2^-9 ~ 6e-3 of the output's scale; 1e-2 gives margin, while a wrong nibble, scale or

@@ -434,3 +434,42 @@ def test_tuning_entries_without_a_measurement_never_prefer_the_fused_kernels():
     with pytest.raises(ValueError, match="unknown keys"):
         FusedMoeConfig.from_dict({"block_m": 16, "gate_up": {"block_n": 16, "block_k": 32},
                                   "down": {"block_n": 16, "block_k": 32}, "swapab": True})
+
+
+_COMPILE_SWAP_SM90 = r'''
+import json, re
+import triton
+import triton.language as tl
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from moe_offload.kernels import fused_moe_swap as s
+
+fn = s._gate_up_swap_kernel
+names = fn.arg_names
+ints = ["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "M", "H", "I", "TOPK", "num_blocks_m",
+        "stride_xt", "stride_am"]
+sig = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "x_ptr": "*bf16", "act_ptr": "*bf16",
+       **dict.fromkeys(ints, "i32"), **dict.fromkeys(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")}
+consts = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "ACT_BLOCK_K": 128, "EVEN_K": True,
+          "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"}
+div16 = ["q_ptr", "s_ptr", "x_ptr", "act_ptr", "stride_qn", "stride_qr", "stride_sn", "stride_sr", "H", "I",
+         "stride_xt", "stride_am"]
+src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                constexprs={(names.index(k),): v for k, v in consts.items()},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4, "num_stages": 3})
+dots = [l for l in k.asm["ttgir"].splitlines() if "warp_group_dot " in l]
+print(json.dumps({"wgmma": len(dots),
+                  "weights_in_registers": sum("dot_op<{opIdx = 0" in l for l in dots),
+                  "ptx_bf16x2_scale_muls": len(re.findall(r"mul\.rn\.bf16x2", k.asm["ptx"]))}))
+'''
+
+
+def test_swapped_gate_up_compiles_for_sm90_to_wgmma_with_the_weight_tile_in_registers(compiled_without_interpreter):
+    # the reason for the swap (fused_moe_swap.py): on Hopper the dequantized weight tile is wgmma's left operand,
+    # read from registers, and the PTX conversion multiplies codes by scales as bf16 pairs
+    import json
+
+    out = json.loads(compiled_without_interpreter(_COMPILE_SWAP_SM90))
+    assert out["wgmma"] >= 4 and out["weights_in_registers"] == out["wgmma"]
+    assert out["ptx_bf16x2_scale_muls"] > 0

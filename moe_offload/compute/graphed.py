@@ -108,6 +108,9 @@ class GraphedCompute:
             s_i.copy_(index_N)
         graph.replay()
         self._count("graph_replays")
+        account = getattr(self.inner, "account", None)  # an inner that counts its own calls (compute/auto.py)
+        if account is not None:
+            account(hidden_TH, rows_TK, views)
         # the static output is overwritten by the next replay: hand out a copy
         return s_out.clone()
 

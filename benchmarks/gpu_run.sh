@@ -235,13 +235,14 @@ if has flash; then  # ~4 min of build beside nothing, ~3 min of benches
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/flash" --json > "$RES/flash-ttft.json" 2> "$RES/flash-ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (both kernel pairs; prefill sizes, then decode 16-64 rows), then
-  # the one-layer benchmark with them (fused vs dequant + grouped_mm vs bf16 grouped_mm); tables copied to $OUT (commit them)
-  timeout ${TUNE_FUSED_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b \
+if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (swapped kernels by default; prefill sizes with the dequant
+  # comparison compute.backend auto reads, then decode 16-64 rows beside the GEMV); TUNE_SHAPES (qwen3-30b-a3b, flash-next);
+  # tables copied to $OUT (commit them). Measured at 1ee779e: ~4 min for qwen3-30b-a3b at 5 prefill and 5 decode sizes
+  timeout ${TUNE_FUSED_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes ${TUNE_SHAPES:-qwen3-30b-a3b} \
     --tokens ${TUNE_FUSED_TOKENS:-128 1024 8192} --block-ms ${TUNE_FUSED_BLOCK_MS:-32 64 128} \
     --layouts ${TUNE_FUSED_LAYOUTS:-swap} > "$RES/tune_fused.log" 2>&1
   cp kernels/fused_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
-  timeout ${TUNE_MOE_TIMEOUT:-240} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-16 32 64} \
+  timeout ${TUNE_MOE_TIMEOUT:-240} python3 benchmarks/tune_decode_moe.py --shapes ${TUNE_SHAPES:-qwen3-30b-a3b} --tokens ${TUNE_MOE_TOKENS:-16 32 64} \
     --layouts ${TUNE_FUSED_LAYOUTS:-swap} > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
   mkdir -p /tmp/tables; cp kernels/fused_moe_tuning.json kernels/decode_moe_tuning.json /tmp/tables/  # for tables_back

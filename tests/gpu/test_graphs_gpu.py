@@ -102,3 +102,19 @@ def test_fp32_on_cuda_declines_graphs_once_and_counts_it(tiny_ckpt):
     eng.cache.reset()
     eng.prefill(torch.arange(3, 103)[None])
     assert eng.cache.stats()["declined"].get("cuda_graph:compute_syncs", 0) >= 1
+
+
+def test_auto_compute_counts_every_replayed_call_under_the_path_it_took(tiny_ckpt, monkeypatch):
+    # compute.backend auto inside prefill graphs: a replay never calls the inner compute, so GraphedCompute hands
+    # each replay to its account(); eager calls count themselves, captures count nothing
+    from moe_offload.compute.auto import AutoNvfp4Compute
+
+    monkeypatch.setattr(AutoNvfp4Compute, "pick", lambda self, dev, T, K, H, I: "fused" if T <= 64 else "dequant")
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "cache.budget=1.0", "compute.backend=auto")
+    assert isinstance(_graphed(eng).inner, AutoNvfp4Compute)
+    eng.cache.reset()
+    layers = sum(isinstance(m, OffloadedExperts) for m in eng.model.modules())
+    for T in (40, 40, 40, 300, 300, 300):  # each length: eager, then capture + replay, then replay
+        eng.prefill(torch.randint(3, 300, (1, T), generator=torch.Generator().manual_seed(T)))
+    compute = eng.cache.stats()["compute"]
+    assert compute["prefill_fused_calls"] == 3 * layers and compute["prefill_dequant_calls"] == 3 * layers

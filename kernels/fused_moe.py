@@ -25,6 +25,8 @@ rounds anyway: the intermediate activation and the per-pair terms are stored in 
 
 Tile sizes come from ``fused_moe_tuning.json`` through ``fused_moe_tuning.py`` (written by
 ``benchmarks/tune_fused_moe.py``), keyed by device name, shape (H, I) and the number of routed pairs.
+A config with ``swap_ab`` runs the kernel pair of ``fused_moe_swap.py`` instead (the weight tile as the
+dot's left operand; what the H200 tables choose at every tuned size), through the same ``run_fused``.
 """
 
 from __future__ import annotations

@@ -82,6 +82,39 @@ def grouped_mm_moe(hidden_TH, rows_TK, weights_TK, w13_EFH, w2_EHI):
     return terms_MH.view(T, K, H).sum(1)
 
 
+def best_fused_config(spaces: dict, block_ms, tile_space, align_at, kernel_times, label: str, unit: float = 1.0):
+    """The tuners' search (``tune_fused_moe.py``, ``tune_decode_moe.py``): for each kernel pair (``spaces``:
+    swap_ab -> tile space name) and each ``block_m`` that ``align_at(block_m)`` accepts (``(align, align_ms)``
+    or None), the gate_up and the down kernel are timed apart over ``tile_space(space)`` by
+    ``kernel_times(config, align) -> (gate_up_ms, down_ms)`` (None where a config cannot run) and the fastest of
+    each kept; returns ``(config, ms)`` with the lowest align + gate_up + down, or ``(None, inf)``. ``label``
+    and ``unit`` (ms -> printed unit) only shape the printed lines."""
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
+
+    best, best_ms = None, float("inf")
+    for swap_ab, space in spaces.items():
+        for block_m in block_ms:
+            aligned = align_at(block_m)
+            if aligned is None:
+                continue
+            align, align_ms = aligned
+            timed = {}
+            for tiles in tile_space(space):
+                times = kernel_times(FusedMoeConfig(block_m, tiles, tiles, swap_ab=swap_ab), align)
+                for which, ms in zip(("gate_up", "down"), times):
+                    if ms is not None and ms < timed.get(which, (None, float("inf")))[1]:
+                        timed[which] = (tiles, ms)
+            if len(timed) < 2 or align_ms is None:
+                continue
+            total = align_ms + timed["gate_up"][1] + timed["down"][1]
+            print(f"  {label} swap_ab={swap_ab:d} block_m={block_m:3d}: align {align_ms * unit:.3f} + gate_up "
+                  f"{timed['gate_up'][1] * unit:.3f} + down {timed['down'][1] * unit:.3f} = {total * unit:.3f}", flush=True)
+            if total < best_ms:
+                best = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0], swap_ab=swap_ab)
+                best_ms = total
+    return best, best_ms
+
+
 def hbm_bandwidth(device) -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write of a 1 GiB buffer)."""
     import triton.testing

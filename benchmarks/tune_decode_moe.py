@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
-from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
+from fused_moe import SHAPES, best_fused_config, random_banks, random_routing  # noqa: E402
 
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 SPACES = {
@@ -78,7 +78,6 @@ def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int
     """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name), per layer in a graph."""
     from moe_offload.kernels.decode_moe import decode_align
     from moe_offload.kernels.fused_moe import kernel_calls
-    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
 
     dev = layers_views[0]["w13_q"].device
     L = len(layers_views)
@@ -87,29 +86,18 @@ def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int
     M = T * K
     terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
     weights_M = weights_TK.reshape(-1).float()
-    best, best_ms = None, float("inf")
-    for swap_ab, space in spaces.items():
-        for block_m in BLOCK_MS:
-            if block_m > 16 and M <= E:  # about one pair per expert: a wider block is only padding
-                continue
-            align = decode_align(rows_TK, E, block_m)
-            align_ms = graph_ms(lambda: decode_align(rows_TK, E, block_m))
-            timed = {}
-            for tiles in tile_space(space):
-                cfg = FusedMoeConfig(block_m, tiles, tiles, swap_ab=swap_ab)
-                calls = [kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg) for views in layers_views]
-                for i, which in enumerate(("gate_up", "down")):
-                    ms = graph_ms(lambda: [c[i]() for c in calls])
-                    if ms is not None and ms / L < timed.get(which, (None, float("inf")))[1]:
-                        timed[which] = (tiles, ms / L)
-            if len(timed) < 2 or align_ms is None:
-                continue
-            total = align_ms + timed["gate_up"][1] + timed["down"][1]
-            print(f"  T={T:3d} swap_ab={swap_ab:d} block_m={block_m:3d}: align {align_ms * 1e3:.1f} + gate_up "
-                  f"{timed['gate_up'][1] * 1e3:.1f} + down {timed['down'][1] * 1e3:.1f} = {total * 1e3:.1f} us", flush=True)
-            if total < best_ms:
-                best = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0], swap_ab=swap_ab)
-                best_ms = total
+
+    def align_at(block_m):
+        if block_m > 16 and M <= E:  # about one pair per expert: a wider block is only padding
+            return None
+        return decode_align(rows_TK, E, block_m), graph_ms(lambda: decode_align(rows_TK, E, block_m))
+
+    def kernel_times(cfg, align):
+        calls = [kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg) for views in layers_views]
+        times = [graph_ms(lambda: [c[i]() for c in calls]) for i in (0, 1)]
+        return [None if ms is None else ms / L for ms in times]
+
+    best, best_ms = best_fused_config(spaces, BLOCK_MS, tile_space, align_at, kernel_times, f"T={T:3d} (us)", 1e3)
     if best is None:
         raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
     return best.to_dict(), best_ms

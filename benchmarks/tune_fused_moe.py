@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
-from fused_moe import SHAPES, random_banks, random_routing  # noqa: E402
+from fused_moe import SHAPES, best_fused_config, random_banks, random_routing  # noqa: E402
 
 DEFAULT_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 8192)
 SPACES = {
@@ -62,7 +62,6 @@ def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool
                 block_ms=BLOCK_MS) -> tuple[dict, float]:
     """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name)."""
     from moe_offload.kernels.fused_moe import kernel_calls, moe_align
-    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig
 
     dev = views["w13_q"].device
     rows_TK, weights_TK = random_routing(T, E, K, dev)
@@ -70,31 +69,18 @@ def tune_bucket(views, H: int, I: int, E: int, K: int, T: int, spaces: dict[bool
     M = T * K
     terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
     weights_M = weights_TK.reshape(-1).float()
-    # group_m only helps when several M blocks share an expert's weight tiles
-    group_m = 1 if M <= E else 8
-    best, best_ms = None, float("inf")
-    for swap_ab, space in spaces.items():
-        for block_m in block_ms:
-            if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
-                continue
-            align = moe_align(rows_TK, E, block_m)
-            align_ms = time_ms(lambda: moe_align(rows_TK, E, block_m))
-            timed = {}
-            for tiles in tile_space(space, group_m):
-                cfg = FusedMoeConfig(block_m, tiles, tiles, swap_ab=swap_ab)
-                gate_up, down = kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg)
-                for which, fn in (("gate_up", gate_up), ("down", down)):
-                    ms = time_ms(fn)
-                    if ms is not None and ms < timed.get(which, (None, float("inf")))[1]:
-                        timed[which] = (tiles, ms)
-            if len(timed) < 2 or align_ms is None:
-                continue
-            total = align_ms + timed["gate_up"][1] + timed["down"][1]
-            print(f"  T={T:5d} swap_ab={swap_ab:d} block_m={block_m:3d}: align {align_ms:.3f} + gate_up "
-                  f"{timed['gate_up'][1]:.3f} + down {timed['down'][1]:.3f} = {total:.3f} ms", flush=True)
-            if total < best_ms:
-                best = FusedMoeConfig(block_m, timed["gate_up"][0], timed["down"][0], swap_ab=swap_ab)
-                best_ms = total
+    group_m = 1 if M <= E else 8  # group_m only helps when several M blocks share an expert's weight tiles
+
+    def align_at(block_m):
+        if block_m > 16 and block_m > 2 * M:  # a block mostly of padding: never faster than a smaller one
+            return None
+        return moe_align(rows_TK, E, block_m), time_ms(lambda: moe_align(rows_TK, E, block_m))
+
+    def kernel_times(cfg, align):
+        return [time_ms(fn) for fn in kernel_calls(hidden_TH, views, align, weights_M, terms_MH, K, cfg)]
+
+    best, best_ms = best_fused_config(spaces, block_ms, lambda space: tile_space(space, group_m), align_at,
+                                      kernel_times, f"T={T:5d}")
     if best is None:
         raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
     return best.to_dict(), best_ms

@@ -64,6 +64,15 @@ def _block_coords(pid, num_blocks_m, num_blocks_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _block_pairs(pid_m, block_row_ptr, sorted_ids_ptr, M, BLOCK_M: tl.constexpr):
+    """``(row, pair, valid_m)`` of block ``pid_m`` of a ``MoeAlignment``: its bank row (int64), its BLOCK_M pair
+    ids (padding holds the sentinel M) and which of them are real."""
+    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return row, pair, pair < M
+
+
+@triton.jit
 def _nvfp4_tile_t(q_ptrs, s_ptrs, mask, DOT_DTYPE: tl.constexpr):
     """One transposed weight tile, split by nibble: ``q_ptrs`` address ``[BLOCK_K/2 bytes, BLOCK_N rows]``
     (contiguous along dim 0, so loads vectorize), ``s_ptrs`` the scale of each byte (8 consecutive
@@ -122,10 +131,7 @@ def _gate_up_silu_kernel(
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
-
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid_m = pair < M
+    row, pair, valid_m = _block_pairs(pid_m, block_row_ptr, sorted_ids_ptr, M, BLOCK_M)
     token = (pair // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < I
@@ -172,10 +178,7 @@ def _down_kernel(
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
-
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid_m = pair < M
+    row, pair, valid_m = _block_pairs(pid_m, block_row_ptr, sorted_ids_ptr, M, BLOCK_M)
     pair64 = pair.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < H

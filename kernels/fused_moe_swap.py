@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.fused_moe import _block_coords
+from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, SCALE_BLOCK, device_guard, e2m1_to_f32
 
@@ -41,33 +41,21 @@ from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, SCALE_BLO
 # 2^112 (``_weight_rows_tile``): E2M1 * scale * 2^-14, exact (<= 6 significant bits, in the normal range).
 # $0-$1: the low-nibble values of elements 0-1 and 2-3, $2-$3: the high-nibble ones, $4-$5: the four
 # elements' scales, $6: the four bytes.
-_E2M1_TO_BF16_SCALED = tl.constexpr("""
-{
-.reg .b32 t0, t1, u, v;
-prmt.b32 t0, $6, 0, 0x4140;
-prmt.b32 t1, $6, 0, 0x4342;
-shl.b32 u, t0, 6;
-shl.b32 v, t0, 12;
-lop3.b32 u, u, v, 0x80008000, 0xD8;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $0, u, $4;
-shl.b32 u, t1, 6;
-shl.b32 v, t1, 12;
-lop3.b32 u, u, v, 0x80008000, 0xD8;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $1, u, $5;
-shl.b32 u, t0, 2;
-shl.b32 v, t0, 8;
-lop3.b32 u, u, v, 0x80008000, 0xD8;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $2, u, $4;
-shl.b32 u, t1, 2;
-shl.b32 v, t1, 8;
-lop3.b32 u, u, v, 0x80008000, 0xD8;
-and.b32 u, u, 0x81C081C0;
-mul.rn.bf16x2 $3, u, $5;
-}
-""")
+def _nibble_pair_ptx(out: int, lanes: str, mag_shift: int, sign_shift: int, scale: int) -> str:
+    """PTX of one output register: the two codes of ``lanes`` (bytes in 16-bit lanes) whose magnitude bits reach
+    their bf16 places shifted left by ``mag_shift`` and whose sign bit by ``sign_shift``, times the scales in
+    register ``$scale``."""
+    return (f"shl.b32 u, {lanes}, {mag_shift};\nshl.b32 v, {lanes}, {sign_shift};\n"
+            "lop3.b32 u, u, v, 0x80008000, 0xD8;\nand.b32 u, u, 0x81C081C0;\n"
+            f"mul.rn.bf16x2 ${out}, u, ${scale};\n")
+
+
+_E2M1_TO_BF16_SCALED = tl.constexpr(
+    "{\n.reg .b32 t0, t1, u, v;\nprmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
+    + "".join(_nibble_pair_ptx(out, lanes, mag, sign, scale)
+              for out, (mag, sign) in ((0, (6, 12)), (2, (2, 8)))  # low nibbles: bits 0-3, high: bits 4-7
+              for out, lanes, scale in ((out, "t0", 4), (out + 1, "t1", 5)))
+    + "}\n")
 
 
 @triton.jit
@@ -152,10 +140,7 @@ def _gate_up_swap_kernel(
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
-
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid_m = pair < M
+    row, pair, valid_m = _block_pairs(pid_m, block_row_ptr, sorted_ids_ptr, M, BLOCK_M)
     token = (pair // TOPK).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < I
@@ -207,10 +192,7 @@ def _down_swap_kernel(
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    row = tl.load(block_row_ptr + pid_m).to(tl.int64)
-
-    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid_m = pair < M
+    row, pair, valid_m = _block_pairs(pid_m, block_row_ptr, sorted_ids_ptr, M, BLOCK_M)
     pair64 = pair.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     valid_n = offs_n < H

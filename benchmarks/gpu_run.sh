@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -248,6 +248,17 @@ if has fused_tune; then  # fused NVFP4 MoE tiles for this GPU (swapped kernels b
   mkdir -p /tmp/tables; cp kernels/fused_moe_tuning.json kernels/decode_moe_tuning.json /tmp/tables/  # for tables_back
 fi
 # tables_back: a later call on the same warm machine gets the tables fused_tune wrote (the call's tree has the old ones)
+if has prefill_graphs; then  # prefill.cuda_graphs on vs off (moe_offload/prefill_graph.py), same machine (~2 x 1-2 min)
+  for pg in true false; do
+    timeout ${TTFT_TIMEOUT:-240} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set prefill.cuda_graphs=$pg --prompt-lens ${PG_LENS:-16,64,256,1024} \
+      --residency ${PG_RESIDENCIES:-0.37,1} --modes gather --reps 3 --peers ${PG_PEERS:-none} \
+      --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/prefill-graphs-$pg" --json > "$RES/prefill-graphs-$pg.json" \
+      2> "$RES/prefill-graphs-$pg.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+    [ -n "${PG_ONLY_ON:-}" ] && break
+  done
+fi
 has tables_back && cp /tmp/tables/*.json kernels/
 if has compute_ab; then  # compute.backend auto (fused kernels where the table measured them faster) vs torch, same machine
   for cb in auto torch; do

@@ -97,6 +97,7 @@ class OffloadMoeCache:
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.staging.read_in_place = prefill_cfg.read_in_place
         self._resolution = None
+        self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_streams, self.streams)
@@ -177,6 +178,10 @@ class OffloadMoeCache:
     def residency_map(self) -> np.ndarray:
         """``[L, E]`` bool, which experts are resident (a copy)."""
         return self.pool.residency_map()
+
+    def holds_every_expert(self) -> bool:
+        """Whether every expert of every layer is resident (host map; no sync)."""
+        return bool((self.pool.slot_of_LE >= 0).all())
 
     def pool_views(self) -> dict[str, torch.Tensor]:
         """Typed per-bank views ``[S, ...]`` of the slot pool (rows read in place)."""

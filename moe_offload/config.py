@@ -145,6 +145,10 @@ class PrefillConfig(_Strict):
         "their routed experts (resident ones in place, missing ones over PCIe by SMs) instead of staging the whole "
         "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
         f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
+    cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
+                              "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
+                              "calls need no host work: routed prompts, or a cache holding every expert "
+                              "(moe_offload/prefill_graph.py)")
     routed_adaptive_max_tokens: int = Field(
         256, ge=0, le=ROUTED_MAX_TOKENS_LIMIT, description="with routed_max_tokens auto: single prompts of up to "
         "this many tokens may also read only their routed experts where the routing this cache observed (distinct "

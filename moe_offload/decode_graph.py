@@ -13,7 +13,9 @@ step's host-side work (admission, the routing record) runs around the replay
 The step is captured on its second call (the first runs eagerly: Triton compiles, cuBLAS and the
 allocator warm up) on a stream made once per decoder. A capture that fails (an op that syncs or
 cannot be captured) logs one ``decode_graph_declined`` event, is counted in ``stats()["declined"]``
-and the decoder runs eagerly from then on. Prompts are prefilled eagerly into the same static cache.
+and the decoder runs eagerly from then on. Prompts are prefilled into the same static cache: a fresh
+batch as one CUDA graph per length bucket where it can be (``prefill_graph.py``), else eagerly, each
+forward's attention over the positions filled so far (``SharedStartLayer.window``).
 Decoders are reused across requests (``reset``): the graph holds the cache's addresses.
 """
 
@@ -26,6 +28,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from moe_offload import log
+from moe_offload.prefill_graph import PrefillGraphs
 
 
 class SharedStartLayer(StaticLayer):
@@ -36,11 +39,22 @@ class SharedStartLayer(StaticLayer):
     ``index_copy_``. The decoder fills ``start_0`` before each forward (one fill per step, not per layer).
     ``get_seq_length`` returns it, i.e. the positions cached *before* the current forward (what models read
     at its start); unlike ``StaticLayer``'s counter it does not advance during the forward. ``crop`` is
-    refused (it would move the shared start once per layer)."""
+    refused (it would move the shared start once per layer).
+
+    ``window`` (host int or None, set by the decoder around one prefill forward): the forward's attention
+    covers positions ``0 .. window - 1`` only (``update`` returns views of that many positions and the mask
+    is built for them) instead of all ``max_cache_len``; a prefill at start ``s`` of ``T`` tokens sets
+    ``s + T``. Decode steps leave it None (the whole cache, masked by position)."""
 
     def __init__(self, max_cache_len: int, start_0: torch.Tensor):
         super().__init__(max_cache_len)
         self.cumulative_length = self.start_0 = start_0
+        self.window: int | None = None
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        if self.window is not None:
+            return self.window, 0
+        return super().get_mask_sizes(*args, **kwargs)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)  # moves cumulative_length to the keys' device
@@ -60,6 +74,8 @@ class SharedStartLayer(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         kv_write(self.keys, self.values, key_states, value_states,
                  self.cumulative_length.view(1).expand(key_states.shape[0]))
+        if self.window is not None:
+            return self.keys[:, :, :self.window], self.values[:, :, :self.window]
         return self.keys, self.values
 
     def reset(self) -> None:
@@ -78,7 +94,7 @@ def _shared_start(layer, start_0: torch.Tensor):
 class StaticDecoder:
     """Prefill + decode of ``batch`` equal-length sequences over a static KV cache (see module doc)."""
 
-    def __init__(self, engine, batch: int, max_len: int, graphs: bool):
+    def __init__(self, engine, batch: int, max_len: int, graphs: bool, padded_prefill: bool = False):
         from transformers import StaticCache
 
         self.engine, self.batch, self.max_len = engine, batch, max_len
@@ -97,8 +113,14 @@ class StaticDecoder:
         self.logits_BV = None
         self.length = 0  # positions filled
         self._eager_steps = 0
-        self._stream = torch.cuda.Stream(dev) if self.graphs else None
+        self.capture_stream = torch.cuda.Stream(dev) if self.graphs else None
         self._declined: str | None = None
+        self._windowed = [layer for layer in self.kv.layers if isinstance(layer, SharedStartLayer)]
+        # a fresh batch's prefill as a graph per length bucket; ``padded_prefill`` without graphs (CPU tests):
+        # the same padded forwards, eager
+        graphed = self.graphs and engine.cfg.prefill.cuda_graphs
+        self.prefill_graphs = PrefillGraphs(self, graphed, engine.cfg.compute.graph_after) \
+            if graphed or padded_prefill else None
 
     # ------------------------------------------------------------------ inputs
     def _kwargs(self, ids_BT: torch.Tensor, start: int) -> dict:
@@ -123,18 +145,34 @@ class StaticDecoder:
         self.kv.reset()
         self.length = 0
 
+    def set_window(self, positions: int | None) -> None:
+        """The next forward's attention covers positions ``0 .. positions - 1`` (None: the whole cache)."""
+        for layer in self._windowed:
+            layer.window = positions
+
     @torch.inference_mode()
     def prefill(self, ids_BT: torch.Tensor) -> torch.Tensor:
-        """Eager prefill (chunked like ``Engine.prefill``) into the static cache -> last logits ``[B, V]``."""
+        """Prefill into the static cache -> last logits ``[B, V]``: a fresh batch as a CUDA graph of its length
+        bucket where it can be (``prefill_graph.py``), else eagerly (chunked like ``Engine.prefill``; the
+        attention of each chunk covers the positions filled so far, not the whole cache)."""
         B, T = ids_BT.shape
         if B != self.batch or self.length + T >= self.max_len:
             raise ValueError(f"a prefill of {B} x {T} tokens does not fit this decoder ({self.batch} sequences, "
                              f"{self.max_len - self.length} positions left); raise decode.max_cache_len")
+        if self.length == 0 and self.prefill_graphs is not None:
+            logits_BV = self.prefill_graphs.run(ids_BT)
+            if logits_BV is not None:
+                self.length = T
+                return logits_BV
         chunk = self.engine.cfg.prefill.chunk_tokens
         logits = None
         for s in range(0, T, chunk):
             part = ids_BT[:, s:s + chunk]
-            logits = self.engine.run_model(self._kwargs(part, self.length), part.numel())
+            self.set_window(self.length + part.shape[1])
+            try:
+                logits = self.engine.run_model(self._kwargs(part, self.length), part.numel())
+            finally:
+                self.set_window(None)
             self.length += part.shape[1]
         return logits[:, -1]
 
@@ -168,16 +206,16 @@ class StaticDecoder:
     def _capture(self) -> bool:
         cur = torch.cuda.current_stream(self.engine.device)
         graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(cur)
+        self.capture_stream.wait_stream(cur)
         try:
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=self.capture_stream, capture_error_mode="thread_local"):
                 out = self.engine.model(**self._step_kwargs())
                 logits_BV = out.logits[:, -1]
         except Exception as exc:  # an op that syncs or cannot be captured: eager from now on
-            cur.wait_stream(self._stream)
+            cur.wait_stream(self.capture_stream)
             self._decline("capture_failed", f"{type(exc).__name__}: {exc}")
             return False
-        cur.wait_stream(self._stream)
+        cur.wait_stream(self.capture_stream)
         self.graph, self.logits_BV = graph, logits_BV
         self.engine.cache.counters.compute["decode_graph_captures"] += 1
         log.event("decode_graph_captured", logging.INFO, batch=self.batch, max_len=self.max_len)

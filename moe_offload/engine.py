@@ -393,12 +393,21 @@ class Engine:
 
     @torch.inference_mode()
     def measure_ttft(self, prompt_ids: list[int]) -> float:
-        """Seconds from a synchronized start to the first sampled token on the host."""
-        self._sync()
-        t0 = time.perf_counter()
-        logits, _ = self.prefill(prompt_ids, last_only=True)
-        int(logits[0, -1].argmax().item())
-        return time.perf_counter() - t0
+        """Seconds from a synchronized start to the first sampled token on the host, on ``generate``'s path:
+        the static decoder (its prefill graph where one applies, ``prefill_graph.py``) where generate takes it."""
+        with self._exclusive():
+            n = len(prompt_ids)
+            dec = self.decoder(1) if n + 1 <= self.cfg.decode.max_cache_len else None
+            if dec is not None:
+                dec.reset()
+            self._sync()
+            t0 = time.perf_counter()
+            if dec is not None:
+                logits_BV = dec.prefill(torch.as_tensor([prompt_ids], dtype=torch.long).to(self.device))
+            else:
+                logits_BV = self.prefill(prompt_ids, last_only=True)[0][:, -1]
+            int(logits_BV[0].argmax().item())
+            return time.perf_counter() - t0
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -66,6 +66,9 @@ class OffloadedExperts(nn.Module):
         cache = self.cache
         eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
         layers = cache.layers
+        src_T = cache.pad_src_N
+        if src_T is not None and src_T.shape[0] == topk_ids_TK.shape[0]:  # a padded prefill: pad rows route as
+            topk_ids_TK = topk_ids_TK.index_select(0, src_T)  # their sequence's last real row (prefill_graph.py)
         if eager and self.layer_idx == layers[0]:
             cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
         rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK, hidden_TH)
@@ -75,6 +78,11 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
+        if hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing():  # a prefill graph: no staging
+            from moe_offload.prefill_graph import in_place_rows
+
+            views, index_N = in_place_rows(self.cache, self.layer_idx)
+            return self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         views, index_N = self.cache.stage_rows(self.layer_idx)
         out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)

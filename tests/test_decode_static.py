@@ -50,8 +50,13 @@ def test_shared_start_layers_give_the_bits_of_transformers_static_layers(tiny_ck
     ours, theirs = StaticDecoder(eng, 2, 48, graphs=False), StaticDecoder(eng, 2, 48, graphs=False)
     assert all(type(layer) is SharedStartLayer for layer in ours.kv.layers)
     theirs.kv = StaticCache(config=eng.model.config, max_cache_len=48)
+    windowed = StaticDecoder(eng, 2, 48, graphs=False)
+    ours._windowed = []  # attention over the whole cache, as StaticLayer's: the write is what differs
     prompts = torch.tensor([list(range(7, 26)), list(range(60, 79))])
     a, b = ours.prefill(prompts), theirs.prefill(prompts)
+    # a prefill's attention over the positions filled so far (SharedStartLayer.window): the same logits up to
+    # the order of the softmax sums
+    torch.testing.assert_close(windowed.prefill(prompts), b, atol=1e-5, rtol=1e-5)
     for _ in range(4):
         assert torch.equal(a, b)  # the same ops but the cache write, which is a copy: bitwise
         tok = a.argmax(-1)

@@ -148,14 +148,16 @@ def _summary(values: list[float]) -> dict:
 def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps: int) -> dict:
     """``reps`` TTFTs of ``ids`` with exactly ``resident`` experts resident at the start of each. With observed
     routing (``prefill.routed_adaptive_max_tokens``) two untimed passes of ``ids`` come first, so every timed
-    rep is decided by this length's own observed spread, as in a server that has seen such prompts."""
+    rep is decided by this length's own observed spread, as in a server that has seen such prompts. The same
+    two passes capture the length's prefill graph where one applies (``prefill.cuda_graphs``): the timed reps
+    replay it, as a server does for a length it has seen."""
     ttft, host_fwd, host_layer, paths = [], [], [], []
     stats = {}
     if engine.cache.observed is not None:
         engine.cache.forget_observations()  # other lengths of the same power-of-two bucket must not count
-        for _ in range(2):
-            engine.cache.set_residency(resident)
-            engine.measure_ttft(ids)
+    for _ in range(2):
+        engine.cache.set_residency(resident)
+        engine.measure_ttft(ids)
     for _ in range(reps):
         engine.cache.set_residency(resident)
         engine.cache.reset()

@@ -16,6 +16,8 @@ Rules:
 - captures run on one side stream made up front, right after the cache's copy and hit streams (torch
   hands out streams round-robin from a pool of 32 per device; a fresh stream per capture would
   sooner or later alias the copy or hit stream);
+- a call inside another capture (a whole prefill forward, ``prefill_graph.py``) runs the inner compute,
+  which becomes part of that graph;
 - a capture that fails (an op that cannot be captured) turns graphs off for this wrapper and the
   call runs eagerly. Each declined case logs one structured event per reason and is counted in
   the cache's ``stats()["declined"]`` as ``cuda_graph:<reason>``.
@@ -79,8 +81,8 @@ class GraphedCompute:
         if self._disabled is not None:
             self._decline(self._disabled)
             return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
-        if hidden_TH.device.type != "cuda":
-            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)
+        if hidden_TH.device.type != "cuda" or torch.cuda.is_current_stream_capturing():  # inside a whole-forward
+            return self.inner(hidden_TH, rows_TK, weights_TK, views, num_rows, index_N)  # graph: part of it
         stream = torch.cuda.current_stream(hidden_TH.device)
         if self._stream is not None and stream != self._stream:
             self._decline("other_stream", detail="graphs share a memory pool and replay on one stream")

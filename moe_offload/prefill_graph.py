@@ -1,0 +1,209 @@
+"""A fresh batch's prefill as one CUDA graph per length bucket (``StaticDecoder.prefill``).
+
+Legend: B sequences, T prompt tokens, Tb the bucket T is padded to, N = B x Tb rows of an experts call,
+V vocab, H hidden.
+
+Eager, a prefill forward costs ~1.7 ms of host time per layer on the H200 (Python, ~50 launches), more
+than the device needs at short prompts and whenever every expert is resident (README Results). A
+start-0 prefill whose experts calls do no host work is captured once per bucket and replayed:
+- ``routed``: ``B x Tb <= cache.routed_max_tokens``, every experts call takes the routed path (resident
+  experts read in place, misses copied from mapped host memory inside the step, ``decode_path.py``): valid
+  at any residency, since the device slot table is read at replay time;
+- ``in_place``: the cache holds every expert of every layer (``prefill.read_in_place`` on, a device hit
+  path): under capture each experts call reads its layer's experts from their slots through the device
+  table (``in_place_rows``), with no staging; such a graph is replayed only while that still holds.
+
+Padding: T is rounded up to a bucket (``bucket``: multiples of 16 up to 64, then at most 25 % above T)
+with pad tokens after the prompt. Causal attention keeps them out of every real position; their KV entries
+(positions T..Tb-1) are masked for the decode steps and overwritten as decode reaches them. On the routed
+path each pad row takes its sequence's last real row's experts (``cache.pad_src_N``, read by
+``OffloadedExperts``: one gather of the routed ids per layer), so padding copies no expert the prompt did
+not route. The last real position's logits are kept (``logits_to_keep`` as a device index), and the
+attention covers Tb positions, not the whole static cache (``SharedStartLayer.window``).
+
+A bucket runs eagerly (padded: the capture then meets compiled kernels) on its first ``graph_after - 1``
+calls and is captured on the next; at most ``max_graphs`` are kept (least recently used dropped), sharing
+one memory pool (their replays never overlap: one decoder, one stream). Every declined case (longer
+prompt, cache not holding every expert for a staged bucket, capture failed) logs one
+``prefill_graph_declined`` event per reason and counts ``stats()["declined"]["prefill_graph:<reason>"]``;
+``stats()["compute"]`` counts ``prefill_graph_eager`` / ``_captures`` / ``_replays``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+
+from moe_offload import log
+from moe_offload.hit_copy import FULL_LAYER_COPY
+
+#: largest bucket: a longer prompt is prefilled eagerly (its host time is small beside its device time)
+MAX_BUCKET = 4096
+
+
+class PrefillNotCapturable(RuntimeError):
+    """An experts call under a prefill capture that would need host work (staging)."""
+
+
+def bucket(tokens: int, limit: int) -> int | None:
+    """The padded length of a ``tokens``-token prefill (None: above ``limit``): a multiple of 16 up to 64,
+    then of ``2^(floor(log2 T) - 2)`` (at most 25 % padding), never above ``limit``."""
+    if tokens < 1 or tokens > limit:
+        return None
+    step = 16 if tokens <= 64 else 1 << (tokens.bit_length() - 3)
+    return min(-(-tokens // step) * step, limit)
+
+
+def in_place_rows(cache, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``(pool views, the layer's device slot table row)`` for an experts call under a prefill capture:
+    the compute reads every expert from its slot. Raises ``PrefillNotCapturable`` unless every expert of
+    ``layer`` is resident and ``prefill.read_in_place`` is on with a device hit path."""
+    pool = cache.pool
+    if not (cache.prefill_cfg.read_in_place and cache.hit_path != FULL_LAYER_COPY
+            and bool((pool.resident(layer) >= 0).all())):
+        raise PrefillNotCapturable(f"layer {layer} is staged (not every expert resident, or prefill.read_in_place "
+                                   "off): its prefill needs host work per layer")
+    return pool.views(), pool.table_LE[pool.layer_pos[layer]]
+
+
+class PrefillGraphs:
+    """The prefill graphs of one ``StaticDecoder`` (see the module docstring)."""
+
+    def __init__(self, decoder, graphs: bool, graph_after: int = 2, max_graphs: int = 8):
+        self.decoder, self.graphs = decoder, graphs
+        self.graph_after, self.max_graphs = max(1, graph_after), max_graphs
+        self._graphs: OrderedDict = OrderedDict()  # (B, Tb) -> entry
+        self._seen: dict[tuple[int, int], int] = {}
+        self._static: dict[tuple[int, int], dict] = {}  # the bucket's input buffers (eager and captured)
+        self._pool = None
+
+    # ------------------------------------------------------------------ eligibility
+    def plan(self, B: int, T: int) -> tuple[int, str] | None:
+        """``(Tb, mode)`` for a start-0 prefill of ``B x T`` tokens, or None (eager, unpadded; counted)."""
+        dec = self.decoder
+        cache = dec.engine.cache
+        limit = min(MAX_BUCKET, dec.engine.cfg.prefill.chunk_tokens, dec.max_len - 1)
+        routed_T = cache.routed_max_tokens // B
+        Tb = bucket(T, routed_T)
+        if Tb is not None:
+            return Tb, "routed"
+        cache.resolve_hit_path()
+        if not cache.holds_every_expert() or not cache.prefill_cfg.read_in_place or cache.hit_path == FULL_LAYER_COPY:
+            self._decline("staged_layers", "a layer with missing experts is staged (host work per layer)", T=T)
+            return None
+        Tb = bucket(T, limit)
+        if Tb is None:
+            self._decline("longer_than_bucket", f"prompts above {limit} tokens are prefilled eagerly", T=T)
+            return None
+        return Tb, "in_place"
+
+    def _decline(self, reason: str, detail: str, **fields) -> None:
+        log.log_once(f"prefill_graph_declined:{reason}", "prefill_graph_declined", logging.INFO, reason=reason,
+                     fallback="eager", detail=detail[:500], setting="prefill.cuda_graphs", **fields)
+        self.decoder.engine.cache.counters.declined[f"prefill_graph:{reason}"] += 1
+
+    # ------------------------------------------------------------------ running
+    def _buffers(self, B: int, Tb: int) -> dict:
+        key = (B, Tb)
+        st = self._static.get(key)
+        if st is None:
+            dev = self.decoder.engine.device
+            rows_N = torch.arange(B * Tb, device=dev)
+            st = dict(ids=torch.zeros((B, Tb), dtype=torch.long, device=dev),
+                      n=torch.zeros((), dtype=torch.long, device=dev),  # real tokens per sequence
+                      last=torch.zeros((1,), dtype=torch.long, device=dev),  # the last real position
+                      rows=rows_N, t=rows_N % Tb, src=torch.empty_like(rows_N),
+                      pos=torch.arange(Tb, device=dev))
+            self._static[key] = st
+        return st
+
+    def _forward(self, st: dict, Tb: int, mode: str, capture: bool):
+        """The model forward over the bucket's static inputs -> logits ``[B, 1, V]``."""
+        dec, engine = self.decoder, self.decoder.engine
+        cache = engine.cache
+        # pad rows take the routed ids of their sequence's last real row (computed from ``n``: in the graph)
+        torch.where(st["t"] < st["n"], st["rows"], st["rows"] - st["t"] + st["n"] - 1, out=st["src"])
+        kw = dict(input_ids=st["ids"], use_cache=True, logits_to_keep=st["last"], **{engine.kv_name: dec.kv})
+        if dec._positions:
+            kw.update(cache_position=st["pos"], position_ids=st["pos"][None].expand(st["ids"].shape[0], Tb))
+        dec.set_window(Tb)
+        cache.pad_src_N = st["src"] if mode == "routed" else None
+        try:
+            if capture:
+                return engine.model(**kw).logits
+            return engine.run_model(kw, st["ids"].numel())
+        finally:
+            cache.pad_src_N = None
+            dec.set_window(None)
+
+    def run(self, ids_BT: torch.Tensor) -> torch.Tensor | None:
+        """Prefill ``ids_BT [B, T]`` at start 0 -> last real logits ``[B, V]``, or None when this prefill is
+        not eligible (the caller prefills eagerly, unpadded)."""
+        B, T = ids_BT.shape
+        planned = self.plan(B, T)
+        if planned is None:
+            return None
+        Tb, mode = planned
+        key = (B, Tb)
+        st = self._buffers(B, Tb)
+        st["ids"][:, :T].copy_(ids_BT)
+        st["ids"][:, T:].fill_(0)
+        st["n"].fill_(T)
+        st["last"].fill_(T - 1)
+        dec = self.decoder
+        dec.start_0.fill_(0)
+        cache = dec.engine.cache
+        counters = cache.counters.compute
+        entry = self._graphs.get(key) if self.graphs else None
+        if entry is None and self.graphs:
+            n = self._seen.get(key, 0) + 1
+            self._seen[key] = n
+            if n >= self.graph_after:
+                entry = self._capture(key, st, Tb, mode)
+        if entry is None:
+            counters["prefill_graph_eager"] += 1
+            return self._forward(st, Tb, mode, capture=False)[:, 0].clone()
+        graph, logits, graph_mode = entry
+        if graph_mode == "in_place" and not cache.holds_every_expert():
+            self._decline("staged_layers", "the cache no longer holds every expert", T=T)
+            return None
+        self._graphs.move_to_end(key)
+        cache.step_boundary()
+        graph.replay()
+        if graph_mode == "routed":  # its routing record is complete with it (admission at the next boundary)
+            cache.decode_step_enqueued(B * Tb)
+        else:  # counted as the staged pass it replaces: every layer's experts hits, read in place
+            cache.counters.prefills += 1
+            for layer in cache.layers:
+                cache.counters.layer(layer).prefill_hits += cache.E
+            counters["prefill_in_place_layers"] += len(cache.layers)
+        counters["prefill_graph_replays"] += 1
+        return logits[:, 0].clone()
+
+    def _capture(self, key, st: dict, Tb: int, mode: str):
+        dec = self.decoder
+        cur = torch.cuda.current_stream(dec.engine.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        dec.engine.cache.step_boundary()  # host work a captured forward cannot do (admissions, the record)
+        graph = torch.cuda.CUDAGraph()
+        side = dec.capture_stream
+        side.wait_stream(cur)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                logits = self._forward(st, Tb, mode, capture=True)
+        except Exception as exc:  # an op that syncs, cannot be captured, or a staged layer: eager from now on
+            cur.wait_stream(side)
+            self.graphs = False
+            self._graphs.clear()
+            self._decline("capture_failed", f"{type(exc).__name__}: {exc}", T=Tb)
+            return None
+        cur.wait_stream(side)
+        self._graphs[key] = (graph, logits, mode)
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        dec.engine.cache.counters.compute["prefill_graph_captures"] += 1
+        log.event("prefill_graph_captured", logging.INFO, batch=key[0], tokens=Tb, mode=mode, graphs=len(self._graphs))
+        return self._graphs[key]

@@ -79,6 +79,12 @@ class ObservedRouting:
             self.streams.record(self.event, self.streams.current())
         self.pending = plan[0]
 
+    def would_route(self, tokens: int) -> bool:
+        """Whether a single-sequence forward of ``tokens`` tokens above the fixed threshold is routed now
+        (finished observations are taken in first; counted as a decision, as ``begin`` counts one)."""
+        self._collect()
+        return self.adaptive.routes(tokens)
+
     def _collect(self) -> None:
         if self.pending is None or (self.event is not None and not self.event.query()):
             return

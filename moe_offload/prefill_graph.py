@@ -6,7 +6,8 @@ V vocab, H hidden.
 Eager, a prefill forward costs ~1.7 ms of host time per layer on the H200 (Python, ~50 launches), more
 than the device needs at short prompts and whenever every expert is resident (README Results). A
 start-0 prefill whose experts calls do no host work is captured once per bucket and replayed:
-- ``routed``: ``B x Tb <= cache.routed_max_tokens``, every experts call takes the routed path (resident
+- ``routed``: ``B x Tb <= cache.routed_max_tokens`` (or a single prompt that the observed routing,
+  ``prefill.routed_adaptive_max_tokens``, sends down the routed path), every experts call takes the routed path (resident
   experts read in place, misses copied from mapped host memory inside the step, ``decode_path.py``): valid
   at any residency, since the device slot table is read at replay time;
 - ``in_place``: the cache holds every expert of every layer (``prefill.read_in_place`` on, a device hit
@@ -31,6 +32,7 @@ prompt, cache not holding every expert for a staged bucket, capture failed) logs
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 
@@ -68,6 +70,23 @@ def in_place_rows(cache, layer: int) -> tuple[dict[str, torch.Tensor], torch.Ten
     return pool.views(), pool.table_LE[pool.layer_pos[layer]]
 
 
+@contextlib.contextmanager
+def _routed(cache, tokens: int):
+    """Experts calls of ``tokens`` tokens take the routed path inside (the observed routing's plan for the
+    forward, which a capture would otherwise reset to the fixed threshold; not observed: its decision is
+    made, by ``PrefillGraphs.plan``)."""
+    obs = cache.observed
+    if obs is None:
+        yield
+        return
+    saved = obs.plan, obs.depth
+    obs.plan, obs.depth = (tokens, True, False), obs.depth + 1
+    try:
+        yield
+    finally:
+        obs.plan, obs.depth = saved
+
+
 class PrefillGraphs:
     """The prefill graphs of one ``StaticDecoder`` (see the module docstring)."""
 
@@ -89,6 +108,11 @@ class PrefillGraphs:
         Tb = bucket(T, routed_T)
         if Tb is not None:
             return Tb, "routed"
+        obs = cache.observed  # a single prompt the observed routing sends down the routed path (adaptive)
+        if obs is not None and B == 1 and T > obs.decode_max_tokens and obs.would_route(T):
+            Tb = bucket(T, cache.decode.max_tokens)  # what the routing record and scratch rows hold
+            if Tb is not None:
+                return Tb, "routed"
         cache.resolve_hit_path()
         if not cache.holds_every_expert() or not cache.prefill_cfg.read_in_place or cache.hit_path == FULL_LAYER_COPY:
             self._decline("staged_layers", "a layer with missing experts is staged (host work per layer)", T=T)
@@ -131,6 +155,9 @@ class PrefillGraphs:
         dec.set_window(Tb)
         cache.pad_src_N = st["src"] if mode == "routed" else None
         try:
+            if mode == "routed":  # every experts call routed, eager or captured (no staged pass announced)
+                with _routed(cache, st["ids"].numel()):
+                    return engine.model(**kw).logits
             if capture:
                 return engine.model(**kw).logits
             return engine.run_model(kw, st["ids"].numel())

@@ -106,3 +106,36 @@ def test_a_prompt_above_the_largest_bucket_is_prefilled_unpadded(tiny_ckpt):
     logits = dec.prefill(torch.tensor([list(range(3, 36))]))
     assert dec.length == 33 and logits.shape[0] == 1
     assert eng.cache.counters.compute["prefill_graph_eager"] == 0
+
+
+def test_a_prompt_the_observed_routing_routes_is_padded_on_the_routed_path(tiny_ckpt):
+    """Above the fixed threshold, a single prompt whose length the cache has seen route few experts takes
+    the routed path (prefill.routed_adaptive_max_tokens); its padded forward does too (forced: a capture
+    would otherwise fall back to the fixed threshold), with the unpadded logits."""
+    from moe_offload.cache import OffloadMoeCache
+    from moe_offload.prefill_path import CostModel
+
+    cfg = load_config(None, [f"model.checkpoint={tiny_ckpt('tiny-qwen3-moe', 'nvfp4-modelopt')}", "model.format=auto",
+                             "device=cpu", "cache.budget=0.37", "prefill.hit_copy=gather", "decode.max_tokens=4",
+                             "prefill.routed_adaptive_max_tokens=64", "logging.level=WARNING"])
+    eng = Engine.from_config(cfg, progress=False)
+    model = CostModel(h2d_GBps=55.0, uva_GBps=48.0, uva_fixed_s=1e-4, hbm_GBps=4000.0, routed_fixed_s=4e-5,
+                      routed_hbm_factor=8.0, routed_pair_s=2e-7, staged_fixed_s=5e-3, staged_hbm_factor=0.0,
+                      staged_pair_s=0.0, max_tokens=4)  # tests/test_observed_routing.py's: skewed prompts route
+    eng.replace_cache(OffloadMoeCache(eng.store, cfg.cache, cfg.prefill, "cpu", 4, cost_model=(model, "test"),
+                                      observe_routing=True))
+    cache = eng.cache
+    prompt = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
+    dec = StaticDecoder(eng, 1, 96, graphs=False, padded_prefill=True)
+    plain = StaticDecoder(eng, 1, 96, graphs=False)
+    for _ in range(2):  # two observed (eager, unpadded, staged) forwards teach the spread of this length
+        dec.reset()
+        assert dec.prefill_graphs.plan(1, 30) is None
+        eng.prefill(prompt)
+    assert dec.prefill_graphs.plan(1, 30) == (32, "routed")
+    cache.reset()
+    dec.reset()
+    got = dec.prefill(prompt)
+    st = cache.stats()
+    assert st["compute"]["prefill_graph_eager"] == 1 and st["decode_steps"] == 1 and st["prefills"] == 0
+    torch.testing.assert_close(got, plain.prefill(prompt), atol=2e-4, rtol=2e-4)

@@ -148,14 +148,16 @@ def _summary(values: list[float]) -> dict:
 def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps: int) -> dict:
     """``reps`` TTFTs of ``ids`` with exactly ``resident`` experts resident at the start of each. With observed
     routing (``prefill.routed_adaptive_max_tokens``) two untimed passes of ``ids`` come first, so every timed
-    rep is decided by this length's own observed spread, as in a server that has seen such prompts. The same
-    two passes capture the length's prefill graph where one applies (``prefill.cuda_graphs``): the timed reps
-    replay it, as a server does for a length it has seen."""
+    rep is decided by this length's own observed spread, as in a server that has seen such prompts. Untimed
+    passes also run and capture the length's prefill graph where one applies (``prefill.cuda_graphs``: its
+    first padded forward eager, the second captured), so the timed reps replay it, as a server does for a
+    length it has seen: 2 passes, 4 with observed routing (a length it routes is eligible from its 3rd
+    forward on; measured at da1eb4a on the H200: with 2, the 3 timed reps were eager, capture, replay)."""
     ttft, host_fwd, host_layer, paths = [], [], [], []
     stats = {}
     if engine.cache.observed is not None:
         engine.cache.forget_observations()  # other lengths of the same power-of-two bucket must not count
-    for _ in range(2):
+    for _ in range(4 if engine.cache.observed is not None else 2):
         engine.cache.set_residency(resident)
         engine.measure_ttft(ids)
     for _ in range(reps):

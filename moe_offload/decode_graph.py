@@ -145,6 +145,24 @@ class StaticDecoder:
         self.kv.reset()
         self.length = 0
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether ``to_dynamic`` can hand the cache out (every layer a full-attention ``SharedStartLayer``)."""
+        return len(self._windowed) == len(self.kv.layers)
+
+    def to_dynamic(self):
+        """A transformers ``DynamicCache`` holding copies of the positions filled so far (a request prefilled here,
+        handed to the serving batch, ``serve/executor.py``); this decoder is free for the next prefill."""
+        from transformers import DynamicCache
+
+        if not self.hands_off:
+            raise ValueError("only a cache of full-attention layers is handed out (sliding-window or linear-attention "
+                             "layers keep their own layout)")
+        out = DynamicCache(config=self.engine.model.config)
+        for i, layer in enumerate(self.kv.layers):
+            out.update(layer.keys[:, :, :self.length], layer.values[:, :, :self.length], i)
+        return out
+
     def set_window(self, positions: int | None) -> None:
         """The next forward's attention covers positions ``0 .. positions - 1`` (None: the whole cache)."""
         for layer in self._windowed:

@@ -159,3 +159,23 @@ def test_a_join_that_fails_after_a_one_prompt_prefill_fails_only_that_request(en
     assert "injected" in outs[0][-1].error
     for i in (1, 2):
         assert outs[i][-1].error is None and [t for o in outs[i] for t in o.token_ids] == reference[i]
+
+
+def test_whole_prompts_prefilled_in_the_static_prefill_decoder_get_the_greedy_tokens_of_engine_generate(engine,
+                                                                                                       reference):
+    """With prefill graphs (CUDA), a prompt that fits one chunk is prefilled in the executor's static decoder
+    (padded to its bucket; a graph replay on CUDA) and its positions are copied into the request's own
+    cache; here the same padded forwards run eagerly on the CPU. Longer prompts are chunked as before."""
+    from moe_offload.decode_graph import StaticDecoder
+
+    cfg = ServeConfig(max_batch=6, max_queue=64)
+    for batch in (None, StaticBatch(engine, 6, 128, None)):
+        ex = LocalExecutor(engine, cfg, batch)
+        ex.prefill_decoder = StaticDecoder(engine, 1, 128, graphs=False, padded_prefill=True)
+        before = engine.cache.counters.compute["prefill_graph_eager"]
+        s = Scheduler(engine, cfg, ex)
+        reqs = submit_then_start(s, PROMPTS, MAX_NEW)
+        assert [r.output_ids for r in reqs] == reference
+        # whole prompts (at most prefill.chunk_tokens = 16): 5, 3 and 1 tokens; the 3- and 1-token ones fit the
+        # routed threshold (decode.max_tokens = 4 on the CPU) and are padded, the 5-token one is staged and declined
+        assert engine.cache.counters.compute["prefill_graph_eager"] - before == 2

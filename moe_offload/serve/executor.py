@@ -59,10 +59,30 @@ class LocalExecutor:
         self.cfg = cfg or ServeConfig()
         self.pasts: dict[str, object] = {}
         self.batch = batch if batch is not None else make_batch(engine, self.cfg)
+        #: the static decoder whole prompts are prefilled with (``prefill.cuda_graphs``: a graph replay per
+        #: length bucket, ``prefill_graph.py``); made on first use, False where there is none
+        self.prefill_decoder = None
 
-    def prefill(self, rid: str, ids: list[int]) -> torch.Tensor:
-        """One prefill chunk of request ``rid`` (batch 1, ``Engine.forward``) -> last-position logits [1, V]."""
+    def _decoder_for(self, tokens: int):
+        eng = self.engine
+        if self.prefill_decoder is None:
+            on = eng.cfg.prefill.cuda_graphs and eng.cfg.decode.cuda_graphs and eng.device.type == "cuda"
+            dec = eng.decoder(1) if on else None
+            self.prefill_decoder = dec if dec is not None and dec.hands_off else False
+        dec = self.prefill_decoder
+        return dec if dec and tokens + 1 <= dec.max_len else None
+
+    def prefill(self, rid: str, ids: list[int], whole: bool = False) -> torch.Tensor:
+        """One prefill chunk of request ``rid`` (batch 1) -> last-position logits [1, V]. ``whole``: the chunk is
+        the whole prompt; it is prefilled in the static prefill decoder (its length bucket's CUDA graph where
+        one applies) and its positions are copied into the request's own cache; else ``Engine.forward``."""
         ids_1T = torch.tensor([ids], dtype=torch.long, device=self.engine.device)
+        dec = self._decoder_for(len(ids)) if whole and rid not in self.pasts else None
+        if dec is not None:
+            dec.reset()
+            logits_1V = dec.prefill(ids_1T)
+            self.pasts[rid] = dec.to_dynamic()
+            return logits_1V
         logits, self.pasts[rid] = self.engine.forward(ids_1T, self.pasts.get(rid), 1)
         return logits[:, -1]
 
@@ -125,9 +145,9 @@ class BroadcastExecutor(LocalExecutor):
 
         dist.broadcast_object_list([(op, args)], src=self.src, group=self.group)
 
-    def prefill(self, rid, ids):
-        self._send("prefill", rid, ids)
-        return super().prefill(rid, ids)
+    def prefill(self, rid, ids, whole=False):
+        self._send("prefill", rid, ids, whole)
+        return super().prefill(rid, ids, whole)
 
     def prefill_batch(self, rids, prompts):
         self._send("prefill_batch", rids, prompts)

@@ -312,7 +312,7 @@ class Scheduler:
         if req.t_prefill is None:
             req.t_prefill = time.perf_counter()
         t0 = time.perf_counter()
-        logits_1V = self.executor.prefill(req.id, req.prompt_ids[s:s + chunk])
+        logits_1V = self.executor.prefill(req.id, req.prompt_ids[s:s + chunk], s == 0 and len(req.prompt_ids) <= chunk)
         req.prefill_host += time.perf_counter() - t0
         req.prefilled = min(len(req.prompt_ids), s + chunk)
         if req.prefilled < len(req.prompt_ids):

@@ -65,3 +65,20 @@ def plan_budget(store, budget: Budget, device: torch.device, auto_reserve: str =
             f"({min_bytes / 2**30:.3f} GiB) or a fraction of experts of {min_fraction:.4f}; raise cache.budget"
         )
     return BudgetPlan(slots, slots * R, staging, min_bytes, min_fraction, scratch_rows)
+
+
+def is_device_oom(exc: BaseException) -> bool:
+    """torch's allocator OOM, or CUDA's ``cudaErrorMemoryAllocation`` raised as an ``AcceleratorError`` by a
+    kernel launch: with lazy module loading a kernel's first launch loads its module into device memory, so at
+    cache build with the pool taking what was free the first fill of the residency table fails this way
+    (measured on the H200 at edd2da4: ``torch.full`` in ``SlotPool``, "CUDA error: out of memory")."""
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def oom_message(budget, plan: BudgetPlan, row_bytes: int, device: torch.device, exc: Exception) -> str:
+    setting = "auto" if budget.kind == "auto" else f"{budget.kind}={budget.value:g}"
+    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    return (f"cache.budget {setting}: allocating the expert cache on {device} ({plan.num_slots} slots of {row_bytes} "
+            f"bytes + {plan.staging_bytes} bytes of staging and decode scratch = {plan.total_bytes} bytes) ran out of "
+            f"device memory ({first}); lower cache.budget, or set cache.budget=auto (sizes the pool from free "
+            "memory, leaving cache.auto_reserve)")

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from moe_offload import log
-from moe_offload.budget import BudgetError, BudgetPlan, plan_budget
+from moe_offload.budget import BudgetError, BudgetPlan, is_device_oom, oom_message, plan_budget
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
@@ -82,12 +82,12 @@ class OffloadMoeCache:
                                      cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
-            if not _is_device_oom(exc):
+            if not is_device_oom(exc):
                 raise
             if decode is not None:
                 decode.close()  # its routing record is registered host memory
             pool = decode = None
-            message = _oom_message(cache_cfg.budget, self.plan, store.bytes_per_expert, device, exc)
+            message = oom_message(cache_cfg.budget, self.plan, store.bytes_per_expert, device, exc)
         else:
             message = None
         if message is not None:  # raised outside the except block: the OOM (its frames hold the partial
@@ -381,23 +381,6 @@ class OffloadMoeCache:
         if self.observed is not None:
             self.observed.adaptive.reset_counts()
         self.decode.reset_counts()
-
-
-def _is_device_oom(exc: BaseException) -> bool:
-    """torch's allocator OOM, or CUDA's ``cudaErrorMemoryAllocation`` raised as an ``AcceleratorError`` by a
-    kernel launch: with lazy module loading a kernel's first launch loads its module into device memory, so at
-    cache build with the pool taking what was free the first fill of the residency table fails this way
-    (measured on the H200 at edd2da4: ``torch.full`` in ``SlotPool``, "CUDA error: out of memory")."""
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
-
-
-def _oom_message(budget, plan: BudgetPlan, row_bytes: int, device: torch.device, exc: Exception) -> str:
-    setting = "auto" if budget.kind == "auto" else f"{budget.kind}={budget.value:g}"
-    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-    return (f"cache.budget {setting}: allocating the expert cache on {device} ({plan.num_slots} slots of {row_bytes} "
-            f"bytes + {plan.staging_bytes} bytes of staging and decode scratch = {plan.total_bytes} bytes) ran out of "
-            f"device memory ({first}); lower cache.budget, or set cache.budget=auto (sizes the pool from free "
-            "memory, leaving cache.auto_reserve)")
 
 
 def _close_streams(streams: Streams) -> None:

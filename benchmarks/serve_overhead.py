@@ -113,9 +113,9 @@ class EnqueueClock:
     def __init__(self, scheduler):
         self.executor, self.plain, self.times = scheduler.executor, scheduler.executor.prefill, []
 
-        def prefill(rid, ids):
+        def prefill(rid, ids, *rest):
             t0 = time.perf_counter()
-            r = self.plain(rid, ids)
+            r = self.plain(rid, ids, *rest)
             self.times.append(time.perf_counter() - t0)
             return r
 
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         res["ttft_ms"]["scheduler"], res["ttft_ms"]["scheduler_submit"] = _ms(s), _ms(c)
         if a.profile is not None:  # the profiler records the thread it runs on: the loop's, around one prefill
             plain = scheduler.executor.prefill
-            scheduler.executor.prefill = lambda rid, ids: profiles.run("scheduler", lambda: plain(rid, ids))
+            scheduler.executor.prefill = lambda rid, ids, *rest: profiles.run("scheduler", lambda: plain(rid, ids, *rest))
             try:
                 scheduler_ttfts(scheduler, prompts[:1], 1)
             finally:

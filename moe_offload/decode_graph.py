@@ -117,10 +117,17 @@ class StaticDecoder:
         self._declined: str | None = None
         self._windowed = [layer for layer in self.kv.layers if isinstance(layer, SharedStartLayer)]
         # a fresh batch's prefill as a graph per length bucket; ``padded_prefill`` without graphs (CPU tests):
-        # the same padded forwards, eager
+        # the same padded forwards, eager. Only over full-attention layers: pad tokens would advance a
+        # linear-attention layer's state (or a sliding window's counter) past the prompt
         graphed = self.graphs and engine.cfg.prefill.cuda_graphs
-        self.prefill_graphs = PrefillGraphs(self, graphed, engine.cfg.compute.graph_after) \
-            if graphed or padded_prefill else None
+        self.prefill_graphs = None
+        if (graphed or padded_prefill) and not self.hands_off:
+            engine.cache.counters.declined["prefill_graph:non_full_attention_layers"] += 1
+            log.log_once("prefill_graph_declined:non_full_attention_layers", "prefill_graph_declined", logging.INFO,
+                         reason="non_full_attention_layers", fallback="eager", setting="prefill.cuda_graphs",
+                         detail="pad tokens would advance linear-attention or sliding-window layers past the prompt")
+        elif graphed or padded_prefill:
+            self.prefill_graphs = PrefillGraphs(self, graphed, engine.cfg.compute.graph_after)
 
     # ------------------------------------------------------------------ inputs
     def _kwargs(self, ids_BT: torch.Tensor, start: int) -> dict:

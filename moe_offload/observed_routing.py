@@ -80,10 +80,11 @@ class ObservedRouting:
         self.pending = plan[0]
 
     def would_route(self, tokens: int) -> bool:
-        """Whether a single-sequence forward of ``tokens`` tokens above the fixed threshold is routed now
-        (finished observations are taken in first; counted as a decision, as ``begin`` counts one)."""
+        """Whether a single-sequence forward of ``tokens`` tokens above the fixed threshold would be routed now
+        (finished observations are taken in first; not counted: the forward's own ``begin`` counts its path,
+        or, for a padded prefill, ``prefill_graph.py`` does)."""
         self._collect()
-        return self.adaptive.routes(tokens)
+        return self.adaptive.routes(tokens, count=False)
 
     def _collect(self) -> None:
         if self.pending is None or (self.event is not None and not self.event.query()):

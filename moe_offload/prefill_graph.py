@@ -39,7 +39,6 @@ from collections import OrderedDict
 import torch
 
 from moe_offload import log
-from moe_offload.hit_copy import FULL_LAYER_COPY
 
 #: largest bucket: a longer prompt is prefilled eagerly (its host time is small beside its device time)
 MAX_BUCKET = 4096
@@ -58,29 +57,34 @@ def bucket(tokens: int, limit: int) -> int | None:
     return min(-(-tokens // step) * step, limit)
 
 
+def _in_place_allowed(cache) -> bool:
+    """``prefill.read_in_place`` on and ``prefill.hit_copy`` not off: from the config, not from the hit path
+    resolved at run time (a fallback on one TP rank must not make the ranks pad differently)."""
+    return cache.prefill_cfg.read_in_place and cache.prefill_cfg.hit_copy != "off"
+
+
 def in_place_rows(cache, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """``(pool views, the layer's device slot table row)`` for an experts call under a prefill capture:
     the compute reads every expert from its slot. Raises ``PrefillNotCapturable`` unless every expert of
-    ``layer`` is resident and ``prefill.read_in_place`` is on with a device hit path."""
+    ``layer`` is resident and ``prefill.read_in_place`` is on (``prefill.hit_copy`` not off)."""
     pool = cache.pool
-    if not (cache.prefill_cfg.read_in_place and cache.hit_path != FULL_LAYER_COPY
-            and bool((pool.resident(layer) >= 0).all())):
+    if not (_in_place_allowed(cache) and bool((pool.resident(layer) >= 0).all())):
         raise PrefillNotCapturable(f"layer {layer} is staged (not every expert resident, or prefill.read_in_place "
                                    "off): its prefill needs host work per layer")
     return pool.views(), pool.table_LE[pool.layer_pos[layer]]
 
 
 @contextlib.contextmanager
-def _routed(cache, tokens: int):
-    """Experts calls of ``tokens`` tokens take the routed path inside (the observed routing's plan for the
-    forward, which a capture would otherwise reset to the fixed threshold; not observed: its decision is
-    made, by ``PrefillGraphs.plan``)."""
+def _planned(cache, tokens: int, routed: bool):
+    """Experts calls of ``tokens`` tokens take the routed path inside, or the staged one (the observed
+    routing's plan for the forward, which a capture would otherwise reset to the fixed threshold). Not
+    observed: the path is decided (``PrefillGraphs.plan``), and pad rows must not count in the spreads."""
     obs = cache.observed
     if obs is None:
         yield
         return
     saved = obs.plan, obs.depth
-    obs.plan, obs.depth = (tokens, True, False), obs.depth + 1
+    obs.plan, obs.depth = (tokens, routed, False), obs.depth + 1
     try:
         yield
     finally:
@@ -93,8 +97,8 @@ class PrefillGraphs:
     def __init__(self, decoder, graphs: bool, graph_after: int = 2, max_graphs: int = 8):
         self.decoder, self.graphs = decoder, graphs
         self.graph_after, self.max_graphs = max(1, graph_after), max_graphs
-        self._graphs: OrderedDict = OrderedDict()  # (B, Tb) -> entry
-        self._seen: dict[tuple[int, int], int] = {}
+        self._graphs: OrderedDict = OrderedDict()  # (B, Tb, mode) -> entry
+        self._seen: dict[tuple[int, int, str], int] = {}
         self._static: dict[tuple[int, int], dict] = {}  # the bucket's input buffers (eager and captured)
         self._pool = None
 
@@ -104,17 +108,18 @@ class PrefillGraphs:
         dec = self.decoder
         cache = dec.engine.cache
         limit = min(MAX_BUCKET, dec.engine.cfg.prefill.chunk_tokens, dec.max_len - 1)
-        routed_T = cache.routed_max_tokens // B
-        Tb = bucket(T, routed_T)
+        # every input is the same on every TP rank (thresholds, residency, config; observed routing is off
+        # under TP), so the ranks pad alike and their all-reduces see the same shapes
+        Tb = bucket(T, min(cache.routed_max_tokens // B, limit))
         if Tb is not None:
             return Tb, "routed"
         obs = cache.observed  # a single prompt the observed routing sends down the routed path (adaptive)
         if obs is not None and B == 1 and T > obs.decode_max_tokens and obs.would_route(T):
-            Tb = bucket(T, cache.decode.max_tokens)  # what the routing record and scratch rows hold
+            Tb = bucket(T, min(cache.decode.max_tokens, limit))  # what the routing record and scratch rows hold
             if Tb is not None:
+                obs.adaptive.routed += 1  # the forward's path, counted as its begin() would
                 return Tb, "routed"
-        cache.resolve_hit_path()
-        if not cache.holds_every_expert() or not cache.prefill_cfg.read_in_place or cache.hit_path == FULL_LAYER_COPY:
+        if not (cache.holds_every_expert() and _in_place_allowed(cache)):
             self._decline("staged_layers", "a layer with missing experts is staged (host work per layer)", T=T)
             return None
         Tb = bucket(T, limit)
@@ -154,13 +159,15 @@ class PrefillGraphs:
             kw.update(cache_position=st["pos"], position_ids=st["pos"][None].expand(st["ids"].shape[0], Tb))
         dec.set_window(Tb)
         cache.pad_src_N = st["src"] if mode == "routed" else None
+        n = st["ids"].numel()
         try:
             if mode == "routed":  # every experts call routed, eager or captured (no staged pass announced)
-                with _routed(cache, st["ids"].numel()):
+                with _planned(cache, n, routed=True):
                     return engine.model(**kw).logits
             if capture:
                 return engine.model(**kw).logits
-            return engine.run_model(kw, st["ids"].numel())
+            with _planned(cache, n, routed=False), cache.prefill_pass():  # staged, every layer read in place
+                return engine.model(**kw).logits
         finally:
             cache.pad_src_N = None
             dec.set_window(None)
@@ -173,7 +180,7 @@ class PrefillGraphs:
         if planned is None:
             return None
         Tb, mode = planned
-        key = (B, Tb)
+        key = (B, Tb, mode)  # a length may be staged (in place) at one time and routed at another
         st = self._buffers(B, Tb)
         st["ids"][:, :T].copy_(ids_BT)
         st["ids"][:, T:].fill_(0)

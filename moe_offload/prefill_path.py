@@ -235,15 +235,16 @@ class AdaptiveRouting:
         seen = [k for k, (_, n) in self.buckets.items() if n >= _ADAPTIVE_MIN_OBSERVED and k <= b]
         return self.buckets[max(seen)][0] if seen else None
 
-    def routes(self, T: int) -> bool:
-        """Whether a single-sequence forward of T tokens above the fixed threshold takes the routed path."""
+    def routes(self, T: int, count: bool = True) -> bool:
+        """Whether a single-sequence forward of T tokens above the fixed threshold takes the routed path
+        (``count``: the forward is given that path, counted in ``routed`` / ``staged``)."""
         s = self.share(T) if self.fixed_max_tokens < T <= self.max_tokens else None
         ok = False
         if s is not None:
             m, E, K, R, f = self.model, self.E, self.K, self.R, self.resident
             D = m.distinct(s * T, E, K) if s < 1.0 else None
             ok = m.routed_s(T, E, K, R, f, D) < ADAPTIVE_MARGIN * m.staged_s(T, E, K, R, f)
-        if T > self.fixed_max_tokens:
+        if count and T > self.fixed_max_tokens:
             if ok:
                 self.routed += 1
             else:

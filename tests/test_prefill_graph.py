@@ -138,4 +138,23 @@ def test_a_prompt_the_observed_routing_routes_is_padded_on_the_routed_path(tiny_
     got = dec.prefill(prompt)
     st = cache.stats()
     assert st["compute"]["prefill_graph_eager"] == 1 and st["decode_steps"] == 1 and st["prefills"] == 0
+    # one forward, one decision (the plan's query does not count; the padded forward counts once)
+    assert st["routed_adaptive"]["routed_forwards"] == 1 and st["routed_adaptive"]["staged_forwards"] == 0
     torch.testing.assert_close(got, plain.prefill(prompt), atol=2e-4, rtol=2e-4)
+
+
+def test_a_model_with_linear_attention_layers_is_never_padded(tiny_ckpt):
+    """Pad tokens would run through qwen3_next's linear-attention layers and leave their state past the
+    prompt: such a decoder prefills unpadded (declined once, counted) and decodes the plain decoder's tokens."""
+    eng = _engine(tiny_ckpt("tiny-qwen3-next", "bf16"), "cache.budget=1.0")
+    padded = StaticDecoder(eng, 1, 64, graphs=False, padded_prefill=True)
+    assert padded.prefill_graphs is None and not padded.hands_off
+    assert eng.cache.counters.declined["prefill_graph:non_full_attention_layers"] == 1
+    prompt = [list(range(5, 16))]
+    assert _greedy(padded, prompt, 6)[1] == _greedy(StaticDecoder(eng, 1, 64, graphs=False), prompt, 6)[1]
+
+
+def test_a_bucket_never_runs_past_the_static_cache(tiny_ckpt):
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "prefill.routed_max_tokens=24")
+    dec = StaticDecoder(eng, 1, 20, graphs=False, padded_prefill=True)
+    assert dec.prefill_graphs.plan(1, 17) == (19, "routed")  # not 32: 20 positions, one kept for the first step

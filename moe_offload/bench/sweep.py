@@ -227,8 +227,8 @@ def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], count
                     if r == first:  # untimed: first pass of this shape and variant (allocator, kernel caches)
                         engine.cache.set_residency(sets[r])
                         recorder = RoutingRecorder(experts)
-                        try:
-                            engine.measure_ttft(prompts[n])
+                        try:  # eager and unpadded: every experts call runs (no graph replay) on the prompt alone
+                            engine.prefill(prompts[n], last_only=True)
                         finally:
                             recorder.remove()
                         routed[n] = recorder.distinct()

@@ -59,18 +59,18 @@ class LocalExecutor:
         self.cfg = cfg or ServeConfig()
         self.pasts: dict[str, object] = {}
         self.batch = batch if batch is not None else make_batch(engine, self.cfg)
-        #: the static decoder whole prompts are prefilled with (``prefill.cuda_graphs``: a graph replay per
-        #: length bucket, ``prefill_graph.py``); made on first use, False where there is none
+        #: the static decoder whole prompts are prefilled with (tests set one); None: the engine's one-sequence
+        #: decoder with ``prefill.cuda_graphs`` on CUDA (a graph replay per length bucket, ``prefill_graph.py``),
+        #: looked up per prompt (``Engine.replace_cache`` drops decoders: their graphs hold the old cache)
         self.prefill_decoder = None
 
     def _decoder_for(self, tokens: int):
         eng = self.engine
-        if self.prefill_decoder is None:
-            on = eng.cfg.prefill.cuda_graphs and eng.cfg.decode.cuda_graphs and eng.device.type == "cuda"
-            dec = eng.decoder(1) if on else None
-            self.prefill_decoder = dec if dec is not None and dec.hands_off else False
         dec = self.prefill_decoder
-        return dec if dec and tokens + 1 <= dec.max_len else None
+        if dec is None and eng.cfg.prefill.cuda_graphs and eng.cfg.decode.cuda_graphs and eng.device.type == "cuda":
+            dec = eng.decoder(1)
+        ok = dec is not None and dec.prefill_graphs is not None and dec.hands_off and tokens + 1 <= dec.max_len
+        return dec if ok else None
 
     def prefill(self, rid: str, ids: list[int], whole: bool = False) -> torch.Tensor:
         """One prefill chunk of request ``rid`` (batch 1) -> last-position logits [1, V]. ``whole``: the chunk is

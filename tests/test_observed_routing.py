@@ -99,8 +99,8 @@ def test_the_observer_counts_the_distinct_experts_of_each_layer_and_skips_forwar
     assert obs.begin(3, 1) is True and obs.plan == (3, True, False)  # a decode-sized forward is not observed
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_ckpt):
+def make_adaptive_engine(tiny_ckpt) -> Engine:
+    """A CPU engine whose cache observes routing under a cost model where skewed prompts route."""
     cfg = load_config(None, [f"model.checkpoint={tiny_ckpt('tiny-qwen3-moe', 'nvfp4-modelopt')}", "model.format=auto",
                              "device=cpu", "cache.budget=0.37", "prefill.hit_copy=gather", "decode.max_tokens=4",
                              "prefill.routed_adaptive_max_tokens=64", "logging.level=WARNING"])
@@ -113,6 +113,11 @@ def engine(tiny_ckpt):
     eng.replace_cache(OffloadMoeCache(eng.store, cfg.cache, cfg.prefill, "cpu", 4, cost_model=(model, "test"),
                                       observe_routing=True))
     return eng
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_ckpt):
+    return make_adaptive_engine(tiny_ckpt)
 
 
 def test_a_prompt_length_is_staged_until_observed_then_routed_with_the_staged_logits(engine):

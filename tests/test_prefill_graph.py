@@ -112,18 +112,9 @@ def test_a_prompt_the_observed_routing_routes_is_padded_on_the_routed_path(tiny_
     """Above the fixed threshold, a single prompt whose length the cache has seen route few experts takes
     the routed path (prefill.routed_adaptive_max_tokens); its padded forward does too (forced: a capture
     would otherwise fall back to the fixed threshold), with the unpadded logits."""
-    from moe_offload.cache import OffloadMoeCache
-    from moe_offload.prefill_path import CostModel
+    from test_observed_routing import make_adaptive_engine
 
-    cfg = load_config(None, [f"model.checkpoint={tiny_ckpt('tiny-qwen3-moe', 'nvfp4-modelopt')}", "model.format=auto",
-                             "device=cpu", "cache.budget=0.37", "prefill.hit_copy=gather", "decode.max_tokens=4",
-                             "prefill.routed_adaptive_max_tokens=64", "logging.level=WARNING"])
-    eng = Engine.from_config(cfg, progress=False)
-    model = CostModel(h2d_GBps=55.0, uva_GBps=48.0, uva_fixed_s=1e-4, hbm_GBps=4000.0, routed_fixed_s=4e-5,
-                      routed_hbm_factor=8.0, routed_pair_s=2e-7, staged_fixed_s=5e-3, staged_hbm_factor=0.0,
-                      staged_pair_s=0.0, max_tokens=4)  # tests/test_observed_routing.py's: skewed prompts route
-    eng.replace_cache(OffloadMoeCache(eng.store, cfg.cache, cfg.prefill, "cpu", 4, cost_model=(model, "test"),
-                                      observe_routing=True))
+    eng = make_adaptive_engine(tiny_ckpt)  # its cost model routes skewed prompts
     cache = eng.cache
     prompt = torch.randint(3, 300, (1, 30), generator=torch.Generator().manual_seed(1))
     dec = StaticDecoder(eng, 1, 96, graphs=False, padded_prefill=True)

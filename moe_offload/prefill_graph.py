@@ -12,7 +12,8 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   at any residency, since the device slot table is read at replay time;
 - ``in_place``: the cache holds every expert of every layer (``prefill.read_in_place`` on, a device hit
   path): under capture each experts call reads its layer's experts from their slots through the device
-  table (``in_place_rows``), with no staging; such a graph is replayed only while that still holds.
+  table (``in_place_rows``), with no staging; such a graph is replayed only while that still holds
+  (``plan`` checks it before every prefill).
 
 Padding: T is rounded up to a bucket (``bucket``: multiples of 16 up to 64, then at most 25 % above T)
 with pad tokens after the prompt. Causal attention keeps them out of every real position; their KV entries
@@ -199,10 +200,7 @@ class PrefillGraphs:
         if entry is None:
             counters["prefill_graph_eager"] += 1
             return self._forward(st, Tb, mode, capture=False)[:, 0].clone()
-        graph, logits, graph_mode = entry
-        if graph_mode == "in_place" and not cache.holds_every_expert():
-            self._decline("staged_layers", "the cache no longer holds every expert", T=T)
-            return None
+        graph, logits, graph_mode = entry  # an in-place graph only while every expert is resident: plan() checks
         self._graphs.move_to_end(key)
         cache.step_boundary()
         graph.replay()

@@ -14,6 +14,9 @@
 # serve_overhead: benchmarks/serve_overhead.py at residency 1 (the d9f7bae serving TTFT/decode gap), with profiles;
 # OVERHEAD_ARGS adds options (e.g. "--set model.layers=12": a 12-layer build on first use, ~1 min).
 # observed: bench ttft at 16/64/256/1024 tokens, prefill path auto (observed routing on) beside staged.
+# prefill_graphs: bench ttft with prefill.cuda_graphs on, then off (PG_ONLY_ON=1: on only), at PG_LENS x PG_RESIDENCIES,
+# PG_PEERS (none; full_gpu at all 48 layers needs ~95 s to build and TTFT_TIMEOUT >= 330). Measured at da1eb4a:
+# 16-1024 tokens x 5 residencies in ~100 s after a build; the full-depth peer call ~150 s.
 # flash: the Flash-Next preset at FLASH_LAYERS (8) layers: build, bench decode batch 1 at residency 0.37 (issue 12's
 # per-layer figure), bench ttft 1024 tokens at residency 0/0.37/0.5/0.75 and 16-256 tokens staged vs routed (512 experts).
 # decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.

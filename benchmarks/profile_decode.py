@@ -1,9 +1,12 @@
 """Where a decode step's time goes: kernels per step and GPU time per kernel (torch profiler over eager
 steps), and the GPU time of one graph replay against the wall time per step.
 
-    python benchmarks/profile_decode.py --config configs/qwen3-30b-a3b-nvfp4.yaml --layers 48 --out DIR
+    python benchmarks/profile_decode.py --config configs/qwen3-30b-a3b-nvfp4.yaml --layers 48 [--batch 1,16,64] --out DIR
 
-Writes ``profile-decode-<label>.json`` and ``.txt`` (the profiler's table) under ``--out``.
+Writes ``profile-decode-<label>.json`` and ``.txt`` (the profiler's table) under ``--out``, one per batch size;
+the JSON's ``graph_kernels`` is the graph replay's GPU time per kernel name per step (what a captured step
+spends where), beside ``graph_busy_ms`` (kernel time summed) and the replay's own GPU time (the gap between
+them is launch latency and bubbles between dependent kernels).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def main() -> int:
     p.add_argument("--residency", type=float, default=1.0)
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (sequences per step)")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -39,8 +43,17 @@ def main() -> int:
     E = eng.store.num_experts
     n = round(a.residency * E)
     eng.cache.set_residency(resident_sets(eng.store.layers, E, {a.residency: n}, 0)[a.residency])
-    prompt = torch.randint(3, eng.reader.geometry.vocab, (1, a.prompt_len), generator=torch.Generator().manual_seed(0))
-    out: dict = {"layers": len(eng.store.layers), "residency": a.residency, "prompt_len": a.prompt_len}
+    for batch in [int(b) for b in a.batch.split(",")]:
+        profile_batch(eng, cfg, a, batch)
+    eng.close()
+    return 0
+
+
+def profile_batch(eng: Engine, cfg, a, batch: int) -> None:
+    """Profile eager and graph-replayed decode steps of ``batch`` sequences; write the JSON and table."""
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, eng.reader.geometry.vocab, (batch, a.prompt_len), generator=gen)
+    out: dict = {"layers": len(eng.store.layers), "residency": a.residency, "prompt_len": a.prompt_len, "batch": batch}
 
     def run(dec: StaticDecoder, steps: int, timed: bool = False, profiler=None):
         dec.reset()
@@ -71,7 +84,7 @@ def main() -> int:
         return [{"name": e.name[:80], "start_us": e.time_range.start, "us": e.time_range.end - e.time_range.start}
                 for e in evs]
 
-    eager = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=False)
+    eager = StaticDecoder(eng, batch, cfg.decode.max_cache_len, graphs=False)
     run(eager, 3)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     prof = torch.profiler.profile(activities=acts)
@@ -84,22 +97,27 @@ def main() -> int:
                     "gpu_ms_per_step": sum(e.device_time_total for e in kernels) / 4 / 1e3,
                     "top": [{"name": e.key[:90], "count_per_step": e.count / 4,
                              "gpu_us_per_step": e.device_time_total / 4} for e in kernels[:25]]}
-    graphed = StaticDecoder(eng, 1, cfg.decode.max_cache_len, graphs=True)
+    graphed = StaticDecoder(eng, batch, cfg.decode.max_cache_len, graphs=True)
     run(graphed, 4)
     walls, gpus = run(graphed, a.steps)
     gprof = torch.profiler.profile(activities=acts)
     run(graphed, 2, profiler=gprof)
     out["graph_trace"] = trace(gprof)  # kernels of graph replays, where the profiler sees them
+    per_name: dict[str, list[float]] = {}
+    for ev in out["graph_trace"]:
+        per_name.setdefault(ev["name"], []).append(ev["us"])
+    out["graph_kernels"] = sorted(({"name": k, "count_per_step": len(v) / 2, "gpu_us_per_step": sum(v) / 2}
+                                   for k, v in per_name.items()), key=lambda d: -d["gpu_us_per_step"])
+    out["graph_busy_ms"] = sum(ev["us"] for ev in out["graph_trace"]) / 2 / 1e3
     out["graph"] = {"wall_ms_median": statistics.median(walls) * 1e3, "gpu_ms_median": statistics.median(gpus) * 1e3,
                     "tok_s": 1 / statistics.median(walls), "declined": eng.cache.stats()["declined"]}
     dest = Path(a.out)
     dest.mkdir(parents=True, exist_ok=True)
-    label = f"l{out['layers']}-r{a.residency}"
+    label = f"l{out['layers']}-r{a.residency}-b{batch}"
     (dest / f"profile-decode-{label}.json").write_text(json.dumps(out, indent=2))
     (dest / f"profile-decode-{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
-    print(json.dumps({k: v for k, v in out.items() if k not in ("eager", "eager_trace", "graph_trace")} | {"eager_kernels_per_step": launches / 4}))
-    eng.close()
-    return 0
+    print(json.dumps({k: v for k, v in out.items() if k not in ("eager", "eager_trace", "graph_trace", "graph_kernels")}
+                     | {"eager_kernels_per_step": launches / 4, "graph_kernels": out["graph_kernels"][:12]}), flush=True)
 
 
 if __name__ == "__main__":

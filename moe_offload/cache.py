@@ -12,7 +12,7 @@ The prefill protocol, owned by the caller (the engine, or the first experts call
 nobody announced)::
 
     with cache.prefill_pass():          # one per model forward on the prefill path
-        views, index_N = cache.stage_rows(layer)  # per MoE layer: its bank for compute; the next layer is prefetched
+        views, index_N = cache.stage_rows(layer)  # per MoE layer: its bank for compute; the layer two ahead is assembled at done()
         ... compute ...
         cache.done(layer)               # the layer's GEMMs are enqueued
 
@@ -98,6 +98,7 @@ class OffloadMoeCache:
         self.staging.read_in_place = prefill_cfg.read_in_place
         self._resolution = None
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
+        self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_streams, self.streams)
@@ -251,8 +252,9 @@ class OffloadMoeCache:
             self.counters.fallback(res.decline[0])
         if self.device.type == "cuda" and res.batch_h2d_reason is not None:
             self.counters.declined[f"batch_h2d:{res.batch_h2d_reason}"] += 1
-        if self.prefill_cfg.overlap:
-            self.staging.prefetch(self.store.layers[0])
+        if self.prefill_cfg.overlap:  # both buffers: layers 0 and 1 (later ones are refilled at release, ``done``)
+            for layer in self.store.layers[:2]:
+                self.staging.prefetch(layer)
 
     def stage(self, layer: int) -> dict[str, torch.Tensor]:
         """Views ``[E, ...]`` of ``layer`` (``stage_rows``; a layer read in place is gathered from its slots
@@ -273,16 +275,19 @@ class OffloadMoeCache:
                 self._pass_open = False
             else:
                 self._begin()
-        staged = self.staging.wait(layer)
-        if self.prefill_cfg.overlap:
-            lp = self.pool.layer_pos[layer] + 1
-            if lp < len(self.store.layers):
-                self.staging.prefetch(self.store.layers[lp])
-        return staged
+        return self.staging.wait(layer)
 
     def done(self, layer: int) -> None:
-        """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released."""
-        self.staging.done(layer)
+        """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released and (with
+        ``prefill.overlap``) refilled at once with the layer two ahead. Issued here, at the earliest point
+        its copies may be enqueued (they wait for the release on the device), rather than when the host
+        reaches the next experts call: a host held back by a long launch queue (the linear-attention layers
+        of qwen3_next) no longer delays the copy engine (README "Decisions", prefetch at release)."""
+        refill = None
+        if self.prefill_cfg.overlap:
+            lp = self.pool.layer_pos[layer] + 2
+            refill = self.store.layers[lp] if lp < len(self.store.layers) else None
+        self.staging.done(layer, refill)
 
     # ------------------------------------------------------------------ decode
     def decode_rows(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None) -> torch.Tensor:

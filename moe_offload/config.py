@@ -149,6 +149,10 @@ class PrefillConfig(_Strict):
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "
                               "(moe_offload/prefill_graph.py)")
+    piecewise_graphs: bool = Field(True, description="with cuda_graphs: a fresh batch's prefill whose layers are staged "
+                                   "(missing experts) is captured as one CUDA graph per stretch between two experts calls "
+                                   "(attention, norms, router), the staged experts calls running eagerly between the "
+                                   "replays (moe_offload/prefill_graph.py)")
     routed_adaptive_max_tokens: int = Field(
         256, ge=0, le=ROUTED_MAX_TOKENS_LIMIT, description="with routed_max_tokens auto: single prompts of up to "
         "this many tokens may also read only their routed experts where the routing this cache observed (distinct "

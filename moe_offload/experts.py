@@ -78,11 +78,19 @@ class OffloadedExperts(nn.Module):
         return out
 
     def _prefill(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        if hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing():  # a prefill graph: no staging
+        if hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing():  # a prefill graph
+            split = self.cache.prefill_split
+            if split is not None:  # piecewise: this call runs eagerly between two captured stretches
+                return split.split(self, hidden_TH, topk_ids_TK, topk_w_TK)
             from moe_offload.prefill_graph import in_place_rows
 
             views, index_N = in_place_rows(self.cache, self.layer_idx)
             return self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
+        return self.staged(hidden_TH, topk_ids_TK, topk_w_TK)
+
+    def staged(self, hidden_TH, topk_ids_TK, topk_w_TK):
+        """The staged (prefill) path of one call, eagerly: the layer's bank from the cache's pass, the compute,
+        the release (``cache.done``). Before the TP reduce (``forward`` applies it)."""
         views, index_N = self.cache.stage_rows(self.layer_idx)
         out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)

@@ -14,6 +14,20 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   path): under capture each experts call reads its layer's experts from their slots through the device
   table (``in_place_rows``), with no staging; such a graph is replayed only while that still holds
   (``plan`` checks it before every prefill).
+- ``piecewise`` (``prefill.piecewise_graphs``): any other prefill that fits a bucket, i.e. one whose layers are
+  staged. Its experts calls need host work (the staging pass), so the forward is captured as one graph per
+  stretch between two experts calls (``Segments``: embedding + layer 0's attention and router, then each
+  layer's residual, next attention and router, ..., the last norm and the LM head): at each experts call the
+  capture of the current stretch ends, the call's inputs stay in the graphs' pool, and an output buffer is
+  handed to the model, whose next stretch (the TP reduce, the residual) reads it. A replay runs, inside one
+  staging pass, stretch 0, the experts call of layer 0 eagerly (``OffloadedExperts.staged``, its result copied
+  into that buffer), stretch 1, and so on. Valid at any residency (the staging decides per pass, on the host).
+  Why: eager, such a prefill's host time (~1.7-2.5 ms per layer on the lent H200s, nearly all outside the
+  experts call) set residency 0.75's TTFT (1.12-1.63 x its PCIe floor); a replayed stretch costs ~10-20 us.
+
+A single prompt whose length the observed routing (``observed_routing.py``) may still route but has not yet
+learned is not captured piecewise (its padded forward would not be observed): it runs eagerly, observed, and is
+declined as ``observing_routing`` until its length bucket is learned.
 
 Padding: T is rounded up to a bucket (``bucket``: multiples of 16 up to 64, then at most 25 % above T)
 with pad tokens after the prompt. Causal attention keeps them out of every real position; their KV entries
@@ -47,6 +61,57 @@ MAX_BUCKET = 4096
 
 class PrefillNotCapturable(RuntimeError):
     """An experts call under a prefill capture that would need host work (staging)."""
+
+
+class Segments:
+    """One forward captured as CUDA graphs split at its staged experts calls (mode ``piecewise``, see the module
+    docstring). ``parts``: ``(graph, call)`` in forward order; ``call`` runs the experts call that follows the graph
+    eagerly (None after the last graph). Replays must follow the capture order (the graphs share one pool)."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.parts: list[tuple[torch.cuda.CUDAGraph, object]] = []
+        self._open: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        """Start capturing the first stretch (on the current stream, which must be a side stream)."""
+        self._open = torch.cuda.CUDAGraph()
+        self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def split(self, module, hidden_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+        """At an experts call under capture: end the stretch, start the next; the returned buffer ``[T, H]`` (in
+        the graphs' pool, alive with them) receives the call's result at each replay."""
+        out_TH = torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
+        graph, self._open = self._open, None
+        graph.capture_end()
+
+        def call() -> None:
+            out_TH.copy_(module.staged(hidden_TH, ids_TK, w_TK))
+
+        self.parts.append((graph, call))
+        self.begin()
+        return out_TH
+
+    def end(self) -> None:
+        graph, self._open = self._open, None
+        graph.capture_end()
+        self.parts.append((graph, None))
+
+    def abort(self) -> None:
+        """After a failed capture: close the open one (its error is the one already raised) and drop the rest."""
+        graph, self._open = self._open, None
+        if graph is not None:
+            try:
+                graph.capture_end()
+            except Exception:  # noqa: BLE001 - the capture was invalidated; the first error is reported
+                pass
+        self.parts.clear()
+
+    def replay(self) -> None:
+        for graph, call in self.parts:
+            graph.replay()
+            if call is not None:
+                call()
 
 
 def bucket(tokens: int, limit: int) -> int | None:
@@ -120,14 +185,24 @@ class PrefillGraphs:
             if Tb is not None:
                 obs.adaptive.routed += 1  # the forward's path, counted as its begin() would
                 return Tb, "routed"
+        mode = "in_place"
         if not (cache.holds_every_expert() and _in_place_allowed(cache)):
-            self._decline("staged_layers", "a layer with missing experts is staged (host work per layer)", T=T)
-            return None
+            if not cache.prefill_cfg.piecewise_graphs:
+                self._decline("staged_layers", "a layer with missing experts is staged (host work per layer) and "
+                              "prefill.piecewise_graphs is off", T=T)
+                return None
+            if obs is not None and B == 1 and obs.decode_max_tokens < T <= obs.adaptive.max_tokens:
+                if not obs.adaptive.learned(T):  # padded forwards are not observed: learn this length eagerly first
+                    self._decline("observing_routing", "a single prompt of a length whose routing spread the cache "
+                                  "has not yet learned runs eagerly, observed (prefill.routed_adaptive_max_tokens)", T=T)
+                    return None
+                obs.adaptive.staged += 1  # the forward's path, counted as its begin() would
+            mode = "piecewise"
         Tb = bucket(T, limit)
         if Tb is None:
             self._decline("longer_than_bucket", f"prompts above {limit} tokens are prefilled eagerly", T=T)
             return None
-        return Tb, "in_place"
+        return Tb, mode
 
     def _decline(self, reason: str, detail: str, **fields) -> None:
         log.log_once(f"prefill_graph_declined:{reason}", "prefill_graph_declined", logging.INFO, reason=reason,
@@ -165,9 +240,12 @@ class PrefillGraphs:
             if mode == "routed":  # every experts call routed, eager or captured (no staged pass announced)
                 with _planned(cache, n, routed=True):
                     return engine.model(**kw).logits
+            if capture and mode == "piecewise":  # staged: each experts call splits the capture (Segments)
+                with _planned(cache, n, routed=False):
+                    return engine.model(**kw).logits
             if capture:
                 return engine.model(**kw).logits
-            with _planned(cache, n, routed=False), cache.prefill_pass():  # staged, every layer read in place
+            with _planned(cache, n, routed=False), cache.prefill_pass():  # staged (in place: every layer read in place)
                 return engine.model(**kw).logits
         finally:
             cache.pad_src_N = None
@@ -202,6 +280,12 @@ class PrefillGraphs:
             return self._forward(st, Tb, mode, capture=False)[:, 0].clone()
         graph, logits, graph_mode = entry  # an in-place graph only while every expert is resident: plan() checks
         self._graphs.move_to_end(key)
+        if graph_mode == "piecewise":  # the stretches replayed, the experts calls eager, in one staging pass
+            with cache.prefill_pass():
+                graph.replay()
+            counters["prefill_graph_replays"] += 1
+            counters["prefill_graph_piecewise_replays"] += 1
+            return logits[:, 0].clone()
         cache.step_boundary()
         graph.replay()
         if graph_mode == "routed":  # its routing record is complete with it (admission at the next boundary)
@@ -220,12 +304,27 @@ class PrefillGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         dec.engine.cache.step_boundary()  # host work a captured forward cannot do (admissions, the record)
-        graph = torch.cuda.CUDAGraph()
         side = dec.capture_stream
         side.wait_stream(cur)
+        cache = dec.engine.cache
         try:
-            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
-                logits = self._forward(st, Tb, mode, capture=True)
+            if mode == "piecewise":
+                graph = Segments(self._pool)
+                cache.prefill_split = graph
+                try:
+                    with torch.cuda.stream(side):
+                        graph.begin()
+                        logits = self._forward(st, Tb, mode, capture=True)
+                        graph.end()
+                except BaseException:
+                    graph.abort()
+                    raise
+                finally:
+                    cache.prefill_split = None
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                    logits = self._forward(st, Tb, mode, capture=True)
         except Exception as exc:  # an op that syncs, cannot be captured, or a staged layer: eager from now on
             cur.wait_stream(side)
             self.graphs = False

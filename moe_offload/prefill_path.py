@@ -235,6 +235,11 @@ class AdaptiveRouting:
         seen = [k for k, (_, n) in self.buckets.items() if n >= _ADAPTIVE_MIN_OBSERVED and k <= b]
         return self.buckets[max(seen)][0] if seen else None
 
+    def learned(self, T: int) -> bool:
+        """Whether the bucket of T itself has been observed enough to decide its path (no borrowed share)."""
+        seen = self.buckets.get(self.bucket(T))
+        return seen is not None and seen[1] >= _ADAPTIVE_MIN_OBSERVED
+
     def routes(self, T: int, count: bool = True) -> bool:
         """Whether a single-sequence forward of T tokens above the fixed threshold takes the routed path
         (``count``: the forward is given that path, counted in ``routed`` / ``staged``)."""

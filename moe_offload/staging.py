@@ -76,13 +76,16 @@ class PrefillStaging:
         self.staged = [None, None]
         self.in_place = [None, None]
 
-    def prefetch(self, layer: int) -> int:
-        """Enqueue the assembly of ``layer`` into the buffer not being computed; a buffer that already
-        holds ``layer`` is reused as is. Returns the buffer."""
+    def prefetch(self, layer: int, into: int | None = None) -> int:
+        """Enqueue the assembly of ``layer`` into buffer ``into`` (default: the buffer not being computed);
+        a buffer that already holds ``layer`` is reused as is. Returns the buffer."""
         b = self.buffer_for(layer)
         if b is not None:
             return b
-        b = 1 - (self.computing if self.computing is not None else self.last_filled)
+        if into is not None:
+            b = into
+        else:
+            b = 1 - (self.computing if self.computing is not None else self.last_filled)
         self.staged[b] = None
         s = self.streams
         # Waits first, before either event of b is recorded again (see the module docstring).
@@ -153,15 +156,18 @@ class PrefillStaging:
             return self.pool.views(), self.in_place[b]
         return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
 
-    def done(self, layer: int) -> None:
+    def done(self, layer: int, refill: int | None = None) -> None:
         """The GEMMs reading ``layer``'s staging are enqueued: warm the slot pool from it (free slots
-        only, compute stream), then let the buffer be refilled after both."""
+        only, compute stream), then let the buffer be refilled after both. ``refill``: the layer to
+        assemble into that buffer now (two layers ahead: see ``OffloadMoeCache.done``)."""
         b = self.buffer_for(layer)
         if b is None:
             return
         self._admit_free(layer, b)
         self.streams.record(self.released[b], self.streams.current())
         self.computing = None
+        if refill is not None:
+            self.prefetch(refill, into=b)
 
     def _admit_free(self, layer: int, b: int) -> None:
         """Copy staged experts that are not resident into FREE slots (no eviction). SM work on the

@@ -42,20 +42,22 @@ def _greedy(dec, prompts, n):
     return first, out
 
 
-@pytest.mark.parametrize("budget, mode", [("0.3", "routed"), ("1.0", "routed"), ("1.0", "in_place")])
+@pytest.mark.parametrize("budget, mode", [("0.3", "routed"), ("1.0", "routed"), ("1.0", "in_place"),
+                                          ("0.3", "piecewise")])
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
 def test_a_padded_prefill_gives_the_unpadded_logits_and_the_same_decode(tiny_ckpt, budget, mode, fmt):
     """Pad tokens after the prompt change nothing a real position sees (causal attention; per-row MoE and
     norms): the last real logits match the unpadded static prefill and the greedy continuation is the same.
     ``routed``: the prompt takes the routed path (at 0.3 with misses copied from host memory); ``in_place``:
-    longer than the routed threshold, staged, every expert read in place."""
+    longer than the routed threshold, staged, every expert read in place; ``piecewise``: staged with misses
+    (the forward a piecewise capture splits at each experts call)."""
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", fmt), f"cache.budget={budget}", "prefill.routed_max_tokens=24")
     T = 11 if mode == "routed" else 37  # buckets 16 (routed, <= 24) and 48 (above the threshold)
     prompts = [list(range(7, 7 + T)), list(range(90, 90 + T))]
     padded = StaticDecoder(eng, 2, 96, graphs=False, padded_prefill=True)
     plain = StaticDecoder(eng, 2, 96, graphs=False)
     # 2 sequences x 12 tokens fill the 24 routed tokens; 37 tokens pad to 48, read in place
-    assert padded.prefill_graphs.plan(2, T) == ((12, "routed") if mode == "routed" else (48, "in_place"))
+    assert padded.prefill_graphs.plan(2, T) == ((12, "routed") if mode == "routed" else (48, mode))
     a_first, a_out = _greedy(padded, prompts, 6)
     b_first, b_out = _greedy(plain, prompts, 6)
     torch.testing.assert_close(a_first, b_first, atol=2e-4, rtol=2e-4)
@@ -87,14 +89,18 @@ def test_pad_rows_route_as_the_last_real_row_so_padding_copies_no_expert_the_pro
     assert any(c[2] > 0 for c in counts[1].values())  # the case has misses at all
 
 
-def test_a_staged_layer_is_refused_under_capture_and_a_prefill_with_misses_is_declined(tiny_ckpt):
-    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "cache.budget=0.3", "prefill.routed_max_tokens=16")
+@pytest.mark.parametrize("piecewise", [True, False])
+def test_a_staged_layer_is_refused_under_capture_and_a_prefill_with_misses_is_piecewise_or_declined(tiny_ckpt,
+                                                                                                     piecewise):
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "bf16"), "cache.budget=0.3", "prefill.routed_max_tokens=16",
+                  f"prefill.piecewise_graphs={str(piecewise).lower()}")
     first = eng.cache.layers[0]
     with pytest.raises(PrefillNotCapturable, match=f"layer {first} is staged"):
         in_place_rows(eng.cache, first)
     dec = StaticDecoder(eng, 1, 96, graphs=False, padded_prefill=True)
-    assert dec.prefill_graphs.plan(1, 40) is None  # above the routed threshold, and experts are missing
-    assert eng.cache.counters.declined["prefill_graph:staged_layers"] == 1
+    # above the routed threshold, and experts are missing: split at each experts call, or eager when that is off
+    assert dec.prefill_graphs.plan(1, 40) == ((48, "piecewise") if piecewise else None)
+    assert eng.cache.counters.declined["prefill_graph:staged_layers"] == (0 if piecewise else 1)
     assert dec.prefill_graphs.plan(1, 9) == (16, "routed")
 
 

@@ -29,7 +29,7 @@ def _prefills(dec, prompt, n):
 
 
 @pytest.mark.parametrize("budget, T, mode", [("8 slots", 13, "routed"), ("1.0", 13, "routed"),
-                                             ("1.0", 45, "in_place")])
+                                             ("1.0", 45, "in_place"), ("8 slots", 45, "piecewise")])
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
 def test_a_replayed_prefill_equals_its_padded_eager_forward_bitwise(tiny_ckpt, budget, T, mode, fmt):
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", fmt), f"cache.budget={budget}", "cache.admit_per_step=0")
@@ -39,6 +39,9 @@ def test_a_replayed_prefill_equals_its_padded_eager_forward_bitwise(tiny_ckpt, b
     st = eng.cache.stats()
     assert st["compute"]["prefill_graph_eager"] == 1 and st["compute"]["prefill_graph_captures"] == 1
     assert st["compute"]["prefill_graph_replays"] == 3
+    if mode == "piecewise":  # staged with misses: the stretches replayed, each experts call eager in a staging pass
+        assert st["compute"]["prefill_graph_piecewise_replays"] == 3 and st["prefills"] >= 4
+        assert st["total"]["prefill_misses"] > 0
     assert not any(k.startswith("prefill_graph") for k in st["declined"]), st["declined"]
     for i, r in enumerate(replays):
         assert torch.equal(eager, r), f"replay {i} differs"  # same kernels on the same bytes

@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -17,6 +17,8 @@
 # prefill_graphs: bench ttft with prefill.cuda_graphs on, then off (PG_ONLY_ON=1: on only), at PG_LENS x PG_RESIDENCIES,
 # PG_PEERS (none; full_gpu at all 48 layers needs ~95 s to build and TTFT_TIMEOUT >= 330). Measured at da1eb4a:
 # 16-1024 tokens x 5 residencies in ~100 s after a build; the full-depth peer call ~150 s.
+# piecewise: bench ttft with prefill.piecewise_graphs on, then off, at PW_LENS (1024) x PW_RESIDENCIES (0,0.37,0.5,0.75;
+# 1 is always added), PW_ARGS adds options (e.g. "--layers 8" for the Flash-Next preset with TTFT_CONFIG).
 # flash: the Flash-Next preset at FLASH_LAYERS (8) layers: build, bench decode batch 1 at residency 0.37 (issue 12's
 # per-layer figure), bench ttft 1024 tokens at residency 0/0.37/0.5/0.75 and 16-256 tokens staged vs routed (512 experts).
 # decode_paths: bench decode with decode.path routed, then auto (the cost model stages large batches), same machine.
@@ -260,6 +262,16 @@ if has prefill_graphs; then  # prefill.cuda_graphs on vs off (moe_offload/prefil
       2> "$RES/prefill-graphs-$pg.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
     [ -n "${PG_ONLY_ON:-}" ] && break
+  done
+fi
+if has piecewise; then  # prefill.piecewise_graphs on vs off (staged prefills captured per stretch), same machine
+  for pw in true false; do
+    timeout ${TTFT_TIMEOUT:-240} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set prefill.piecewise_graphs=$pw ${PW_ARGS:-} --prompt-lens ${PW_LENS:-1024} \
+      --residency ${PW_RESIDENCIES:-0,0.37,0.5,0.75} --modes gather --reps ${PW_REPS:-3} --peers none \
+      --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/piecewise-$pw" --json > "$RES/piecewise-$pw.json" \
+      2> "$RES/piecewise-$pw.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi
 has tables_back && cp /tmp/tables/*.json kernels/

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import json
 import pstats
@@ -40,6 +41,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--trace", action="store_true", help="also write the profiled prefill's chrome trace (gzip) and "
+                   "its timeline summary: per-stream busy time, gaps between H2D copies, host calls that blocked")
     a = p.parse_args()
     overrides = [f"model.layers={a.layers}"] if a.layers else []
     cfg = load_config(a.config, [*overrides, "prefill.warmup=true", *a.set])
@@ -83,6 +86,13 @@ def main() -> int:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as tp:
             engine.measure_ttft(ids)
+        if a.trace:
+            trace = out_dir / f"trace-{cfg.model.preset}-l{n_layers}-r{r}.json"
+            tp.export_chrome_trace(str(trace))
+            report.write("\n## timeline (chrome trace)\n" + json.dumps(timeline(trace), indent=1) + "\n")
+            with open(trace, "rb") as f_in, gzip.open(str(trace) + ".gz", "wb") as f_out:
+                f_out.write(f_in.read())
+            trace.unlink()
         ka = tp.key_averages()
         cpu_tab = ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60)
         dev_tab = ka.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
@@ -102,6 +112,37 @@ def main() -> int:
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {out_dir / name}.txt", flush=True)
     return 0
+
+
+def timeline(trace: Path) -> dict:
+    """Summary of a chrome trace: per GPU stream its busy ms, first start and last end (ms from the first GPU
+    event); the H2D copies' gaps (idle ms between consecutive copies on their stream, the largest 10); the host
+    runtime calls that took over 0.5 ms (synchronizations, pageable copies) with their time."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return {}
+    t0 = min(e["ts"] for e in gpu)
+    streams: dict = {}
+    for e in gpu:
+        sid = e.get("args", {}).get("stream", e.get("tid"))
+        st = streams.setdefault(str(sid), {"busy_ms": 0.0, "first_ms": 1e18, "last_ms": 0.0, "n": 0, "h2d": []})
+        st["busy_ms"] += e["dur"] / 1e3
+        st["first_ms"] = min(st["first_ms"], (e["ts"] - t0) / 1e3)
+        st["last_ms"] = max(st["last_ms"], (e["ts"] + e["dur"] - t0) / 1e3)
+        st["n"] += 1
+        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", ""):
+            st["h2d"].append(((e["ts"] - t0) / 1e3, e["dur"] / 1e3))
+    for st in streams.values():
+        h = sorted(st.pop("h2d"))
+        gaps = [round(b[0] - (a[0] + a[1]), 3) for a, b in zip(h, h[1:])]
+        if h:
+            st["h2d"] = {"copies": len(h), "ms": round(sum(d for _, d in h), 3), "gaps_ms_top": sorted(gaps)[-10:],
+                         "gap_total_ms": round(sum(g for g in gaps if g > 0), 3),
+                         "starts_ms": [round(x, 2) for x, _ in h[:64]]}
+    slow = [{"name": e["name"], "at_ms": round((e["ts"] - t0) / 1e3, 3), "ms": round(e["dur"] / 1e3, 3)}
+            for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("dur", 0) > 500]
+    return {"streams": streams, "host_calls_over_0.5ms": slow[:60]}
 
 
 if __name__ == "__main__":

@@ -44,8 +44,26 @@ if triton is not None:
             mask = offs < row_elems
             tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
+    @triton.jit
+    def _gather_resident_kernel(dst_ptr, src_ptr, slot_ptr, row_elems, dst_stride, src_stride,
+                                BLOCK: tl.constexpr, EVEN: tl.constexpr):
+        """Program (e, c) copies elements [c*BLOCK, (c+1)*BLOCK) of row slot[e] to row e, where slot[e] >= 0."""
+        e = tl.program_id(0)
+        slot = tl.load(slot_ptr + e).to(tl.int64)
+        if slot < 0:
+            return
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        src = src_ptr + slot * src_stride + offs
+        dst = dst_ptr + e.to(tl.int64) * dst_stride + offs
+        if EVEN:
+            tl.store(dst, tl.load(src))
+        else:
+            mask = offs < row_elems
+            tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
 else:
     _gather_rows_kernel = None
+    _gather_resident_kernel = None
 
 
 def gather_rows(dst_NR: torch.Tensor, dst_rows_M: torch.Tensor, src_SR: torch.Tensor,
@@ -66,6 +84,27 @@ def gather_rows(dst_NR: torch.Tensor, dst_rows_M: torch.Tensor, src_SR: torch.Te
         log_once("gather_rows.no_triton", "gather_rows_fallback", path="index_select+index_copy_",
                  reason="triton is not installed", fix="pip install 'moe-offload[triton]'")
     dst_NR.index_copy_(0, dst_rows_M, src_SR.index_select(0, src_rows_M))
+
+
+def gather_resident(dst_NR: torch.Tensor, src_SR: torch.Tensor, slot_N: torch.Tensor) -> None:
+    """``dst_NR[e] = src_SR[slot_N[e]]`` for every e with ``slot_N[e] >= 0`` (rows with -1 are left as they are), in
+    place, on the current stream, with no host index: ``slot_N`` is a device slot table row (int32/int64 ``[N]``).
+
+    Why: host indices reach the device by H2D copies, and on the H200 a small H2D copy on the hit stream waited
+    behind the copy stream's large miss copies for a whole layer (Flash-Next, 512 experts: README "Decisions",
+    prefill hits without host indices); reading the table costs no copy-engine work at all."""
+    if slot_N.dim() != 1 or slot_N.shape[0] != dst_NR.shape[0] or slot_N.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_N must be an int32/int64 [N={dst_NR.shape[0]}] slot table row, got "
+                         f"{slot_N.dtype} {tuple(slot_N.shape)}")
+    if slot_N.device != dst_NR.device:
+        raise ValueError(f"slot_N on {slot_N.device} but the rows are on {dst_NR.device}")
+    if slot_N.numel() == 0 or dst_NR.shape[1] == 0:
+        return
+    if dst_NR.is_cuda and _gather_resident_kernel is not None:
+        _launch_rows(_gather_resident_kernel, dst_NR, src_SR, slot_N.numel(), lambda d, s: (d, s, slot_N))
+        return
+    rows = (slot_N >= 0).nonzero().flatten()  # CPU and triton-less devices (syncs: not a hot path there)
+    dst_NR.index_copy_(0, rows, src_SR.index_select(0, slot_N[rows].long()))
 
 
 def _check_gather_args(dst_NR: Any, dst_rows_M: Any, src_SR: Any, src_rows_M: Any) -> None:
@@ -99,6 +138,12 @@ def _word_view(t_XR: torch.Tensor, word: int) -> bool:
 def _launch_gather(kernel: Any, dst_NR: torch.Tensor, dst_rows_M: torch.Tensor, src_SR: torch.Tensor,
                    src_rows_M: torch.Tensor) -> None:
     """Launch ``kernel`` (the jitted kernel, or an interpreted one in tests) on checked arguments."""
+    _launch_rows(kernel, dst_NR, src_SR, dst_rows_M.numel(), lambda d, s: (d, dst_rows_M, s, src_rows_M))
+
+
+def _launch_rows(kernel: Any, dst_NR: torch.Tensor, src_SR: torch.Tensor, rows: int, pointer_args) -> None:
+    """Launch ``kernel(*pointer_args(dst, src), row_elems, dst_stride, src_stride)`` over ``rows`` x row chunks
+    (``dst``, ``src``: the banks viewed as the widest word both rows allow)."""
     word, dtype = next((w, d) for w, d in _WORDS if _word_view(dst_NR, w) and _word_view(src_SR, w))
     dst_w, src_w = dst_NR.view(dtype), src_SR.view(dtype)
     row_elems = dst_NR.shape[1] // word
@@ -107,7 +152,7 @@ def _launch_gather(kernel: Any, dst_NR: torch.Tensor, dst_rows_M: torch.Tensor, 
     if chunks > _MAX_GRID_Y:
         raise ValueError(f"rows of {dst_NR.shape[1]} bytes exceed the gather kernel's limit "
                          f"({_MAX_GRID_Y * _BLOCK_BYTES} bytes at {word}-byte alignment)")
-    kernel[(dst_rows_M.numel(), chunks)](
-        dst_w, dst_rows_M, src_w, src_rows_M, row_elems, dst_w.stride(0), src_w.stride(0),
+    kernel[(rows, chunks)](
+        *pointer_args(dst_w, src_w), row_elems, dst_w.stride(0), src_w.stride(0),
         BLOCK=block, EVEN=row_elems % block == 0, num_warps=4 if block * word >= 4096 else 1,
     )

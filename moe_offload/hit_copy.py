@@ -50,14 +50,16 @@ class HitCopy(Protocol):
     bytes_key: str  # the stats counter of the bytes it moves
 
     def copy(self, staging_ER: torch.Tensor, hit_e_M: np.ndarray, pool_SR: torch.Tensor,
-             hit_slots_M: np.ndarray, stream: Any) -> None: ...
+             hit_slots_M: np.ndarray, stream: Any, table_E: torch.Tensor | None = None) -> None:
+        """``table_E``: the layer's device slot table row, equal to the host's ``hit_e_M``/``hit_slots_M`` at this
+        point of the stream order (a path may read it instead of copying host indices)."""
 
 
 class FullLayerCopy:
     name = FULL_LAYER_COPY
     bytes_key = "prefill_full_h2d"
 
-    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream) -> None:
+    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream, table_E=None) -> None:
         raise RuntimeError("FullLayerCopy copies no hits: the staging copies the whole layer over PCIe")
 
 
@@ -65,11 +67,14 @@ class GatherHitCopy:
     name = "gather"
     bytes_key = "prefill_hit_gather"
 
-    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream) -> None:
-        from moe_offload.kernels.copy import gather_rows
+    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream, table_E=None) -> None:
+        from moe_offload.kernels import copy as kernels
 
+        if table_E is not None:  # no host indices: no H2D copy queued behind the miss copies (kernels/copy.py)
+            kernels.gather_resident(staging_ER, pool_SR, table_E)
+            return
         dev = staging_ER.device
-        gather_rows(staging_ER, index_tensor(hit_e_M, dev), pool_SR, index_tensor(hit_slots_M, dev))
+        kernels.gather_rows(staging_ER, index_tensor(hit_e_M, dev), pool_SR, index_tensor(hit_slots_M, dev))
 
 
 class BatchMemcpyHitCopy:
@@ -79,7 +84,7 @@ class BatchMemcpyHitCopy:
     def __init__(self, batch):
         self.batch = batch
 
-    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream) -> None:
+    def copy(self, staging_ER, hit_e_M, pool_SR, hit_slots_M, stream, table_E=None) -> None:
         dst, src, size = pointer_arrays([RowCopy(staging_ER, pool_SR, hit_e_M, hit_slots_M)], coalesce=False)
         self.batch.copy(dst, src, size, stream)
 

@@ -120,7 +120,8 @@ class PrefillStaging:
         counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * R
         try:
             with s.on(s.hit):
-                self.hit.copy(staging_ER, hit_e, self.pool.rows_SR, resident_E[hit_e].astype(np.int64), s.hit)
+                self.hit.copy(staging_ER, hit_e, self.pool.rows_SR, resident_E[hit_e].astype(np.int64), s.hit,
+                              self.pool.table_LE[self.pool.layer_pos[layer]])
                 s.record(self.hits_done[b], s.hit)
         except Exception as exc:  # a failed hit copy mid-run: full-layer copies from now on
             self.hit = self.on_hit_failure(exc)

@@ -279,3 +279,29 @@ def test_runtime_versions_are_reported_as_major_dot_minor(monkeypatch):
     fake = bm._CudaRuntime("libcudart.so.13", 13000, 13020, "13.x", None, None, None, None)
     monkeypatch.setattr(bm, "_resolve_runtime", lambda: fake)
     assert bm.runtime_versions() == ("13.0", "13.2")
+
+
+@pytest.mark.parametrize("row_bytes", [4096, 36, 7])  # 8-, 4- and 1-byte words; one whole block, partial ones
+def test_the_resident_gather_copies_exactly_the_rows_whose_slot_is_set(monkeypatch, row_bytes):
+    """``gather_resident``: rows with a slot (>= 0) get that slot's bytes, rows with -1 keep theirs; the kernel
+    (Triton's interpreter) and the torch path agree with the reference, for whole and partial row blocks."""
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = kc._gather_resident_kernel
+    kernel = kernel if isinstance(kernel, InterpretedFunction) else InterpretedFunction(kernel.fn)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(0, 256, (9, row_bytes), dtype=torch.uint8, generator=g)
+    dst0 = torch.randint(0, 256, (6, row_bytes), dtype=torch.uint8, generator=g)
+    slots = torch.tensor([4, -1, 0, 8, -1, 2], dtype=torch.int32)
+    want = dst0.clone()
+    for e, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[e] = src[s]
+    via_kernel, via_torch = dst0.clone(), dst0.clone()
+    kc._launch_rows(kernel, via_kernel, src, slots.numel(), lambda d, s: (d, s, slots))
+    kc.gather_resident(via_torch, src, slots)
+    assert torch.equal(via_kernel, want) and torch.equal(via_torch, want)
+    with pytest.raises(ValueError, match="slot table row"):
+        kc.gather_resident(via_torch, src, slots[:4])

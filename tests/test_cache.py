@@ -240,7 +240,7 @@ def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_outp
     import moe_offload.kernels.copy as copy_mod
 
     calls = {"n": 0}
-    real = copy_mod.gather_rows
+    real = copy_mod.gather_resident  # the hit copy the staging makes (from the device slot table)
 
     def flaky(*args, **kw):  # fault injection: the second hit copy of the run (layer 1 of the first pass) fails
         calls["n"] += 1
@@ -248,7 +248,7 @@ def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_outp
             raise RuntimeError("injected copy failure")
         return real(*args, **kw)
 
-    monkeypatch.setattr(copy_mod, "gather_rows", flaky)
+    monkeypatch.setattr(copy_mod, "gather_resident", flaky)
     buf = _capture_json()
     got, _ = eng.prefill(ids)
     again, _ = eng.prefill(ids)
@@ -336,6 +336,8 @@ def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckp
     real_rows, real_gather = hit_mod.copy_rows_torch, copy_mod.gather_rows
     monkeypatch.setattr(hit_mod, "copy_rows_torch", lambda *a, **k: (order.append("h2d"), real_rows(*a, **k)))
     monkeypatch.setattr(copy_mod, "gather_rows", lambda *a, **k: (order.append("gather"), real_gather(*a, **k)))
+    real_resident = copy_mod.gather_resident  # the hit copy reads the device slot table (no host indices)
+    monkeypatch.setattr(copy_mod, "gather_resident", lambda *a, **k: (order.append("gather"), real_resident(*a, **k)))
     cache.staging.prefetch(store.layers[0])
     assert order == ["h2d", "gather"]
 

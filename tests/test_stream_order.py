@@ -151,6 +151,14 @@ def _instrument(monkeypatch, cache):
         rec.access(dst, dst_rows.tolist(), True)
         return real_gather(dst, dst_rows, src, src_rows)
 
+    real_resident = copy_kernels.gather_resident
+
+    def resident(dst, src, slot_N):  # the hit copy driven by the device slot table (no host indices)
+        rows = [e for e, slot in enumerate(slot_N.tolist()) if slot >= 0]
+        rec.access(src, [slot_N[e].item() for e in rows], False)
+        rec.access(dst, rows, True)
+        return real_resident(dst, src, slot_N)
+
     def full(self, layer, b):
         rec.access(self.rows[b], range(self.rows[b].shape[0]), True)
         return real_full(self, layer, b)
@@ -187,6 +195,7 @@ def _instrument(monkeypatch, cache):
 
     monkeypatch.setattr(hit_copy.H2DRows, "copy", h2d)
     monkeypatch.setattr(copy_kernels, "gather_rows", gather)
+    monkeypatch.setattr(copy_kernels, "gather_resident", resident)
     monkeypatch.setattr(type(cache.staging), "_copy_full", full)
     monkeypatch.setattr(cache, "stage", stage)
     monkeypatch.setattr(decode_miss, "serve_misses_reference", serve)

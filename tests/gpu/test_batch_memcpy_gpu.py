@@ -145,3 +145,25 @@ def test_gather_rows_on_gpu_equals_the_reference(row_bytes):
     want.index_copy_(0, dst_rows, slots_SR.index_select(0, src_rows))
     kc.gather_rows(stage_NR, dst_rows, slots_SR, src_rows)
     assert torch.equal(stage_NR, want)
+
+
+@pytest.mark.parametrize("row_bytes", [QWEN_NVFP4_EXPERT_BYTES, 196_608, 12, 4099])
+def test_gather_resident_on_gpu_equals_the_reference_and_needs_no_host_to_device_copy(row_bytes):
+    """The hit copy driven by the device slot table: rows with a slot get its bytes, rows with -1 keep theirs, and
+    nothing goes through the copy engine (kernels/copy.py: host indices queued behind the miss copies)."""
+    slots_SR = _bank(48, row_bytes, seed=5, device="cuda")
+    stage_NR = _bank(32, row_bytes, seed=6, device="cuda")
+    g = torch.Generator().manual_seed(8)
+    table_N = torch.full((32,), -1, dtype=torch.int32)
+    table_N[torch.randperm(32, generator=g)[:20]] = torch.randperm(48, generator=g)[:20].int()
+    want = stage_NR.clone()
+    for e, s in enumerate(table_N.tolist()):
+        if s >= 0:
+            want[e] = slots_SR[s]
+    table_N = table_N.cuda()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kc.gather_resident(stage_NR, slots_SR, table_N)
+        torch.cuda.synchronize()
+    assert torch.equal(stage_NR, want)
+    assert not [e.key for e in prof.key_averages() if "Memcpy" in e.key], "the resident gather made a memcpy"

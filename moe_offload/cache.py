@@ -77,7 +77,8 @@ class OffloadMoeCache:
         self.streams = Streams(device)
         pool = decode = None
         try:
-            pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch)
+            pool = SlotPool(store, self.plan.num_slots, cache_cfg.policy, device, self.counters, scratch,
+                            lead_rows=2 * store.num_experts)  # the two staging buffers (staging.py)
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
                                      cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)

@@ -43,13 +43,18 @@ class SlotPool:
     """``num_slots`` device rows of ``store.bytes_per_expert`` bytes and the residency map over them."""
 
     def __init__(self, store, num_slots: int, policy: str, device: torch.device, stats: CacheStats,
-                 scratch_rows: int = 0):
+                 scratch_rows: int = 0, lead_rows: int = 0):
+        """``lead_rows``: rows allocated in front of the slots in the same tensor (``backing``): the prefill
+        staging buffers, so that one bank (``backing_views``) holds staged rows and slots alike."""
         self.store, self.device, self.stats = store, device, stats
         self.num_slots = num_slots
         self.E = store.num_experts
         self.layer_pos = {layer: i for i, layer in enumerate(store.layers)}
         # rows 0..S-1 are slots, S..S+X-1 decode scratch rows (misses of one decode step, never resident)
-        self.rows_NR = torch.empty((num_slots + scratch_rows, store.bytes_per_expert), dtype=torch.uint8, device=device)
+        self.lead_rows = lead_rows
+        self.backing = torch.empty((lead_rows + num_slots + scratch_rows, store.bytes_per_expert), dtype=torch.uint8,
+                                   device=device)
+        self.rows_NR = self.backing[lead_rows:]
         self.rows_SR = self.rows_NR[:num_slots]
         self.slot_of_LE = np.full((len(store.layers), self.E), -1, dtype=np.int32)
         self.table_LE = torch.full((len(store.layers), self.E), -1, dtype=torch.int32, device=device)
@@ -77,6 +82,11 @@ class SlotPool:
     def views(self) -> dict[str, torch.Tensor]:
         """Typed per-bank views ``[S + X, ...]`` of the pool, scratch rows included (rows read in place)."""
         return bank_views(self.store.specs, self.store.offsets, self.rows_NR)
+
+    def backing_views(self) -> dict[str, torch.Tensor]:
+        """Typed per-bank views of the whole backing tensor: the lead rows, then the slots (slot s is row
+        ``lead_rows + s``), then the scratch rows."""
+        return bank_views(self.store.specs, self.store.offsets, self.backing)
 
     # ---------------------------------------------------------------- changing the map
     def _table_write(self, lp: int, experts: np.ndarray, values: np.ndarray):

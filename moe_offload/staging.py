@@ -24,6 +24,15 @@ stream and the copy stream joins it before overwriting the slot; ``set_residency
 and a pass begins by committing pending decode admissions). Such a fill is only valid in the pass that made it
 (between passes decode admission may evict), so ``begin`` drops it; a copied fill stays reusable.
 Counted per layer use in ``stats()["compute"]["prefill_in_place_layers"]``.
+
+Mixed fills (the same setting, a layer with hits AND misses): only the misses are copied into the buffer; the
+buffers are the pool's lead rows (``SlotPool.backing``: buffer 0, buffer 1, the slots, the scratch rows in one
+tensor), so ``wait`` hands out views of that whole tensor and ``index_N[e] = lead + table[e]`` for a resident
+expert, ``b * E + e`` for a staged one, computed on the compute stream from the device slot table (no host
+index). The hits cost no copy at all (the SM gather moved ~1 GB per layer at Flash-Next's residency 0.75, on the
+SMs and HBM the compute uses); the same slot-stability argument as above holds, and ``begin`` drops such fills
+too. The admission (``_admit_free``) copies only misses, whose rows the buffer holds. Counted per layer use in
+``stats()["compute"]["prefill_mixed_layers"]``.
 """
 
 from __future__ import annotations
@@ -43,12 +52,20 @@ class PrefillStaging:
         self.store, self.pool, self.streams, self.stats = store, pool, streams, stats
         self.on_hit_failure = on_hit_failure  # called with the exception; returns the new hit path
         E, R = store.num_experts, store.bytes_per_expert
-        self.rows = [torch.empty((E, R), dtype=torch.uint8, device=pool.device) for _ in range(2)]
+        # the buffers are the pool's lead rows (one tensor with the slots): a fill may then be read as one bank
+        # with its layer's resident experts, through an index (``wait``)
+        self.shared = pool.lead_rows >= 2 * E
+        if self.shared:
+            self.rows = [pool.backing[b * E:(b + 1) * E] for b in range(2)]
+        else:
+            self.rows = [torch.empty((E, R), dtype=torch.uint8, device=pool.device) for _ in range(2)]
+        self._arange_E = torch.arange(E, dtype=torch.int32, device=pool.device)
         self.misses_done = [streams.event(), streams.event()]
         self.hits_done = [streams.event(), streams.event()]
         self.released = [streams.event(), streams.event()]
         self.staged: list[int | None] = [None, None]  # the layer a buffer holds (its fill is enqueued)
         self.in_place: list[torch.Tensor | None] = [None, None]  # slot table row of a fill read in place
+        self.mixed = [False, False]  # a fill holding only its layer's misses (hits read in place from their slots)
         self.read_in_place = True  # prefill.read_in_place (set by the cache)
         self.used = [(0, 0), (0, 0)]  # (hits, misses) of the fill a buffer holds
         self.computing: int | None = None  # the buffer the layer being computed reads
@@ -67,14 +84,15 @@ class PrefillStaging:
         in place is dropped (the residency may have changed since)."""
         self.computing = None
         for b in (0, 1):
-            if self.in_place[b] is not None:
-                self.staged[b], self.in_place[b] = None, None
+            if self.in_place[b] is not None or self.mixed[b]:
+                self.staged[b], self.in_place[b], self.mixed[b] = None, None, False
         self.streams.join_current()
 
     def forget(self) -> None:
         """Drop what the buffers hold (the next pass assembles every layer anew)."""
         self.staged = [None, None]
         self.in_place = [None, None]
+        self.mixed = [False, False]
 
     def prefetch(self, layer: int, into: int | None = None) -> int:
         """Enqueue the assembly of ``layer`` into buffer ``into`` (default: the buffer not being computed);
@@ -103,7 +121,7 @@ class PrefillStaging:
         hit_e = np.flatnonzero(resident_E >= 0)
         miss_e = np.flatnonzero(resident_E < 0)
         self.used[b] = (int(hit_e.size), int(miss_e.size))
-        self.in_place[b] = None
+        self.in_place[b], self.mixed[b] = None, False
         if self.hit.name == FULL_LAYER_COPY or hit_e.size == 0:
             self._copy_full(layer, b)
             return
@@ -118,6 +136,11 @@ class PrefillStaging:
             self.h2d.copy([RowCopy(staging_ER, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
             s.record(self.misses_done[b], s.copy)
         counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * R
+        if self.read_in_place and self.shared:
+            # hits are read in place from their slots (``wait``): nothing to copy for them
+            self.mixed[b] = True
+            s.record(self.hits_done[b], s.hit)
+            return
         try:
             with s.on(s.hit):
                 self.hit.copy(staging_ER, hit_e, self.pool.rows_SR, resident_E[hit_e].astype(np.int64), s.hit,
@@ -155,6 +178,11 @@ class PrefillStaging:
         if self.in_place[b] is not None:
             self.stats.compute["prefill_in_place_layers"] += 1
             return self.pool.views(), self.in_place[b]
+        if self.mixed[b]:  # one bank, staging rows and slots: expert e is slot row table[e], else staging row e
+            self.stats.compute["prefill_mixed_layers"] += 1
+            table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
+            index_N = torch.where(table_E >= 0, table_E + self.pool.lead_rows, self._arange_E + b * self.pool.E)
+            return self.pool.backing_views(), index_N
         return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
 
     def done(self, layer: int, refill: int | None = None) -> None:

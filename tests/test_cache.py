@@ -156,9 +156,12 @@ def test_byte_budget_counts_the_staging_buffers(tiny_ckpt):
     assert cache.num_slots == 7
 
 
-def test_prefill_bytes_by_path_add_up(tiny_ckpt):
+@pytest.mark.parametrize("in_place", [True, False], ids=["hits-read-in-place", "hits-gathered"])
+def test_prefill_bytes_by_path_add_up(tiny_ckpt, in_place):
+    """Half the experts resident: the misses cross PCIe; the hits are read from their slots through one bank
+    with the staged misses (prefill.read_in_place, no bytes moved) or gathered into staging."""
     store = _store(tiny_ckpt)
-    cache = _cache(store, "1.0", hit_copy="gather")
+    cache = _cache(store, "1.0", hit_copy="gather", read_in_place=in_place)
     cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
     with cache.prefill_pass():
         for layer in store.layers:
@@ -170,8 +173,9 @@ def test_prefill_bytes_by_path_add_up(tiny_ckpt):
     half = store.num_experts // 2 * len(store.layers)
     assert st["prefill_hits"] == half and st["prefill_misses"] == half
     assert st["bytes"]["prefill_miss_h2d"] == half * store.bytes_per_expert
-    assert st["bytes"]["prefill_hit_gather"] == half * store.bytes_per_expert
+    assert st["bytes"]["prefill_hit_gather"] == (0 if in_place else half * store.bytes_per_expert)
     assert st["bytes"]["prefill_full_h2d"] == 0
+    assert cache.stats()["compute"].get("prefill_mixed_layers", 0) == (len(store.layers) if in_place else 0)
 
 
 # --- fallback: structured event, counters, fault injection, error mode -----------------------------
@@ -235,8 +239,9 @@ def test_overlap_off_is_a_logged_reason(tiny_ckpt):
 def test_a_copy_failing_mid_run_switches_to_full_layer_copies_without_wrong_output(tiny_ckpt, monkeypatch):
     path = tiny_ckpt("tiny-qwen3-next", "nvfp4-ct")
     ids = torch.randint(3, 300, (1, 64), generator=torch.Generator().manual_seed(1))
-    want, _ = _engine(path, "prefill.hit_copy=gather").prefill(ids)
-    eng = _engine(path, "prefill.hit_copy=gather")
+    # hits copied into staging (not read in place), so there is a hit copy to fail
+    want, _ = _engine(path, "prefill.hit_copy=gather", "prefill.read_in_place=false").prefill(ids)
+    eng = _engine(path, "prefill.hit_copy=gather", "prefill.read_in_place=false")
     import moe_offload.kernels.copy as copy_mod
 
     calls = {"n": 0}
@@ -329,7 +334,7 @@ def test_prefill_queues_the_pcie_misses_before_the_device_side_hit_copy(tiny_ckp
     import moe_offload.kernels.copy as copy_mod
 
     store = _store(tiny_ckpt)
-    cache = _cache(store, "1.0", hit_copy="gather")
+    cache = _cache(store, "1.0", hit_copy="gather", read_in_place=False)  # hits copied: there is a hit copy
     cache.set_residency({layer: list(range(0, store.num_experts, 2)) for layer in store.layers})
     cache.resolve_hit_path()
     order = []

@@ -169,6 +169,10 @@ def _instrument(monkeypatch, cache):
         slots = cache.staging.in_place[b]
         if slots is not None:  # read in place: the GEMMs read the layer's slots of the pool
             rec.access(cache.pool.rows_NR, slots.tolist(), False)
+        elif cache.staging.mixed[b]:  # hits from their slots, misses from the buffer (one bank, staging.py)
+            res = cache.pool.resident(layer)
+            rec.access(cache.pool.rows_NR, res[res >= 0].tolist(), False)
+            rec.access(cache.staging.rows[b], np.flatnonzero(res < 0).tolist(), False)
         else:
             rec.access(cache.staging.rows[b], range(cache.E), False)  # the GEMMs read the whole layer
         return views
@@ -214,10 +218,10 @@ class _Router:
         return None, None, ids
 
 
-def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced", lookahead=False):
+def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced", lookahead=False, read_in_place=True):
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
-    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", policy=policy), PrefillConfig(hit_copy="gather"), "cpu",
-                            lookahead=lookahead)
+    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", policy=policy),
+                            PrefillConfig(hit_copy="gather", read_in_place=read_in_place), "cpu", lookahead=lookahead)
     cache.streams = FakeStreams(cache.device, skip)
     parts = [cache.staging, cache.decode] + ([cache.decode.lookahead] if lookahead else [])
     for part in parts:
@@ -256,9 +260,10 @@ def _traffic(cache, store, rng, steps):
             pass
 
 
+@pytest.mark.parametrize("read_in_place", [True, False], ids=["hits-in-place", "hits-gathered"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_traffic_leaves_no_unordered_pair_of_accesses(tiny_ckpt, monkeypatch, seed):
-    store, cache = _cache(tiny_ckpt)
+def test_random_traffic_leaves_no_unordered_pair_of_accesses(tiny_ckpt, monkeypatch, seed, read_in_place):
+    store, cache = _cache(tiny_ckpt, read_in_place=read_in_place)
     rec, _ = _instrument(monkeypatch, cache)
     _traffic(cache, store, random.Random(seed), 40)
     assert len(rec.log) > 200 and {r for r, *_ in rec.log} == {"pool", "staging0", "staging1"}
@@ -318,13 +323,16 @@ def test_layers_read_in_place_between_decode_evictions_leave_no_unordered_access
     assert np.array_equal(cache.pool.table_LE.numpy(), cache.pool.slot_of_LE)
 
 
-@pytest.mark.parametrize("dropped", ["hits_done", "misses_done", "released"])
-def test_the_checker_finds_hazards_when_one_staging_wait_is_dropped(tiny_ckpt, monkeypatch, dropped):
+@pytest.mark.parametrize("dropped, read_in_place", [("hits_done", False), ("misses_done", False), ("released", False),
+                                                    ("released", True)])
+def test_the_checker_finds_hazards_when_one_staging_wait_is_dropped(tiny_ckpt, monkeypatch, dropped, read_in_place):
     """hits_done: the copy stream no longer waits a buffer's previous hit copy (the aborted-pass race);
     misses_done: the hit stream no longer waits the previous misses; released: writers no longer wait
-    for compute to have read the buffer."""
+    for compute to have read the buffer. With hits read in place (no hit copy) only the release orders a
+    buffer's refill after its readers."""
     holder = {}
-    store, cache = _cache(tiny_ckpt, skip=lambda ev: any(ev is e for e in holder.get("events", [])))
+    store, cache = _cache(tiny_ckpt, skip=lambda ev: any(ev is e for e in holder.get("events", [])),
+                          read_in_place=read_in_place)
     holder["events"] = getattr(cache.staging, dropped)
     cache.set_residency({layer: list(range(0, store.num_experts, 3)) for layer in store.layers[:2]})
     rec, _ = _instrument(monkeypatch, cache)

@@ -254,8 +254,9 @@ class OffloadMoeCache:
         if self.device.type == "cuda" and res.batch_h2d_reason is not None:
             self.counters.declined[f"batch_h2d:{res.batch_h2d_reason}"] += 1
         if self.prefill_cfg.overlap:  # both buffers: layers 0 and 1 (later ones are refilled at release, ``done``)
-            for layer in self.store.layers[:2]:
-                self.staging.prefetch(layer)
+            b0 = self.staging.prefetch(self.store.layers[0])
+            if len(self.store.layers) > 1:  # into the other buffer: a reusable fill of layer 0 is kept
+                self.staging.prefetch(self.store.layers[1], into=1 - b0)
 
     def stage(self, layer: int) -> dict[str, torch.Tensor]:
         """Views ``[E, ...]`` of ``layer`` (``stage_rows``; a layer read in place is gathered from its slots
@@ -354,7 +355,7 @@ class OffloadMoeCache:
         self._closed = True
         self.decode.close()
         empty = torch.empty((0, self.store.bytes_per_expert), dtype=torch.uint8, device=self.device)
-        self.pool.rows_NR = self.pool.rows_SR = empty
+        self.pool.rows_NR = self.pool.rows_SR = self.pool.backing = empty  # the backing holds slots and staging
         self.staging.rows = [empty, empty]
 
     def stats(self) -> dict:

@@ -68,25 +68,36 @@ class Segments:
     docstring). ``parts``: ``(graph, call)`` in forward order; ``call`` runs the experts call that follows the graph
     eagerly (None after the last graph). Replays must follow the capture order (the graphs share one pool)."""
 
-    def __init__(self, pool):
-        self.pool = pool
+    def __init__(self, pool, stream):
+        self.pool, self.stream = pool, stream
         self.parts: list[tuple[torch.cuda.CUDAGraph, object]] = []
         self._open: torch.cuda.CUDAGraph | None = None
+        self._io: tuple[torch.Tensor, ...] | None = None  # (hidden, ids, weights, out): one set for every call
 
     def begin(self) -> None:
-        """Start capturing the first stretch (on the current stream, which must be a side stream)."""
+        """Start capturing the first stretch (on ``stream``, a side stream, current under the capture)."""
         self._open = torch.cuda.CUDAGraph()
         self._open.capture_begin(pool=self.pool, capture_error_mode="thread_local")
 
     def split(self, module, hidden_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
-        """At an experts call under capture: end the stretch, start the next; the returned buffer ``[T, H]`` (in
-        the graphs' pool, alive with them) receives the call's result at each replay."""
-        out_TH = torch.empty_like(hidden_TH, memory_format=torch.contiguous_format)
+        """At an experts call under capture: copy its inputs into the buffers every call shares (captured, the
+        stretch's last work), end the stretch, start the next. The returned ``[T, H]`` buffer receives the call's
+        result at each replay; the next stretch reads it before the next call rewrites it (one stream), so one
+        set of buffers serves every layer and a graph holds no per-layer inputs or outputs in its pool."""
+        if self._io is None:
+            self._io = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                             for t in (hidden_TH, ids_TK, w_TK, hidden_TH))
+        h, ids, w, out_TH = self._io
+        for buf, t in ((h, hidden_TH), (ids, ids_TK), (w, w_TK)):
+            if buf.shape != t.shape or buf.dtype != t.dtype:
+                raise PrefillNotCapturable(f"experts call inputs differ between layers ({tuple(t.shape)} {t.dtype} "
+                                           f"vs {tuple(buf.shape)} {buf.dtype}): no shared buffers")
+            buf.copy_(t)
         graph, self._open = self._open, None
         graph.capture_end()
 
         def call() -> None:
-            out_TH.copy_(module.staged(hidden_TH, ids_TK, w_TK))
+            out_TH.copy_(module.staged(h, ids, w))
 
         self.parts.append((graph, call))
         self.begin()
@@ -98,13 +109,16 @@ class Segments:
         self.parts.append((graph, None))
 
     def abort(self) -> None:
-        """After a failed capture: close the open one (its error is the one already raised) and drop the rest."""
+        """After a failed capture: end the open one on its own stream (torch ends a capture only on the stream
+        that began it; left open, every later allocation would go to the pool and the side stream stay
+        captured; its error is the one already raised) and drop the rest."""
         graph, self._open = self._open, None
         if graph is not None:
-            try:
-                graph.capture_end()
-            except Exception:  # noqa: BLE001 - the capture was invalidated; the first error is reported
-                pass
+            with torch.cuda.stream(self.stream):
+                try:
+                    graph.capture_end()
+                except Exception:  # noqa: BLE001 - the capture was invalidated; the first error is reported
+                    pass
         self.parts.clear()
 
     def replay(self) -> None:
@@ -191,17 +205,18 @@ class PrefillGraphs:
                 self._decline("staged_layers", "a layer with missing experts is staged (host work per layer) and "
                               "prefill.piecewise_graphs is off", T=T)
                 return None
-            if obs is not None and B == 1 and obs.decode_max_tokens < T <= obs.adaptive.max_tokens:
-                if not obs.adaptive.learned(T):  # padded forwards are not observed: learn this length eagerly first
-                    self._decline("observing_routing", "a single prompt of a length whose routing spread the cache "
-                                  "has not yet learned runs eagerly, observed (prefill.routed_adaptive_max_tokens)", T=T)
-                    return None
-                obs.adaptive.staged += 1  # the forward's path, counted as its begin() would
+            adaptive = obs is not None and B == 1 and obs.decode_max_tokens < T <= obs.adaptive.max_tokens
+            if adaptive and not obs.adaptive.learned(T):  # padded forwards are not observed: learn it eagerly first
+                self._decline("observing_routing", "a single prompt of a length whose routing spread the cache "
+                              "has not yet learned runs eagerly, observed (prefill.routed_adaptive_max_tokens)", T=T)
+                return None
             mode = "piecewise"
         Tb = bucket(T, limit)
         if Tb is None:
             self._decline("longer_than_bucket", f"prompts above {limit} tokens are prefilled eagerly", T=T)
             return None
+        if mode == "piecewise" and obs is not None and B == 1 and T > obs.adaptive.fixed_max_tokens:
+            obs.adaptive.staged += 1  # the forward's path, counted as its begin() would (routes() counts this range)
         return Tb, mode
 
     def _decline(self, reason: str, detail: str, **fields) -> None:
@@ -309,16 +324,17 @@ class PrefillGraphs:
         cache = dec.engine.cache
         try:
             if mode == "piecewise":
-                graph = Segments(self._pool)
+                graph = Segments(self._pool, side)
                 cache.prefill_split = graph
                 try:
                     with torch.cuda.stream(side):
-                        graph.begin()
-                        logits = self._forward(st, Tb, mode, capture=True)
-                        graph.end()
-                except BaseException:
-                    graph.abort()
-                    raise
+                        try:
+                            graph.begin()
+                            logits = self._forward(st, Tb, mode, capture=True)
+                            graph.end()
+                        except BaseException:
+                            graph.abort()  # on the capturing stream: the capture ends there
+                            raise
                 finally:
                     cache.prefill_split = None
             else:

@@ -138,6 +138,15 @@ def test_a_failing_prefill_admission_leaves_the_map_true(tiny_ckpt, monkeypatch)
     _check_invariants(cache)
 
 
+def test_close_releases_the_backing_of_slots_and_staging(tiny_ckpt):
+    """The staging buffers and the slots are views of one tensor (SlotPool.backing): close() must drop it too."""
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0")
+    assert cache.staging.rows[0].data_ptr() == cache.pool.backing.data_ptr()
+    cache.close()
+    assert cache.pool.backing.numel() == 0 and cache.pool.rows_NR.numel() == 0
+
+
 def test_budget_below_minimum_states_the_minimum(tiny_ckpt):
     store = _store(tiny_ckpt)
     with pytest.raises(BudgetError) as e:

@@ -18,8 +18,8 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   staged. Its experts calls need host work (the staging pass), so the forward is captured as one graph per
   stretch between two experts calls (``Segments``: embedding + layer 0's attention and router, then each
   layer's residual, next attention and router, ..., the last norm and the LM head): at each experts call the
-  capture of the current stretch ends, the call's inputs stay in the graphs' pool, and an output buffer is
-  handed to the model, whose next stretch (the TP reduce, the residual) reads it. A replay runs, inside one
+  call's inputs are copied into buffers every call shares, the capture of the current stretch ends, and the
+  shared output buffer is handed to the model, whose next stretch (the TP reduce, the residual) reads it. A replay runs, inside one
   staging pass, stretch 0, the experts call of layer 0 eagerly (``OffloadedExperts.staged``, its result copied
   into that buffer), stretch 1, and so on. Valid at any residency (the staging decides per pass, on the host).
   Why: eager, such a prefill's host time (~1.7-2.5 ms per layer on the lent H200s, nearly all outside the

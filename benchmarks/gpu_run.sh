@@ -2,7 +2,7 @@
 # Everything one lent-GPU call runs, in order, writing under $OUT (results.tgz + logs).
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
-#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise
+#           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -17,6 +17,10 @@
 # prefill_graphs: bench ttft with prefill.cuda_graphs on, then off (PG_ONLY_ON=1: on only), at PG_LENS x PG_RESIDENCIES,
 # PG_PEERS (none; full_gpu at all 48 layers needs ~95 s to build and TTFT_TIMEOUT >= 330). Measured at da1eb4a:
 # 16-1024 tokens x 5 residencies in ~100 s after a build; the full-depth peer call ~150 s.
+# The device copy's git HEAD may be the session's base commit, not the tree sent: pass SERVE_CHECK_SHA=<sha of the
+# tree> (it becomes --git-sha). Commands run after this script in the same call need the wheel install line
+# above themselves (its PYTHONPATH is this script's).
+# flash_ttft: the Flash-Next preset at FLASH_LAYERS (8): build, then bench ttft 1024 tokens staged at FLASH_RESIDENCIES.
 # piecewise: bench ttft with prefill.piecewise_graphs on, then off, at PW_LENS (1024) x PW_RESIDENCIES (0,0.37,0.5,0.75;
 # 1 is always added), PW_ARGS adds options (e.g. "--layers 8" for the Flash-Next preset with TTFT_CONFIG).
 # flash: the Flash-Next preset at FLASH_LAYERS (8) layers: build, bench decode batch 1 at residency 0.37 (issue 12's
@@ -273,6 +277,15 @@ if has piecewise; then  # prefill.piecewise_graphs on vs off (staged prefills ca
       2> "$RES/piecewise-$pw.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
+fi
+if has flash_ttft; then  # Flash-Next at FLASH_LAYERS (8): build (~135-150 s alone), then bench ttft 1024 tokens staged at
+  # FLASH_RESIDENCIES (0,0.37,0.5,0.75; ~60 s); what issue 14's 512-expert cells were measured with at 071bfc1-5fbdf1e
+  timeout ${BUILD_TIMEOUT:-400} python3 -c "from moe_offload.config import load_config; from moe_offload.engine import ensure_checkpoint; ensure_checkpoint(load_config('configs/flash-next-nvfp4.yaml', ['model.cache_dir=/tmp/moe-cache', 'model.layers=${FLASH_LAYERS:-8}']).model, False)" > "$RES/flash-build.log" 2>&1
+  timeout ${TTFT_TIMEOUT:-200} moe-offload bench ttft --config configs/flash-next-nvfp4.yaml --set model.cache_dir=/tmp/moe-cache \
+    --layers ${FLASH_LAYERS:-8} --prompt-lens 1024 --residency ${FLASH_RESIDENCIES:-0,0.37,0.5,0.75} --modes gather \
+    --prefill-path staged --reps 3 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/flash-ttft" --json \
+    > "$RES/flash-ttft.json" 2> "$RES/flash-ttft.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 has tables_back && cp /tmp/tables/*.json kernels/
 if has compute_ab; then  # compute.backend auto (fused kernels where the table measured them faster) vs torch, same machine

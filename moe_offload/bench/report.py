@@ -281,7 +281,9 @@ def _host_table(result: dict) -> list[str]:
     for mo in _variants(result):
         for n in s["prompt_lens"]:
             c = _cell(result, n, mo, r0)
-            if c:
+            if c and not c["host"]["forward_s"]:  # no eager forward was timed: the prefill was a graph replay
+                lines.append(f"| {mo} | {n} | – (graph replay) | – | {_ms(c['ttft_s']['median'])} |")
+            elif c:
                 lines.append(f"| {mo} | {n} | {c['host']['experts_per_layer_s'] * 1e3:.3f} | "
                              f"{_ms(c['host']['forward_s'])} | {_ms(c['ttft_s']['median'])} |")
     return lines

@@ -51,14 +51,13 @@ class PrefillStaging:
     def __init__(self, store, pool, streams, stats, on_hit_failure):
         self.store, self.pool, self.streams, self.stats = store, pool, streams, stats
         self.on_hit_failure = on_hit_failure  # called with the exception; returns the new hit path
-        E, R = store.num_experts, store.bytes_per_expert
+        E = store.num_experts
         # the buffers are the pool's lead rows (one tensor with the slots): a fill may then be read as one bank
         # with its layer's resident experts, through an index (``wait``)
-        self.shared = pool.lead_rows >= 2 * E
-        if self.shared:
-            self.rows = [pool.backing[b * E:(b + 1) * E] for b in range(2)]
-        else:
-            self.rows = [torch.empty((E, R), dtype=torch.uint8, device=pool.device) for _ in range(2)]
+        if pool.lead_rows != 2 * E:
+            raise ValueError(f"the slot pool must hold the two staging buffers in front of its slots (lead_rows=2*E="
+                             f"{2 * E}), got lead_rows={pool.lead_rows}")
+        self.rows = [pool.backing[b * E:(b + 1) * E] for b in range(2)]
         self._arange_E = torch.arange(E, dtype=torch.int32, device=pool.device)
         self.misses_done = [streams.event(), streams.event()]
         self.hits_done = [streams.event(), streams.event()]
@@ -136,7 +135,7 @@ class PrefillStaging:
             self.h2d.copy([RowCopy(staging_ER, self.store.rows(layer), miss_e, miss_e)], coalesce=True)
             s.record(self.misses_done[b], s.copy)
         counters.bytes["prefill_miss_h2d"] += int(miss_e.size) * R
-        if self.read_in_place and self.shared:
+        if self.read_in_place:
             # hits are read in place from their slots (``wait``): nothing to copy for them
             self.mixed[b] = True
             s.record(self.hits_done[b], s.hit)

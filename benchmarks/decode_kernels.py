@@ -82,9 +82,11 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
 
 
 def nvfp4_row_bytes(H: int, I: int) -> int:
+    """Bytes of one expert row as the store lays it out (banks padded to ``ROW_ALIGN``)."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+    from moe_offload.host_store import ROW_ALIGN
 
-    return sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(H, I))
+    return -(-sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(H, I)) // ROW_ALIGN) * ROW_ALIGN
 
 
 # --- floors -------------------------------------------------------------------------------------------

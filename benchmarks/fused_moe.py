@@ -37,15 +37,21 @@ SHAPES = {
 TOKENS = (16, 64, 128, 1024, 8192)
 
 
-def random_banks(H: int, I: int, E: int, device, seed: int = 0) -> dict:
+def random_banks(H: int, I: int, E: int, device, seed: int = 0, pad: bool = True) -> dict:
     """Valid random NVFP4 banks of E experts on ``device`` (weight std ~ 1/sqrt(fan_in)), laid out
-    as column slices of one ``[E, row_bytes]`` byte bank like the store's."""
+    as column slices of one ``[E, row_bytes]`` byte bank like the store's, rows padded to ``ROW_ALIGN``
+    as in the store and the slot pool. Unpadded rows (2,654,220 bytes at Qwen3-30B-A3B's shape) give the
+    kernels an expert stride Triton cannot prove 16-byte aligned, so their weight loads compile to byte
+    loads without cp.async: the tuners before e68f71f timed that case, not the one the runtime runs
+    (``pad=False`` keeps it, for comparison)."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
-    from moe_offload.host_store import bank_offsets, bank_views
+    from moe_offload.host_store import ROW_ALIGN, bank_offsets, bank_views
 
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = Nvfp4ModelOptFormat().banks(H, I)
-    raw_ER = torch.randint(0, 256, (E, sum(s.nbytes for s in specs)), dtype=torch.uint8, device=device, generator=gen)
+    row_bytes = sum(s.nbytes for s in specs)
+    row_bytes = -(-row_bytes // ROW_ALIGN) * ROW_ALIGN if pad else row_bytes
+    raw_ER = torch.randint(0, 256, (E, row_bytes), dtype=torch.uint8, device=device, generator=gen)
     views = bank_views(specs, bank_offsets(specs), raw_ER)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]

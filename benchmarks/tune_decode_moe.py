@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}, {args.layers} layers of weights", flush=True)
         layers_views = [random_banks(H, I, E, device, seed=s) for s in range(args.layers)]
-        entries = {}
+        entries = dict(data["devices"].get(name, {}).get(shape_key(H, I), {}))  # buckets not re-tuned are kept
         for T in sorted(args.tokens):
             cfg, ms = tune_bucket(layers_views, H, I, E, K, T, spaces)
             entries[str(T * K)] = cfg

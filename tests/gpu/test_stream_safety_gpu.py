@@ -14,7 +14,7 @@ import torch
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.hit_copy import GatherHitCopy
-from moe_offload.host_store import ExpertStore
+from moe_offload.host_store import ExpertStore, bank_views
 
 pytestmark = pytest.mark.gpu
 
@@ -32,15 +32,18 @@ class _DelayedGather(GatherHitCopy):
         super().copy(staging_ER, hit_e_M, pool_SR, hit_slots_M, stream)
 
 
-def _setup(tiny_ckpt):
+def _setup(tiny_ckpt, read_in_place=False):
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
     E = store.num_experts
     L0, L1, L2 = store.layers[:3]
     hits2 = list(range(0, E, 2))  # the rows layer 2's gather writes ...
     rest0 = [e for e in range(E) if e not in hits2]  # ... are exactly layer 0's misses
     # exactly E slots, all taken: no admission into free slots changes residency mid-test; layer 2's
-    # slots first, so they are the least recently used (the decode admission's victims)
-    cache = OffloadMoeCache(store, CacheConfig(budget=f"{E} slots"), PrefillConfig(hit_copy="gather"), "cuda")
+    # slots first, so they are the least recently used (the decode admission's victims). read_in_place off: the
+    # hits are gathered into the staging rows (the path whose hazard these tests hold back); on, they are read
+    # from their slots and only misses are staged (no gather to hold back)
+    cache = OffloadMoeCache(store, CacheConfig(budget=f"{E} slots"),
+                            PrefillConfig(hit_copy="gather", read_in_place=read_in_place), "cuda")
     cache.set_residency({L2: hits2, L0: rest0})
     cache.resolve_hit_path()
     gather = _DelayedGather()
@@ -60,19 +63,23 @@ def _abort_after_prefetching_layer_2(cache, layers, gather):
             raise RuntimeError("injected compute failure in layer 1")
 
 
-def test_a_prefill_after_an_aborted_pass_stages_every_layer_bitwise(tiny_ckpt):
-    store, cache, gather, layers, _ = _setup(tiny_ckpt)
+@pytest.mark.parametrize("read_in_place", [False, True])
+def test_a_prefill_after_an_aborted_pass_stages_every_layer_bitwise(tiny_ckpt, read_in_place):
+    store, cache, gather, layers, _ = _setup(tiny_ckpt, read_in_place)
     _abort_after_prefetching_layer_2(cache, layers, gather)
     staged = {}
     with cache.prefill_pass():
         for layer in store.layers:
-            cache.stage(layer)
-            b = cache.staging.buffer_for(layer)
-            staged[layer] = cache.staging.rows[b].clone()  # on the compute stream: what compute reads
+            # on the compute stream: what compute reads (a mixed layer through its index, gathered here)
+            staged[layer] = {k: v.clone() for k, v in cache.stage(layer).items()}
             cache.done(layer)
     torch.cuda.synchronize()
-    for layer, rows in staged.items():
-        assert torch.equal(rows.cpu(), store.rows(layer)), f"layer {layer} staged wrong bytes"
+    if read_in_place:  # layers 0 and 2 hold hits and misses: compute reads them through the index
+        assert cache.stats()["compute"]["prefill_mixed_layers"] > 0
+    for layer, views in staged.items():
+        want = bank_views(store.specs, store.offsets, store.rows(layer))
+        for k, v in views.items():
+            assert torch.equal(v.cpu().view(torch.uint8), want[k].view(torch.uint8)), f"layer {layer} {k}: wrong bytes"
 
 
 def test_a_decode_admission_after_an_aborted_pass_does_not_overwrite_slots_a_stale_gather_reads(tiny_ckpt):

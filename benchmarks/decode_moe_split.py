@@ -6,8 +6,8 @@ each timed alone in a CUDA graph over ``--layers`` layers of distinct weights, a
         python benchmarks/decode_moe_split.py --ncu --tokens 64
 
 Legend: T tokens, K top-k, E experts, H hidden, I intermediate, D distinct routed experts of the step.
-Floors: D x (the kernel's weight + block-scale bytes) / HBM read bandwidth (a 1 GiB device-to-device copy,
-read + write counted, measured in the same run). ``--unaligned`` also times banks whose expert rows are not
+Floors: D x (the kernel's weight + block-scale bytes) / HBM bandwidth (a 1 GiB device-to-device copy, read +
+write counted, measured in the same run: the bandwidth ``bench decode``'s HBM floor uses). ``--unaligned`` also times banks whose expert rows are not
 padded to 16 bytes (what the tuners timed before e68f71f): their weight loads cannot be vectorized.
 ``--ncu``: no timing; each kernel runs eagerly a few times, for a profiler attached from outside.
 """
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         for T in a.tokens:
             kernel_times(a.shape, T, 1, dev, True, True)
         return 0
-    bw = hbm_bandwidth(dev) / 2  # read bytes per second of the copy (it reads and writes each byte once)
+    bw = hbm_bandwidth(dev)  # bytes moved per second by a copy, read + write counted (as bench decode's floor)
     rows = [kernel_times(a.shape, T, a.layers, dev, pad, False) for T in a.tokens
             for pad in ((True, False) if a.unaligned else (True,))]
     for r in rows:
@@ -83,9 +83,9 @@ def main(argv=None) -> int:
         r["x_floor"] = {k: None if r["us_per_layer"][k] is None else r["us_per_layer"][k] / r["floor_us"][k]
                         for k in r["bytes"]}
     if a.json:
-        print(json.dumps({"hbm_read_GBps": bw / 1e9, "rows": rows}, indent=1))
+        print(json.dumps({"hbm_GBps": bw / 1e9, "rows": rows}, indent=1))
     else:
-        print(f"HBM read {bw / 1e9:.0f} GB/s")
+        print(f"HBM {bw / 1e9:.0f} GB/s")
         for r in rows:
             u, f = r["us_per_layer"], r["floor_us"]
             print(f"{r['shape']} T={r['T']:3d} D={r['distinct_experts']:3d} padded={r['rows_padded']!s:5}: "

@@ -3,6 +3,8 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
+#           retune_aligned decode_split
+# Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
 # DECODE_ATTN_RESIDENCIES (1,0.37) x batch 1,4,16,64 with each, same machine (~2 x 2-3 min after a build).
@@ -76,6 +78,17 @@ if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's g
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-32 64} \
     > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json) and the decode GEMV tiles (decode_gemv_tuning.json)
+  # re-measured on store-aligned rows: both were tuned before b18b0cc on unpadded random banks, i.e. on byte loads (the
+  # decode tiles' re-tune there: down 44.3 -> 36.3 us at T = 16); RETUNE_TOKENS: prefill token counts (1024 2048 4096)
+  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b --tokens ${RETUNE_TOKENS:-1024 2048 4096} \
+    > "$RES/tune_fused_aligned.log" 2>&1
+  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
+  cp kernels/fused_moe_tuning.json kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has decode_split; then  # the decode MoE kernels one by one at T = 16 / 64 against their HBM floors, padded vs unpadded rows
+  timeout 120 python3 benchmarks/decode_moe_split.py --unaligned --json > "$RES/decode_moe_split.json" 2> "$RES/decode_moe_split.log"
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
   timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \

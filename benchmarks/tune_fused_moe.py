@@ -132,7 +132,7 @@ def main(argv=None) -> int:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}", flush=True)
         views = random_banks(H, I, E, device)
-        entries = {}
+        entries = dict(data["devices"].get(name, {}).get(shape_key(H, I), {}))  # buckets not re-tuned are kept
         for T in sorted(args.tokens):
             cfg, ms = tune_bucket(views, H, I, E, K, T, spaces, args.block_ms)
             cfg.update(against_dequant(views, E, K, T, cfg))

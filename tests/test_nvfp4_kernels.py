@@ -473,3 +473,28 @@ def test_swapped_gate_up_compiles_for_sm90_to_wgmma_with_the_weight_tile_in_regi
     out = json.loads(compiled_without_interpreter(_COMPILE_SWAP_SM90))
     assert out["wgmma"] >= 4 and out["weights_in_registers"] == out["wgmma"]
     assert out["ptx_bf16x2_scale_muls"] > 0
+
+
+def test_the_tuners_random_banks_have_the_store_s_16_byte_aligned_rows():
+    """The tuners (benchmarks/tune_*.py) time kernels on benchmarks/fused_moe.py's random banks. Unpadded rows
+    (2,654,220 bytes at Qwen3-30B-A3B's shape) made Triton compile byte loads without cp.async: the decode
+    tiles were tuned on a kernel 2.5 x slower than the one the runtime runs (its rows are ROW_ALIGN-padded)."""
+    import importlib.util
+    import sys
+
+    from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+    from moe_offload.host_store import ROW_ALIGN
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("fused_moe_bench", ROOT / "benchmarks" / "fused_moe.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    data_bytes = sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(256, 128))
+    assert data_bytes % ROW_ALIGN  # this shape's banks do not fill whole 16-byte rows: the padding matters
+    views = mod.random_banks(256, 128, 4, torch.device("cpu"))
+    assert all(v.stride(0) * v.element_size() % ROW_ALIGN == 0 for v in views.values())
+    assert views["w13_q"].stride(0) == -(-data_bytes // ROW_ALIGN) * ROW_ALIGN
+    assert mod.random_banks(256, 128, 4, torch.device("cpu"), pad=False)["w13_q"].stride(0) == data_bytes

@@ -8,7 +8,7 @@ import torch
 
 from moe_offload.formats.base import BankSpec
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
-from moe_offload.host_store import bank_offsets, bank_views
+from moe_offload.host_store import ROW_ALIGN, bank_offsets, bank_views
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,12 +19,16 @@ H, I, N, T, K = 2048, 768, 128, 1024, 8
 FMT = Nvfp4ModelOptFormat()
 
 
-def random_banks_on_gpu(seed: int = 0) -> dict:
+def random_banks_on_gpu(seed: int = 0, store_rows: bool = False) -> dict:
     """Valid random NVFP4 banks built on the GPU, as column slices of one ``[N, row_bytes]`` byte
-    bank (rows 16 bytes longer than the banks need, so dim 0 is not contiguous)."""
+    bank (rows 16 bytes longer than the banks need, so dim 0 is not contiguous; ``store_rows``: rows padded
+    to ``ROW_ALIGN`` as the store and the slot pool lay them out, 16-byte aligned, so the kernels compile
+    with vector loads: the variant the runtime runs)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     specs: list[BankSpec] = FMT.banks(H, I)
-    raw_NR = torch.randint(0, 256, (N, sum(s.nbytes for s in specs) + 16), dtype=torch.uint8, device="cuda", generator=gen)
+    row_bytes = sum(s.nbytes for s in specs)
+    row_bytes = -(-row_bytes // ROW_ALIGN) * ROW_ALIGN if store_rows else row_bytes + 16
+    raw_NR = torch.randint(0, 256, (N, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     views = bank_views(specs, bank_offsets(specs), raw_NR)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)
         s = views[key]
@@ -109,3 +113,21 @@ def test_fused_moe_decode_step_reads_only_routed_rows(banks, config):
     ref = moe_reference(hidden.float(), rows, weights, *FMT.dequantize(banks, torch.float32))
     scale = ref.abs().max().item()
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)  # as above
+
+
+@pytest.mark.parametrize("T", [2, 4, 16, 64])
+def test_decode_moe_with_the_shipped_tiles_matches_the_reference_on_store_aligned_rows(T):
+    """The decode tiles (``decode_moe_nvfp4``) with this GPU's shipped ``decode_moe_tuning.json`` entry at each
+    bucket, on rows laid out as the store lays them out (16-byte aligned: the vector-load variant that runs)."""
+    from moe_offload.kernels.decode_moe import decode_moe_nvfp4
+    from moe_offload.kernels.fused_moe import moe_reference
+
+    banks = random_banks_on_gpu(seed=3, store_rows=True)
+    assert banks["w13_q"].stride(0) % 16 == 0
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    hidden = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
+    weights, rows = torch.softmax(torch.randn(T, N, device="cuda", generator=gen), -1).topk(K, dim=-1)
+    out = decode_moe_nvfp4(hidden, rows, weights, banks)
+    ref = moe_reference(hidden.float(), rows, weights, *FMT.dequantize(banks, torch.float32))
+    scale = ref.abs().max().item()  # tolerance as in the test above: three bf16 roundings
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)

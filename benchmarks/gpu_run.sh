@@ -74,8 +74,10 @@ if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gem
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: 32-64 rows) for this GPU
+if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: from 3 rows on the H200) for this GPU
+  # TUNE_MOE_MAXNREG (e.g. "none 96 80"): register caps tried with every tile (3 x the compiles; ~113 s for T = 4-64 uncapped)
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-32 64} \
+    --layouts swap --maxnreg ${TUNE_MOE_MAXNREG:-none} \
     > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi

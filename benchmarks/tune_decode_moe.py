@@ -11,7 +11,7 @@ overhead of Python is out of the figure, as in a captured decode step.
 Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_moe.py [--shapes qwen3-30b-a3b flash-next]
-[--tokens 1 2 4 8 16 32 64] [--space small|full] [--out kernels/decode_moe_tuning.json]``.
+[--tokens 1 2 4 8 16 32 64] [--space small|full] [--maxnreg none 96 80] [--out kernels/decode_moe_tuning.json]``.
 The small space (12 tile configs per kernel) takes a few minutes per shape on an H200 (mostly Triton
 compiles); ``--tokens`` trims it. A config that does not compile or run is skipped and printed.
 """
@@ -66,15 +66,17 @@ def graph_ms(fn, reps: int = 20) -> float | None:
         return None
 
 
-def tile_space(space: str):
+def tile_space(space: str, maxnregs=(None,)):
+    """Tiles of ``SPACES[space]``, each with every register cap of ``maxnregs`` (None: the compiler's choice)."""
     from moe_offload.kernels.fused_moe_tuning import KernelTiles
 
     s = SPACES[space]
-    for bn, bk, w, st in itertools.product(s["block_n"], s["block_k"], s["num_warps"], s["num_stages"]):
-        yield KernelTiles(block_n=bn, block_k=bk, group_m=1, num_warps=w, num_stages=st)
+    for bn, bk, w, st, mr in itertools.product(s["block_n"], s["block_k"], s["num_warps"], s["num_stages"], maxnregs):
+        yield KernelTiles(block_n=bn, block_k=bk, group_m=1, num_warps=w, num_stages=st, maxnreg=mr)
 
 
-def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str]) -> tuple[dict, float]:
+def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, spaces: dict[bool, str],
+                maxnregs=(None,)) -> tuple[dict, float]:
     """The fastest config at T tokens over ``spaces`` (swap_ab -> tile space name), per layer in a graph."""
     from moe_offload.kernels.decode_moe import decode_align
     from moe_offload.kernels.fused_moe import kernel_calls
@@ -97,7 +99,8 @@ def tune_bucket(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int
         times = [graph_ms(lambda: [c[i]() for c in calls]) for i in (0, 1)]
         return [None if ms is None else ms / L for ms in times]
 
-    best, best_ms = best_fused_config(spaces, BLOCK_MS, tile_space, align_at, kernel_times, f"T={T:3d} (us)", 1e3)
+    best, best_ms = best_fused_config(spaces, BLOCK_MS, lambda space: tile_space(space, maxnregs), align_at, kernel_times,
+                                      f"T={T:3d} (us)", 1e3)
     if best is None:
         raise RuntimeError(f"no config ran for H={H} I={I} E={E} K={K} T={T}")
     return best.to_dict(), best_ms
@@ -128,6 +131,9 @@ def main(argv=None) -> int:
                     help="kernel pairs to tune: ab = fused_moe.py (over --space), swap = fused_moe_swap.py (its own space)")
     ap.add_argument("--layers", type=int, default=8, help="weight copies cycled so reads come from HBM, not L2")
     ap.add_argument("--out", type=Path, default=DECODE_TUNING_PATH, help="tuning table to update")
+    ap.add_argument("--maxnreg", nargs="+", default=["none"],
+                    help="register caps per thread to try with every tile config (none = the compiler's choice), e.g. "
+                         "none 96 80: the swapped kernels are issue-bound at 25%% occupancy (README 'b18b0cc')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/tune_decode_moe.py needs CUDA", file=sys.stderr)
@@ -137,13 +143,14 @@ def main(argv=None) -> int:
     data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
     TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
     spaces = {layout == "swap": "swap" if layout == "swap" else args.space for layout in args.layouts}
+    maxnregs = tuple(None if m.lower() == "none" else int(m) for m in args.maxnreg)
     for shape in args.shapes:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}, {args.layers} layers of weights", flush=True)
         layers_views = [random_banks(H, I, E, device, seed=s) for s in range(args.layers)]
         entries = dict(data["devices"].get(name, {}).get(shape_key(H, I), {}))  # buckets not re-tuned are kept
         for T in sorted(args.tokens):
-            cfg, ms = tune_bucket(layers_views, H, I, E, K, T, spaces)
+            cfg, ms = tune_bucket(layers_views, H, I, E, K, T, spaces, maxnregs)
             entries[str(T * K)] = cfg
             print(f"  -> T={T}: {ms * 1e3:.1f} us per layer with {cfg}", flush=True)
             gemv = gemv_ms(layers_views, E, K, T)

@@ -345,7 +345,7 @@ def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, confi
             M, H, I, topk, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **tiles.launch_options(),
         )
 
 
@@ -371,7 +371,7 @@ def down_weighted(act_MI, views, weights_M, align: MoeAlignment, terms_MH, confi
             M, H, I, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **tiles.launch_options(),
         )
 
 

@@ -264,7 +264,7 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
             M, H, I, topk, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             ACT_BLOCK_K=config.down.block_k, EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            INPUT_PRECISION=precision, **tiles.launch_options(),
         )
 
 
@@ -288,5 +288,5 @@ def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_M
             M, H, I, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            **tiles.launch_options(),
         )

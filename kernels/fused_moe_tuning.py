@@ -19,13 +19,18 @@ TUNING_PATH = Path(__file__).with_name("fused_moe_tuning.json")
 
 @dataclass(frozen=True)
 class KernelTiles:
-    """Tiles of one of the two GEMM kernels: N/K tile, M-block grouping, warps, pipeline stages."""
+    """Tiles of one of the two GEMM kernels: N/K tile, M-block grouping, warps, pipeline stages, and an optional
+    cap on registers per thread (``maxnreg``, ptxas' register limit; None: the compiler's choice). The cap
+    exists for the decode kernels: at T = 64 the swapped gate_up kernel is bound by instruction issue with 25 %
+    occupancy, limited by its 128 registers per thread (Nsight Compute on the H200, README "b18b0cc"), so more
+    resident warps may issue more; a cap too low spills, which the tuner measures."""
 
     block_n: int
     block_k: int
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    maxnreg: int | None = None
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -34,6 +39,22 @@ class KernelTiles:
             raise ValueError(f"block_k={self.block_k}: must be a power of two >= 32 (two K/2 dots, each >= 16)")
         if self.group_m < 1 or self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
             raise ValueError(f"invalid tiles {self}: group_m >= 1, num_warps a power of two <= 16, num_stages >= 1")
+        if self.maxnreg is not None and not (isinstance(self.maxnreg, int) and 32 <= self.maxnreg <= 255
+                                             and self.maxnreg % 8 == 0):
+            raise ValueError(f"maxnreg={self.maxnreg!r}: a multiple of 8 in [32, 255], or null (the compiler's choice)")
+
+    def launch_options(self) -> dict:
+        """Triton launch options of these tiles (``maxnreg`` only when set)."""
+        opts = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.maxnreg is not None:
+            opts["maxnreg"] = self.maxnreg
+        return opts
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        if d["maxnreg"] is None:  # tables written before the option stay as they were
+            del d["maxnreg"]
+        return d
 
 
 @dataclass(frozen=True)
@@ -66,12 +87,14 @@ class FusedMoeConfig:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(
                 f"{where}: bad fused-MoE config {d!r} ({exc}); expected "
-                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages"}, "down": {...}, '
+                '{"block_m": int, "gate_up": {"block_n", "block_k", "group_m", "num_warps", "num_stages", "maxnreg" (optional)}, '
+                '"down": {...}, '
                 '"swap_ab": bool, "faster_than_dequant": bool (both optional)}'
             ) from exc
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {"block_m": self.block_m, "gate_up": self.gate_up.to_dict(), "down": self.down.to_dict(),
+                "swap_ab": self.swap_ab, "faster_than_dequant": self.faster_than_dequant}
 
 
 def shape_key(hidden: int, inter: int) -> str:

@@ -51,7 +51,10 @@ WIDE_K = FusedMoeConfig(16, KernelTiles(32, 128), KernelTiles(32, 128))  # BLOCK
 BM32 = FusedMoeConfig(32, KernelTiles(32, 64), KernelTiles(16, 32))
 # the swapped-operand kernels (fused_moe_swap.py) read pool rows through the same alignment
 SWAP = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1), KernelTiles(32, 128, group_m=1), swap_ab=True)
-CONFIGS = {"small": SMALL, "wide-k": WIDE_K, "block-m-32": BM32, "table": None, "swap": SWAP}
+# a register cap per thread (ptxas' limit, a launch option): results must not depend on it
+SWAP_CAPPED = FusedMoeConfig(16, KernelTiles(16, 32, group_m=1, maxnreg=96), KernelTiles(32, 128, group_m=1, maxnreg=80),
+                             swap_ab=True)
+CONFIGS = {"small": SMALL, "wide-k": WIDE_K, "block-m-32": BM32, "table": None, "swap": SWAP, "swap-maxnreg": SWAP_CAPPED}
 
 CASES = {  # T, K, N, H, I, routing
     "one-token-top1": (1, 1, 3, 32, 16, "random"),
@@ -195,6 +198,22 @@ for fn, sig, tiles in ((fm._gate_up_silu_kernel, {**gemm, "x_ptr": "*bf16", "str
     build(fn, sig, {"BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
           "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},
           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+# the swapped gate_up kernel with the H200's T = 64 tiles, strides as the runtime passes them (Triton specializes
+# integers divisible by 16, pointers 16-byte aligned: the store's ROW_ALIGN-padded rows), with and without a
+# register cap: the cap reaches ptxas; the weight bytes arrive by 16-byte cp.async either way
+from moe_offload.kernels import fused_moe_swap as fs
+names = fs._gate_up_swap_kernel.arg_names
+aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride") or n in ("H", "I")]
+h200 = dmoe.load_tuning(dmoe.DECODE_TUNING_PATH).lookup("NVIDIA H200", 2048, 768, 512)
+t = h200.gate_up
+for cap in (None, 96):
+    opts = {"num_warps": t.num_warps, "num_stages": t.num_stages, **({"maxnreg": cap} if cap else {})}
+    ptx = build(fs._gate_up_swap_kernel, {**gemm, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*bf16", "TOPK": "i32"},
+                {"BLOCK_M": h200.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": 1, "ACT_BLOCK_K": h200.down.block_k,
+                 "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},
+                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned}, **opts)
+    out[f"swap_maxnreg_{cap}"] = re.findall(r"\.maxnreg (\d+)", ptx)
+    out[f"swap_cp_async_16_{cap}"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 0x10", ptx))
 print(json.dumps(out))
 '''
 
@@ -208,3 +227,23 @@ def test_decode_kernels_compile_for_sm90_with_16_byte_copies(compiled_without_in
     result = json.loads(out)
     # 4096 int32 words per item over 128 threads: 8 vector loads of 16 bytes per thread
     assert result["copy_v4_loads"] == 8
+    # the register cap is passed to ptxas only when a table sets it
+    assert result["swap_maxnreg_None"] == [] and result["swap_maxnreg_96"] == ["96"]
+    assert result["swap_cp_async_16_None"] > 0 and result["swap_cp_async_16_96"] > 0
+
+
+def test_kernel_tiles_take_an_optional_register_cap_and_tables_without_it_load_unchanged():
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig as Cfg
+
+    plain = {"block_m": 16, "gate_up": {"block_n": 32, "block_k": 128, "group_m": 1, "num_warps": 2, "num_stages": 3},
+             "down": {"block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 2, "num_stages": 3},
+             "swap_ab": True, "faster_than_dequant": False}
+    cfg = Cfg.from_dict(plain)
+    assert cfg.gate_up.maxnreg is None and cfg.to_dict() == plain  # no "maxnreg": null written into old tables
+    assert cfg.gate_up.launch_options() == {"num_warps": 2, "num_stages": 3}
+    capped = {**plain, "gate_up": {**plain["gate_up"], "maxnreg": 96}}
+    cfg = Cfg.from_dict(capped)
+    assert cfg.gate_up.launch_options()["maxnreg"] == 96 and cfg.to_dict() == capped
+    for bad in (20, 100, 256, "96"):
+        with pytest.raises(ValueError, match="maxnreg"):
+            KernelTiles(32, 128, maxnreg=bad)

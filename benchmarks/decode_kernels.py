@@ -5,11 +5,12 @@
 Writes ``decode_kernels-<git sha>-<UTC time>.{json,md}`` under ``--out`` (a few minutes on an H200).
 Legend: T tokens, K top-k, E experts, H hidden, I intermediate, B bytes per expert row, n missing experts.
 
-(i) UVA reads. ``serve_misses`` copying n = 1 / 8 / 64 missing Qwen3-30B-A3B NVFP4 experts (B = 2.65 MB)
+(i) UVA reads. ``serve_misses`` copying n = 1 / 8 / 16 / 32 / 64 missing Qwen3-30B-A3B NVFP4 experts (B = 2.65 MB)
     from mapped pinned host memory into scratch rows, vs the copy engine measured in the same run:
     one ``copy_(non_blocking=True)`` of a 1 GiB pinned tensor, and ``copy_`` of the same n rows.
     Rows at their exact size (4-byte aligned: 4-byte loads) and with the row stride padded to a
-    multiple of 16 (16-byte vector loads); a sweep of the copy launch shape at n = 64.
+    multiple of 16 (16-byte vector loads); a sweep of the copy launch shape at n = 64 (both layouts) and 16 / 32
+    (padded rows: a short prompt's misses per layer).
     CUDA events, median of ``--reps``.
 (ii) Decode MoE layer time at T = 1..64 for Qwen3-30B-A3B (H 2048, I 768, E 128, K 8) and Flash-Next
     (H 2560, I 640, E 512, K 10): ``decode_moe_nvfp4`` vs ``decode_gemv_nvfp4`` (GEMVs, no tensor-core
@@ -41,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder
 from fused_moe import SHAPES, random_banks, random_routing, versions  # noqa: E402
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
-MISSES = (1, 8, 64)
+MISSES = (1, 8, 16, 32, 64)
+# launch shapes swept at these miss counts on padded rows (16-32: what a short prompt misses per layer at residency
+# 0.37, where the SM reads cost ~1.3 x the copy engine's time: README "b18b0cc"), and at 64 on both layouts
+SWEEP_MISSES = (16, 32, 64)
 RESIDENCY = 0.37
 # decode_moe rounds the activation and each weighted term to bf16 (2^-9 relative each, accumulated over
 # K terms and I products: ~3e-3 relative norm); decode_gemv keeps both fp32. A wrong row, scale or weight
@@ -81,12 +85,18 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
-def nvfp4_row_bytes(H: int, I: int) -> int:
-    """Bytes of one expert row as the store lays it out (banks padded to ``ROW_ALIGN``)."""
+def nvfp4_data_bytes(H: int, I: int) -> int:
+    """Bytes of one expert's NVFP4 banks (unpadded)."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+
+    return sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(H, I))
+
+
+def nvfp4_row_bytes(H: int, I: int) -> int:
+    """Bytes of one expert row as the store lays it out (banks padded to ``ROW_ALIGN``; ``random_banks``' rows)."""
     from moe_offload.host_store import ROW_ALIGN
 
-    return -(-sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(H, I)) // ROW_ALIGN) * ROW_ALIGN
+    return -(-nvfp4_data_bytes(H, I) // ROW_ALIGN) * ROW_ALIGN
 
 
 # --- floors -------------------------------------------------------------------------------------------
@@ -111,7 +121,7 @@ def bench_uva(device, reps: int, h2d_GBps: float) -> list[dict]:
     from moe_offload.kernels.decode_miss import MissCopyConfig, serve_misses
 
     H, I, E, _ = SHAPES["qwen3-30b-a3b"]
-    B = nvfp4_row_bytes(H, I)
+    B = nvfp4_data_bytes(H, I)
     B16 = (B + 15) // 16 * 16
     buf = torch.empty(E * B16, dtype=torch.uint8)
     buf.view(torch.int32)[:] = torch.arange(buf.numel() // 4, dtype=torch.int32)  # distinct rows
@@ -128,7 +138,7 @@ def bench_uva(device, reps: int, h2d_GBps: float) -> list[dict]:
                 pool = torch.empty(n, row, dtype=torch.uint8, device=device)
                 ids = torch.randperm(E, device=device)[:n].view(n, 1)
                 configs = [MissCopyConfig()]
-                if n == max(MISSES) and row == B:
+                if n == max(MISSES) or (n in SWEEP_MISSES and row == B16):
                     configs += [MissCopyConfig(chunk_bytes=c, ctas_per_sm=k) for c in (4096, 16384, 65536)
                                 for k in (1, 2, 8)]
                 for cfg in configs:

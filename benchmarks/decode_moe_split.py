@@ -1,7 +1,7 @@
 """The decode MoE layer's kernels one by one (kernels/decode_moe.py with its tuned tiles): align, gate_up, down,
 each timed alone in a CUDA graph over ``--layers`` layers of distinct weights, against each kernel's HBM floor.
 
-    python benchmarks/decode_moe_split.py [--shape qwen3-30b-a3b] [--tokens 16 64] [--layers 8] [--unaligned] [--json]
+    python benchmarks/decode_moe_split.py [--shape qwen3-30b-a3b] [--tokens 16 64] [--layers 8] [--unaligned] [--json] [--git-sha SHA]
     ncu --clock-control none -k regex:swap_kernel --launch-skip 4 --launch-count 2 --section WarpStateStats ... \\
         python benchmarks/decode_moe_split.py --ncu --tokens 64
 
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
-from fused_moe import SHAPES, hbm_bandwidth, random_banks, random_routing  # noqa: E402
+from fused_moe import SHAPES, hbm_bandwidth, random_banks, random_routing, versions  # noqa: E402
 from tune_decode_moe import graph_ms  # noqa: E402
 
 
@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--unaligned", action="store_true")
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--git-sha", help="record this commit (default: `git rev-parse HEAD`; a device copy's HEAD may be stale)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_moe_split: needs CUDA", file=sys.stderr)
@@ -83,7 +84,7 @@ def main(argv=None) -> int:
         r["x_floor"] = {k: None if r["us_per_layer"][k] is None else r["us_per_layer"][k] / r["floor_us"][k]
                         for k in r["bytes"]}
     if a.json:
-        print(json.dumps({"hbm_GBps": bw / 1e9, "rows": rows}, indent=1))
+        print(json.dumps({"versions": versions(dev, a.git_sha), "hbm_GBps": bw / 1e9, "rows": rows}, indent=1))
     else:
         print(f"HBM {bw / 1e9:.0f} GB/s")
         for r in rows:

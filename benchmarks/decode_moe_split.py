@@ -8,7 +8,7 @@ each timed alone in a CUDA graph over ``--layers`` layers of distinct weights, a
 Legend: T tokens, K top-k, E experts, H hidden, I intermediate, D distinct routed experts of the step.
 Floors: D x (the kernel's weight + block-scale bytes) / HBM bandwidth (a 1 GiB device-to-device copy, read +
 write counted, measured in the same run: the bandwidth ``bench decode``'s HBM floor uses). ``--unaligned`` also times banks whose expert rows are not
-padded to 16 bytes (what the tuners timed before e68f71f): their weight loads cannot be vectorized.
+padded to 16 bytes (what the tuners timed before b18b0cc): their weight loads cannot be vectorized.
 ``--ncu``: no timing; each kernel runs eagerly a few times, for a profiler attached from outside.
 """
 

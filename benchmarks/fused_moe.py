@@ -42,7 +42,7 @@ def random_banks(H: int, I: int, E: int, device, seed: int = 0, pad: bool = True
     as column slices of one ``[E, row_bytes]`` byte bank like the store's, rows padded to ``ROW_ALIGN``
     as in the store and the slot pool. Unpadded rows (2,654,220 bytes at Qwen3-30B-A3B's shape) give the
     kernels an expert stride Triton cannot prove 16-byte aligned, so their weight loads compile to byte
-    loads without cp.async: the tuners before e68f71f timed that case, not the one the runtime runs
+    loads without cp.async: the tuners before b18b0cc timed that case, not the one the runtime runs
     (``pad=False`` keeps it, for comparison)."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
     from moe_offload.host_store import ROW_ALIGN, bank_offsets, bank_views

@@ -74,23 +74,32 @@ if has tune_gemv; then  # decode GEMV tiles for this GPU into kernels/decode_gem
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_gemv.py --report "$RES" > "$RES/tune_gemv.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: from 3 rows on the H200) for this GPU
-  # TUNE_MOE_MAXNREG (e.g. "none 96 80"): register caps tried with every tile (3 x the compiles; ~113 s for T = 4-64 uncapped)
+if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: from 3 tokens, 24 pairs, on the H200)
+  # TUNE_MOE_MAXNREG (e.g. "none 112"): register caps tried with every tile (2 x the compiles; ~113 s for T = 4-64 uncapped);
+  # ncu at b18b0cc: 8 CTAs/SM by registers, 9 by shared memory at 3 stages, so a cap pays only with fewer stages
   timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-32 64} \
     --layouts swap --maxnreg ${TUNE_MOE_MAXNREG:-none} \
     > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json) and the decode GEMV tiles (decode_gemv_tuning.json)
-  # re-measured on store-aligned rows: both were tuned before b18b0cc on unpadded random banks, i.e. on byte loads (the
-  # decode tiles' re-tune there: down 44.3 -> 36.3 us at T = 16); RETUNE_TOKENS: prefill token counts (1024 2048 4096)
-  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b --tokens ${RETUNE_TOKENS:-1024 2048 4096} \
-    > "$RES/tune_fused_aligned.log" 2>&1
-  timeout ${TUNE_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
-  cp kernels/fused_moe_tuning.json kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json), the decode GEMV tiles (decode_gemv_tuning.json) and
+  # the dequant tiles (dequant_tuning.json) re-measured on store-aligned rows: all were tuned before b18b0cc on unpadded
+  # random banks, i.e. on byte loads (the decode tiles' re-tune there: down 44.3 -> 37.2 us at T = 16, decode_moe_split).
+  # Each tuner has its own budget and its table is archived as soon as it ends (a call killed later keeps it).
+  # RETUNE_TOKENS: prefill token counts (256 is the H200 bucket of every prompt up to 256 tokens on the fused path)
+  timeout ${RETUNE_DEQUANT_TIMEOUT:-120} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds 90 \
+    > "$RES/tune_dequant_aligned.log" 2>&1
+  cp kernels/dequant_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+  timeout ${RETUNE_FUSED_TIMEOUT:-240} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b --layouts swap \
+    --block-ms 32 64 128 --tokens ${RETUNE_TOKENS:-256 1024 2048 4096} > "$RES/tune_fused_aligned.log" 2>&1
+  cp kernels/fused_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+  # T = 1 alone took ~290 s at fb04647 (every candidate compiles once); the table is written after the whole shape
+  timeout ${RETUNE_GEMV_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
+  cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has decode_split; then  # the decode MoE kernels one by one at T = 16 / 64 against their HBM floors, padded vs unpadded rows
-  timeout 120 python3 benchmarks/decode_moe_split.py --unaligned --json > "$RES/decode_moe_split.json" 2> "$RES/decode_moe_split.log"
+  timeout 120 python3 benchmarks/decode_moe_split.py --unaligned --json --git-sha ${SERVE_CHECK_SHA:-unknown} \
+    > "$RES/decode_moe_split.json" 2> "$RES/decode_moe_split.log"
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
   timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \

@@ -11,7 +11,7 @@ overhead of Python is out of the figure, as in a captured decode step.
 Results go under ``devices[<torch.cuda.get_device_name()>][H{H}_I{I}][M]``; other entries are kept.
 
 Usage (CUDA only): ``python benchmarks/tune_decode_moe.py [--shapes qwen3-30b-a3b flash-next]
-[--tokens 1 2 4 8 16 32 64] [--space small|full] [--maxnreg none 96 80] [--out kernels/decode_moe_tuning.json]``.
+[--tokens 1 2 4 8 16 32 64] [--space small|full] [--maxnreg none 112] [--out kernels/decode_moe_tuning.json]``.
 The small space (12 tile configs per kernel) takes a few minutes per shape on an H200 (mostly Triton
 compiles); ``--tokens`` trims it. A config that does not compile or run is skipped and printed.
 """
@@ -64,6 +64,18 @@ def graph_ms(fn, reps: int = 20) -> float | None:
     except Exception as exc:  # noqa: BLE001 - a config that fails is skipped, not fatal; it is printed
         print(f"    skipped: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)
         return None
+
+
+def _maxnreg(text: str) -> int | None:
+    """``--maxnreg`` values: ``none`` or a cap KernelTiles accepts (checked before any weights are built)."""
+    from moe_offload.kernels.fused_moe_tuning import KernelTiles
+
+    if text.lower() == "none":
+        return None
+    try:
+        return KernelTiles(32, 128, maxnreg=int(text)).maxnreg
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def tile_space(space: str, maxnregs=(None,)):
@@ -131,9 +143,9 @@ def main(argv=None) -> int:
                     help="kernel pairs to tune: ab = fused_moe.py (over --space), swap = fused_moe_swap.py (its own space)")
     ap.add_argument("--layers", type=int, default=8, help="weight copies cycled so reads come from HBM, not L2")
     ap.add_argument("--out", type=Path, default=DECODE_TUNING_PATH, help="tuning table to update")
-    ap.add_argument("--maxnreg", nargs="+", default=["none"],
+    ap.add_argument("--maxnreg", nargs="+", type=_maxnreg, default=[None],
                     help="register caps per thread to try with every tile config (none = the compiler's choice), e.g. "
-                         "none 96 80: the swapped kernels are issue-bound at 25%% occupancy (README 'b18b0cc')")
+                         "none 112: the swapped kernels are issue-bound at 25%% occupancy (README 'b18b0cc')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/tune_decode_moe.py needs CUDA", file=sys.stderr)
@@ -143,7 +155,7 @@ def main(argv=None) -> int:
     data = json.loads(args.out.read_text()) if args.out.exists() else {"schema": 1, "devices": {}}
     TuningTable.from_json(data, str(args.out))  # refuse to extend a malformed table
     spaces = {layout == "swap": "swap" if layout == "swap" else args.space for layout in args.layouts}
-    maxnregs = tuple(None if m.lower() == "none" else int(m) for m in args.maxnreg)
+    maxnregs = tuple(args.maxnreg)
     for shape in args.shapes:
         H, I, E, K = SHAPES[shape]
         print(f"{name} {shape}: H={H} I={I} E={E} K={K}, {args.layers} layers of weights", flush=True)

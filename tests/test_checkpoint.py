@@ -201,3 +201,24 @@ def test_a_depth_beyond_the_preset_is_refused_naming_the_range(tmp_path):
     with pytest.raises(PresetError, match=r"--layers 5 .*outside 1\.\.4"):
         make_checkpoint("tiny-qwen3-moe", "bf16", tmp_path / "x", layers=5, progress=False)
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
+def test_a_real_size_build_s_bytes_do_not_depend_on_the_drawing_threads(tmp_path, monkeypatch, fmt):
+    """Real-size presets draw each expert matrix from its own seed on ``_DRAW_THREADS`` threads (NumPy releases the
+    GIL); the seeds are drawn in order, so 1 and 4 threads write the same files. Run on the tiny shape with the
+    preset marked real-size (the real-size path at test cost), and loaded by the store as a real checkpoint."""
+    from moe_offload.checkpoint import synthetic
+    from moe_offload.presets import PRESETS, Preset
+
+    base = PRESETS["tiny-qwen3-moe"]
+    monkeypatch.setitem(PRESETS, "real-path-tiny", Preset(base.model_type, base.config, tiny=False))
+    digests = []
+    for threads in (1, 4):
+        monkeypatch.setattr(synthetic, "_DRAW_THREADS", threads)
+        out = tmp_path / f"t{threads}"
+        synthetic.make_checkpoint("real-path-tiny", fmt, out, progress=False)
+        digests.append({f.name: f.read_bytes() for f in sorted(out.glob("*.safetensors"))})
+    assert digests[0] and digests[0] == digests[1]
+    store = ExpertStore.from_checkpoint(tmp_path / "t4", progress=False)
+    assert store.num_experts == base.config["num_experts"] and len(store.layers) == base.config["num_hidden_layers"]

@@ -498,3 +498,22 @@ def test_the_tuners_random_banks_have_the_store_s_16_byte_aligned_rows():
     assert all(v.stride(0) * v.element_size() % ROW_ALIGN == 0 for v in views.values())
     assert views["w13_q"].stride(0) == -(-data_bytes // ROW_ALIGN) * ROW_ALIGN
     assert mod.random_banks(256, 128, 4, torch.device("cpu"), pad=False)["w13_q"].stride(0) == data_bytes
+
+
+def test_random_nvfp4_is_seeded_uniform_and_valid():
+    """Real-size synthetic checkpoints are written with random_nvfp4 (NumPy's PCG64 stream, seeded by one draw of
+    the torch generator): the same seed gives the same bytes, codes cover every nibble, scales are finite E4M3 in
+    [32, 128], and the global puts the weight std at the target."""
+    a = random_nvfp4(256, 512, torch.Generator().manual_seed(5), target_std=0.03)
+    b = random_nvfp4(256, 512, torch.Generator().manual_seed(5), target_std=0.03)
+    c = random_nvfp4(256, 512, torch.Generator().manual_seed(6), target_std=0.03)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+    assert not torch.equal(a[0], c[0])
+    q, s, g = a
+    assert q.shape == (256, 256) and q.dtype == torch.uint8 and s.shape == (256, 32) and s.dtype == torch.float8_e4m3fn
+    nibbles = torch.cat([q & 15, q >> 4]).flatten()
+    assert torch.bincount(nibbles.long(), minlength=16).min() > 0.8 * nibbles.numel() / 16  # ~uniform codes
+    sf = s.float()
+    assert torch.isfinite(sf).all() and sf.min() >= 32 and sf.max() <= 128
+    w = dequantize(q, s, g, torch.float32)
+    assert 0.8 * 0.03 < w.std().item() < 1.2 * 0.03

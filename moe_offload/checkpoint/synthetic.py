@@ -4,7 +4,8 @@ compressed-tensors NVFP4, with a byte-level tokenizer.
 Non-expert weights come from transformers' own initialisation of the family (a skeleton of at most
 ``_PERIOD`` layers; deeper layers are re-drawn from each tensor's mean/std). Expert weights: tiny
 presets draw bf16 normals and quantize them as the tools do; real-size presets write valid NVFP4
-codes and scales directly (memory speed, no 30B-float quantization).
+codes and scales directly (memory speed, no 30B-float quantization), each expert matrix from its own seed
+on a few threads (``_DRAW_THREADS``; seeds drawn in order, so the bytes do not depend on the thread count).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from moe_offload import log
 from moe_offload.checkpoint.families import FAMILIES, geometry_from_config
 from moe_offload.checkpoint.skeleton import build_skeleton, disk_name, hf_config
 from moe_offload.formats import get_format
-from moe_offload.formats.nvfp4 import quantize, random_nvfp4
+from moe_offload.formats.nvfp4 import quantize, random_normal_seeded, random_nvfp4, random_nvfp4_seeded, random_seed
 from moe_offload.presets import NEXT_PERIOD as _PERIOD
 from moe_offload.presets import PRESETS, Preset, PresetError, preset_config
 from moe_offload.tokenizer import ByteTokenizer
@@ -33,6 +35,9 @@ from moe_offload.tokenizer import ByteTokenizer
 __all__ = ["ACTIVATIONS", "PRESETS", "Preset", "PresetError", "make_checkpoint", "ensure_preset", "preset_config"]
 
 _SHARD_BYTES = 2 * 2**30
+#: threads drawing a real-size layer's experts (NumPy releases the GIL); the seeds are drawn in order on the
+#: calling thread, so the checkpoint does not depend on the thread count
+_DRAW_THREADS = max(1, min(8, os.cpu_count() or 1))
 EXPERT_STD = 0.02
 ACTIVATIONS = ("w4a16", "w4a4")
 #: written into a checkpoint dir as its last file: a dir without it was never finished
@@ -244,27 +249,39 @@ def _write(preset: str, fmt_obj, cfg: dict, out: Path, seed: int, progress: bool
 
     H, I, E = geo.hidden, geo.inter, geo.num_experts
     bar = tqdm(range(n_layers), desc=f"make-checkpoint {preset} {fmt}", unit="layer", disable=not progress)
-    for layer in bar:
-        src = by_layer[layer % skel_layers]
-        for rel, t in src:
-            if layer < skel_layers:
-                v = t
-            elif t.numel() < 2 or float(t.float().std()) == 0.0:
-                v = t.clone()  # a constant tensor (norms): own storage, safetensors refuses shared memory
-            else:
-                tf = t.float()
-                v = (torch.randn(t.shape, generator=gen) * tf.std() + tf.mean()).to(t.dtype)
-            emit_non_expert(f"model.layers.{layer}.{rel}", v)
-        if layer not in geo.moe_layers:
-            continue
-        for e in range(E):
-            for which, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
-                prefix = family.expert_name(layer, e, which)
-                if not quantized:
-                    writer.add(prefix + ".weight", (torch.randn(shape, generator=gen) * EXPERT_STD).to(torch.bfloat16))
-                elif p.tiny:
-                    add_quantized(prefix, *quantize(torch.randn(shape, generator=gen) * EXPERT_STD))
+    with ThreadPoolExecutor(_DRAW_THREADS, thread_name_prefix="make-checkpoint") as pool:
+        for layer in bar:
+            src = by_layer[layer % skel_layers]
+            for rel, t in src:
+                if layer < skel_layers:
+                    v = t
+                elif t.numel() < 2 or float(t.float().std()) == 0.0:
+                    v = t.clone()  # a constant tensor (norms): own storage, safetensors refuses shared memory
                 else:
-                    add_quantized(prefix, *random_nvfp4(*shape, generator=gen, target_std=EXPERT_STD))
+                    tf = t.float()
+                    v = (torch.randn(t.shape, generator=gen) * tf.std() + tf.mean()).to(t.dtype)
+                emit_non_expert(f"model.layers.{layer}.{rel}", v)
+            if layer not in geo.moe_layers:
+                continue
+            jobs = [(family.expert_name(layer, e, which), shape)
+                    for e in range(E) for which, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))]
+            if p.tiny:
+                for prefix, shape in jobs:
+                    w = torch.randn(shape, generator=gen) * EXPERT_STD
+                    if quantized:
+                        add_quantized(prefix, *quantize(w))
+                    else:
+                        writer.add(prefix + ".weight", w.to(torch.bfloat16))
+                continue
+            # real size: every expert matrix from its own seed, drawn on threads, written in order
+            seeds = [random_seed(gen) for _ in jobs]
+            if quantized:
+                drawn = pool.map(lambda js: random_nvfp4_seeded(*js[0][1], js[1], EXPERT_STD), zip(jobs, seeds))
+                for (prefix, _), data in zip(jobs, drawn):
+                    add_quantized(prefix, *data)
+            else:
+                drawn = pool.map(lambda js: random_normal_seeded(js[0][1], js[1], EXPERT_STD), zip(jobs, seeds))
+                for (prefix, _), w in zip(jobs, drawn):
+                    writer.add(prefix + ".weight", w)
     writer.close()
     return n_layers

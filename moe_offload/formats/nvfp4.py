@@ -15,6 +15,7 @@ In the store both become the same banks (global scales stored as multipliers):
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from moe_offload.formats.base import BankSpec, ExpertFormat, FormatError, TpSlice, require_finite, require_global_scale
@@ -87,15 +88,37 @@ def dequantize(packed: torch.Tensor, scale: torch.Tensor, global_mult: torch.Ten
     return (blocks.view(*vals.shape) * g.float().to(packed.device)).to(dtype)
 
 
+def random_seed(generator: torch.Generator) -> int:
+    """One seed drawn from ``generator`` for a NumPy stream (``random_nvfp4_seeded``, ``random_normal_seeded``)."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator))
+
+
 def random_nvfp4(R: int, C: int, generator: torch.Generator, target_std: float = 0.02):
     """Valid NVFP4 tensor data written directly (no float quantization): for real-size synthetic
-    checkpoints at memory speed. Returns ``(packed [R, C/2], scale e4m3 [R, C/16], global fp32 [])``."""
-    packed = torch.randint(0, 256, (R, C // 2), dtype=torch.uint8, generator=generator)
+    checkpoints at memory speed. Returns ``(packed [R, C/2], scale e4m3 [R, C/16], global fp32 [])``.
+
+    Codes and scales come from a NumPy PCG64 stream seeded by one draw of ``generator`` (``random_seed``), so a
+    seeded generator gives the same tensors every time. ``torch.randint`` on uint8 ran at ~120 MB/s on the CPU
+    and set the build time of the real-size presets (7.0 ms per 0.8 MB matrix, against 1.1 ms for NumPy's
+    integers); NumPy also releases the GIL, so the builder draws experts on several threads."""
+    return random_nvfp4_seeded(R, C, random_seed(generator), target_std)
+
+
+def random_nvfp4_seeded(R: int, C: int, seed: int, target_std: float = 0.02):
+    """``random_nvfp4`` from an explicit seed (thread-safe: its own generator)."""
+    rng = np.random.default_rng(seed)
+    packed = torch.from_numpy(rng.integers(0, 256, (R, C // 2), dtype=np.uint8))
     # E4M3 scales in [0.5, 2) * 64 keep most of the E4M3 range unused but valid and varied.
-    scale = (64.0 * (0.5 + 1.5 * torch.rand((R, C // BLOCK), generator=generator))).to(torch.float8_e4m3fn)
+    scale = torch.from_numpy(64.0 * (0.5 + 1.5 * rng.random((R, C // BLOCK), dtype=np.float32))).to(torch.float8_e4m3fn)
     # uniform codes have rms ~2.93; mean scale ~80 -> pick g so the weight std ~ target_std.
     g = torch.tensor(target_std / (2.93 * 80.0), dtype=torch.float32)
     return packed, scale, g
+
+
+def random_normal_seeded(shape: tuple[int, ...], seed: int, std: float, dtype: torch.dtype = torch.bfloat16):
+    """Normal(0, ``std``) weights from an explicit seed (NumPy's float32 ziggurat, thread-safe), cast to ``dtype``."""
+    rng = np.random.default_rng(seed)
+    return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).to(dtype)
 
 
 class _Nvfp4Base(ExpertFormat):

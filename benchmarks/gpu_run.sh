@@ -77,7 +77,9 @@ fi
 if has tune_moe; then  # decode MoE tiles (the path above decode_gemv_tuning's gemv_max_pairs: from 3 tokens, 24 pairs, on the H200)
   # TUNE_MOE_MAXNREG (e.g. "none 112"): register caps tried with every tile (2 x the compiles; ~113 s for T = 4-64 uncapped);
   # ncu at b18b0cc: 8 CTAs/SM by registers, 9 by shared memory at 3 stages, so a cap pays only with fewer stages
-  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes qwen3-30b-a3b --tokens ${TUNE_MOE_TOKENS:-32 64} \
+  # TUNE_MOE_SHAPES: "qwen3-30b-a3b flash-next" also tunes the 512-expert shape (no H200 entry yet: its decode above the
+  # GEMV's 160 pairs runs the table's untuned default tiles)
+  timeout ${TUNE_TIMEOUT:-540} python3 benchmarks/tune_decode_moe.py --shapes ${TUNE_MOE_SHAPES:-qwen3-30b-a3b} --tokens ${TUNE_MOE_TOKENS:-32 64} \
     --layouts swap --maxnreg ${TUNE_MOE_MAXNREG:-none} \
     > "$RES/tune_moe.log" 2>&1
   cp kernels/decode_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .

@@ -87,16 +87,17 @@ fi
 if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json), the decode GEMV tiles (decode_gemv_tuning.json) and
   # the dequant tiles (dequant_tuning.json) re-measured on store-aligned rows: all were tuned before b18b0cc on unpadded
   # random banks, i.e. on byte loads (the decode tiles' re-tune there: down 44.3 -> 37.2 us at T = 16, decode_moe_split).
-  # Each tuner has its own budget and its table is archived as soon as it ends (a call killed later keeps it).
+  # Each tuner has its own budget and its table is archived as soon as it ends (a call killed later keeps it); the
+  # defaults (80 + 200 + 240 s) fill one 10-minute call: run this stage alone, after a call that ran tune_moe.
   # RETUNE_TOKENS: prefill token counts (256 is the H200 bucket of every prompt up to 256 tokens on the fused path)
-  timeout ${RETUNE_DEQUANT_TIMEOUT:-120} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds 90 \
+  timeout ${RETUNE_DEQUANT_TIMEOUT:-80} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds 60 \
     > "$RES/tune_dequant_aligned.log" 2>&1
   cp kernels/dequant_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
-  timeout ${RETUNE_FUSED_TIMEOUT:-240} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b --layouts swap \
+  timeout ${RETUNE_FUSED_TIMEOUT:-200} python3 benchmarks/tune_fused_moe.py --shapes qwen3-30b-a3b --layouts swap \
     --block-ms 32 64 128 --tokens ${RETUNE_TOKENS:-256 1024 2048 4096} > "$RES/tune_fused_aligned.log" 2>&1
   cp kernels/fused_moe_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
   # T = 1 alone took ~290 s at fb04647 (every candidate compiles once); the table is written after the whole shape
-  timeout ${RETUNE_GEMV_TIMEOUT:-300} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
+  timeout ${RETUNE_GEMV_TIMEOUT:-240} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has decode_split; then  # the decode MoE kernels one by one at T = 16 / 64 against their HBM floors, padded vs unpadded rows

@@ -94,9 +94,9 @@ def nvfp4_data_bytes(H: int, I: int) -> int:
 
 def nvfp4_row_bytes(H: int, I: int) -> int:
     """Bytes of one expert row as the store lays it out (banks padded to ``ROW_ALIGN``; ``random_banks``' rows)."""
-    from moe_offload.host_store import ROW_ALIGN
+    from moe_offload.host_store import padded_row_bytes
 
-    return -(-nvfp4_data_bytes(H, I) // ROW_ALIGN) * ROW_ALIGN
+    return padded_row_bytes(nvfp4_data_bytes(H, I))
 
 
 # --- floors -------------------------------------------------------------------------------------------

@@ -45,12 +45,12 @@ def random_banks(H: int, I: int, E: int, device, seed: int = 0, pad: bool = True
     loads without cp.async: the tuners before b18b0cc timed that case, not the one the runtime runs
     (``pad=False`` keeps it, for comparison)."""
     from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
-    from moe_offload.host_store import ROW_ALIGN, bank_offsets, bank_views
+    from moe_offload.host_store import bank_offsets, bank_views, padded_row_bytes
 
     gen = torch.Generator(device=device).manual_seed(seed)
     specs = Nvfp4ModelOptFormat().banks(H, I)
     row_bytes = sum(s.nbytes for s in specs)
-    row_bytes = -(-row_bytes // ROW_ALIGN) * ROW_ALIGN if pad else row_bytes
+    row_bytes = padded_row_bytes(row_bytes) if pad else row_bytes
     raw_ER = torch.randint(0, 256, (E, row_bytes), dtype=torch.uint8, device=device, generator=gen)
     views = bank_views(specs, bank_offsets(specs), raw_ER)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)

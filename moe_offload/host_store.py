@@ -42,6 +42,11 @@ def _pin(t: torch.Tensor) -> bool:
 ROW_ALIGN = 16  # bytes: see ExpertStore.bytes_per_expert
 
 
+def padded_row_bytes(data_bytes: int) -> int:
+    """Bytes of an expert row holding ``data_bytes`` of banks: rounded up to ``ROW_ALIGN``."""
+    return -(-data_bytes // ROW_ALIGN) * ROW_ALIGN
+
+
 def _unpin(ptrs: list[int]) -> None:
     if ptrs:
         uva.unpin(ptrs)
@@ -111,7 +116,7 @@ class ExpertStore:
         pool and staging starts 16-byte aligned and the decode kernels read it with 16-byte vectors
         (UVA misses read at 46.5 instead of 41 GB/s on the H200,
         benchmarks/results/decode_kernels-c6e05d5-h200-20261202-2054.md). Every copy moves whole rows."""
-        return -(-self.data_bytes_per_expert // ROW_ALIGN) * ROW_ALIGN
+        return padded_row_bytes(self.data_bytes_per_expert)
 
     @property
     def bank_bytes(self) -> dict[str, int]:

@@ -74,6 +74,19 @@ class Segments:
         self._open: torch.cuda.CUDAGraph | None = None
         self._io: tuple[torch.Tensor, ...] | None = None  # (hidden, ids, weights, out): one set for every call
 
+    def capture(self, forward):
+        """Capture ``forward()`` (whose experts calls ``split`` it) on ``stream``; returns its result. A failure
+        ends the open capture on that stream (``abort``) and is raised."""
+        with torch.cuda.stream(self.stream):
+            try:
+                self.begin()
+                out = forward()
+                self.end()
+            except BaseException:
+                self.abort()
+                raise
+        return out
+
     def begin(self) -> None:
         """Start capturing the first stretch (on ``stream``, a side stream, current under the capture)."""
         self._open = torch.cuda.CUDAGraph()
@@ -327,14 +340,7 @@ class PrefillGraphs:
                 graph = Segments(self._pool, side)
                 cache.prefill_split = graph
                 try:
-                    with torch.cuda.stream(side):
-                        try:
-                            graph.begin()
-                            logits = self._forward(st, Tb, mode, capture=True)
-                            graph.end()
-                        except BaseException:
-                            graph.abort()  # on the capturing stream: the capture ends there
-                            raise
+                    logits = graph.capture(lambda: self._forward(st, Tb, mode, capture=True))
                 finally:
                     cache.prefill_split = None
             else:

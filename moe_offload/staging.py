@@ -99,10 +99,7 @@ class PrefillStaging:
         b = self.buffer_for(layer)
         if b is not None:
             return b
-        if into is not None:
-            b = into
-        else:
-            b = 1 - (self.computing if self.computing is not None else self.last_filled)
+        b = into if into is not None else 1 - (self.computing if self.computing is not None else self.last_filled)
         self.staged[b] = None
         s = self.streams
         # Waits first, before either event of b is recorded again (see the module docstring).

@@ -198,21 +198,15 @@ for fn, sig, tiles in ((fm._gate_up_silu_kernel, {**gemm, "x_ptr": "*bf16", "str
     build(fn, sig, {"BLOCK_M": cfg.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "GROUP_M": tiles.group_m,
           "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},
           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-# the swapped gate_up kernel with the H200's T = 64 tiles, strides as the runtime passes them (Triton specializes
+# the swapped gate_up kernel with the H200's T = 64 tiles, strides as the runtime passes them (benchmarks/sass_loop.py:
 # integers divisible by 16, pointers 16-byte aligned: the store's ROW_ALIGN-padded rows), with and without a
 # register cap: the cap reaches ptxas; the weight bytes arrive by 16-byte cp.async either way
-from moe_offload.kernels import fused_moe_swap as fs
-names = fs._gate_up_swap_kernel.arg_names
-# (stride_gn, the fp32 globals' row stride in elements, is 4 mod 16 on padded rows: not marked)
-aligned = [n for n in names if n.endswith("_ptr") or (n.startswith("stride") and n != "stride_gn") or n in ("H", "I")]
+import pathlib, runpy
+compile_kernel = runpy.run_path(str(pathlib.Path(dmoe.__file__).resolve().parents[1] / "benchmarks" / "sass_loop.py"))["compile_kernel"]
 h200 = dmoe.load_tuning(dmoe.DECODE_TUNING_PATH).lookup("NVIDIA H200", 2048, 768, 512)
 t = h200.gate_up
 for cap in (None, 96):
-    opts = {"num_warps": t.num_warps, "num_stages": t.num_stages, **({"maxnreg": cap} if cap else {})}
-    ptx = build(fs._gate_up_swap_kernel, {**gemm, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*bf16", "TOPK": "i32"},
-                {"BLOCK_M": h200.block_m, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "GROUP_M": 1, "ACT_BLOCK_K": h200.down.block_k,
-                 "EVEN_K": True, "DOT_DTYPE": tl.bfloat16, "INPUT_PRECISION": "tf32"},
-                attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned}, **opts)
+    ptx = compile_kernel("gate_up", h200.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, cap, True)[0].asm["ptx"]
     out[f"swap_maxnreg_{cap}"] = re.findall(r"\.maxnreg (\d+)", ptx)
     out[f"swap_cp_async_16_{cap}"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 0x10", ptx))
 print(json.dumps(out))

@@ -248,6 +248,12 @@ def _write(preset: str, fmt_obj, cfg: dict, out: Path, seed: int, progress: bool
             by_layer.setdefault(li, []).append((".".join(name.split(".")[3:]), t))
 
     H, I, E = geo.hidden, geo.inter, geo.num_experts
+
+    def draw(shape, seed):  # one real-size expert matrix (thread-safe: its own NumPy generator)
+        if quantized:
+            return random_nvfp4_seeded(*shape, seed, EXPERT_STD)
+        return random_normal_seeded(shape, seed, EXPERT_STD)
+
     bar = tqdm(range(n_layers), desc=f"make-checkpoint {preset} {fmt}", unit="layer", disable=not progress)
     with ThreadPoolExecutor(_DRAW_THREADS, thread_name_prefix="make-checkpoint") as pool:
         for layer in bar:
@@ -275,13 +281,10 @@ def _write(preset: str, fmt_obj, cfg: dict, out: Path, seed: int, progress: bool
                 continue
             # real size: every expert matrix from its own seed, drawn on threads, written in order
             seeds = [random_seed(gen) for _ in jobs]
-            if quantized:
-                drawn = pool.map(lambda js: random_nvfp4_seeded(*js[0][1], js[1], EXPERT_STD), zip(jobs, seeds))
-                for (prefix, _), data in zip(jobs, drawn):
-                    add_quantized(prefix, *data)
-            else:
-                drawn = pool.map(lambda js: random_normal_seeded(js[0][1], js[1], EXPERT_STD), zip(jobs, seeds))
-                for (prefix, _), w in zip(jobs, drawn):
+            for (prefix, _), w in zip(jobs, pool.map(draw, [shape for _, shape in jobs], seeds)):
+                if quantized:
+                    add_quantized(prefix, *w)
+                else:
                     writer.add(prefix + ".weight", w)
     writer.close()
     return n_layers

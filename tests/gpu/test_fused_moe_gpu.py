@@ -8,7 +8,7 @@ import torch
 
 from moe_offload.formats.base import BankSpec
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
-from moe_offload.host_store import ROW_ALIGN, bank_offsets, bank_views
+from moe_offload.host_store import bank_offsets, bank_views, padded_row_bytes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -27,7 +27,7 @@ def random_banks_on_gpu(seed: int = 0, store_rows: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     specs: list[BankSpec] = FMT.banks(H, I)
     row_bytes = sum(s.nbytes for s in specs)
-    row_bytes = -(-row_bytes // ROW_ALIGN) * ROW_ALIGN if store_rows else row_bytes + 16
+    row_bytes = padded_row_bytes(row_bytes) if store_rows else row_bytes + 16
     raw_NR = torch.randint(0, 256, (N, row_bytes), dtype=torch.uint8, device="cuda", generator=gen)
     views = bank_views(specs, bank_offsets(specs), raw_NR)
     for key in ("w13_s", "w2_s"):  # finite E4M3 scales in [32, 128)

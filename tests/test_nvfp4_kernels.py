@@ -517,3 +517,85 @@ def test_random_nvfp4_is_seeded_uniform_and_valid():
     assert torch.isfinite(sf).all() and sf.min() >= 32 and sf.max() <= 128
     w = dequantize(q, s, g, torch.float32)
     assert 0.8 * 0.03 < w.std().item() < 1.2 * 0.03
+
+
+def _run_ptx_b32(asm: str, operands: dict[int, "np.ndarray"]) -> dict[int, "np.ndarray"]:
+    """Interpret the few 32-bit PTX instructions ``fused_moe_swap``'s conversion uses (prmt, shl, and, mul.lo,
+    lop3, mul.rn.bf16x2) over arrays of register values; ``operands`` maps $n to input arrays, outputs come
+    back under their $n. Enough to check the bit tricks on CPU; the GPU tests check the compiled kernel."""
+    import numpy as np
+
+    regs = {f"${n}": v.astype(np.uint32) for n, v in operands.items()}
+
+    def val(tok: str):
+        return np.uint32(int(tok, 0)) if tok[0].isdigit() else regs[tok]
+
+    def bf16_mul(a, b):
+        def lanes(x):
+            return torch.from_numpy(np.stack([x & 0xFFFF, x >> 16]).astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+        prod = (lanes(a).float() * lanes(b).float()).to(torch.bfloat16).view(torch.int16).int().numpy() & 0xFFFF
+        return (prod[0] | (prod[1] << 16)).astype(np.uint32)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = val(src[0]), val(src[1]), int(src[2], 0)
+            pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+            regs[d] = sum((pool[(sel >> (4 * i)) & 7] << (8 * i)) for i in range(4)).astype(np.uint32)
+            assert not sel & 0x8888, "sign-replicating selectors are not interpreted"
+        elif op == "shl.b32":
+            regs[d] = (val(src[0]).astype(np.uint64) << int(src[1])).astype(np.uint32)
+        elif op == "and.b32":
+            regs[d] = val(src[0]) & val(src[1])
+        elif op == "mul.lo.u32":
+            regs[d] = (val(src[0]).astype(np.uint64) * np.uint64(val(src[1]))).astype(np.uint32)
+        elif op == "lop3.b32":
+            a, b, c, lut = val(src[0]), val(src[1]), val(src[2]), int(src[3], 0)
+            full = np.uint32(0xFFFFFFFF)
+            out = np.zeros_like(a)
+            for i in range(8):
+                if lut >> i & 1:
+                    out |= (a if i & 4 else a ^ full) & (b if i & 2 else b ^ full) & (c if i & 1 else c ^ full)
+            regs[d] = out
+        elif op == "mul.rn.bf16x2":
+            regs[d] = bf16_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"uninterpreted PTX op {op}")
+    return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
+
+
+def test_the_swapped_kernels_ptx_decodes_every_code_with_every_scale_exactly():
+    """``_E2M1_TO_BF16_SCALED`` (the bf16 weight conversion of the decode/prefill swapped kernels) gives
+    code * scale * 2^-14 exactly for every byte in every byte position of a word (random neighbours: the bit
+    tricks must not let one byte's bits reach another's lane) and every finite E4M3 scale, subnormals and 0 included."""
+    import numpy as np
+
+    from moe_offload.kernels.fused_moe_swap import _E2M1_TO_BF16_SCALED
+    from moe_offload.formats.nvfp4 import E2M1_VALUES
+
+    rng = np.random.default_rng(0)
+    e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    e4m3 = e4m3[torch.isfinite(e4m3.float())]
+    n = 256 * 4 * 3
+    words = rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(np.uint32)
+    pos = np.arange(n) // 256 % 4  # every byte value at every position, neighbours random
+    words = (words & ~(np.uint32(0xFF) << (8 * pos).astype(np.uint32))) | ((np.arange(n) % 256).astype(np.uint32) << (8 * pos).astype(np.uint32))
+    scale_idx = rng.integers(0, e4m3.numel(), (n, 4))
+    scale_idx[: e4m3.numel(), 0] = np.arange(e4m3.numel())  # every scale at least once
+    scales = e4m3.float()[torch.from_numpy(scale_idx)]  # [n, 4]
+    sbits = (scales * 2.0**112).to(torch.bfloat16).view(torch.int16).int().numpy() & 0xFFFF  # exact
+    regs = _run_ptx_b32(_E2M1_TO_BF16_SCALED.value, {4: sbits[:, 0] | (sbits[:, 1] << 16),
+                                                      5: sbits[:, 2] | (sbits[:, 3] << 16), 6: words})
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float64)
+    for out, (nibble_shift, first) in {0: (0, 0), 1: (0, 2), 2: (4, 0), 3: (4, 2)}.items():
+        for lane in range(2):
+            elem = first + lane
+            got = torch.from_numpy(((regs[out] >> (16 * lane)) & 0xFFFF).astype(np.int32)).to(torch.int16)
+            got = got.view(torch.bfloat16).double()
+            code = torch.from_numpy(((words >> (8 * elem + nibble_shift)) & 15).astype(np.int64))
+            want = values[code] * scales[:, elem].double() * 2.0**-14
+            assert torch.equal(got, want), f"${out} lane {lane}"

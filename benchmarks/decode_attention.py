@@ -20,6 +20,7 @@ import argparse
 import datetime as dt
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,18 +31,14 @@ from decode_kernels import capture, events_ms  # noqa: E402
 
 from moe_offload.bench.decode import measure_hbm  # noqa: E402
 from moe_offload.bench.env import git_info  # noqa: E402
-from moe_offload.kernels.decode_attention import decode_attention  # noqa: E402
+from moe_offload.kernels.decode_attention import DEFAULT_CONFIG, AttnConfig, decode_attention  # noqa: E402
 
 HKV, G, D, S, VISIBLE, LAYERS = 4, 8, 128, 1152, 1100, 8
 KV_WRITE_POS = 100  # + the StaticLayer replays (warmup + reps + capture's) stays below S
 
 
 def _cell(B: int, reps: int, hbm_gbs: float) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(B)
-    q = torch.randn(B, HKV, G, D, device="cuda", generator=gen).bfloat16()
-    ks = [torch.randn(B, HKV, S, D, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
-    vs = [torch.randn(B, HKV, S, D, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
-    mask = (torch.arange(S, device="cuda") < VISIBLE)[None, None, None, :].expand(B, 1, 1, S).contiguous()
+    q, ks, vs, mask = _inputs(B)
     scale = D ** -0.5
 
     def sdpa():
@@ -62,6 +59,41 @@ def _cell(B: int, reps: int, hbm_gbs: float) -> dict:
                 "hbm_floor_us": round(kv_bytes / (hbm_gbs * 1e3), 2),
                 "speedup": round(out["sdpa_us_per_layer"] / out["triton_us_per_layer"], 3)})
     return out
+
+
+def _inputs(B: int):
+    gen = torch.Generator(device="cuda").manual_seed(B)
+    q = torch.randn(B, HKV, G, D, device="cuda", generator=gen).bfloat16()
+    ks = [torch.randn(B, HKV, S, D, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
+    vs = [torch.randn(B, HKV, S, D, device="cuda", generator=gen).bfloat16() for _ in range(LAYERS)]
+    mask = (torch.arange(S, device="cuda") < VISIBLE)[None, None, None, :].expand(B, 1, 1, S).contiguous()
+    return q, ks, vs, mask
+
+
+def sweep_grid() -> list[AttnConfig]:
+    """The launch choices ``--sweep`` times (kernels/decode_attention.py ``AttnConfig``)."""
+    return [AttnConfig(block=bl, warps=w, stages=st, target_programs=tp, bound=bd)
+            for bd in (False, True) for bl in (32, 64) for w in (4, 8) for st in (2, 3) for tp in (256, 512, 1024)]
+
+
+def _sweep_cell(B: int, reps: int, hbm_gbs: float) -> dict:
+    """Every ``sweep_grid`` config at B rows, L layers per graph: us per layer, and its output against the
+    default config's (max abs difference)."""
+    q, ks, vs, mask = _inputs(B)
+    scale = D ** -0.5
+    runs = []
+    want = None
+    for cfg in [DEFAULT_CONFIG] + sweep_grid():
+        graph, res = capture(lambda cfg=cfg: [decode_attention(q, k, v, mask, scale, config=cfg) for k, v in zip(ks, vs)])
+        us = round(events_ms(graph.replay, reps) * 1000 / LAYERS, 2)
+        want = res if want is None else want
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(want, res))
+        runs.append({"config": asdict(cfg), "us_per_layer": us, "max_abs_diff_vs_default": diff})
+        del graph
+    kv_bytes = 2 * B * HKV * VISIBLE * D * 2
+    best = min(runs[1:], key=lambda r: r["us_per_layer"])
+    return {"rows": B, "default_us": runs[0]["us_per_layer"], "best": best,
+            "hbm_floor_us": round(kv_bytes / (hbm_gbs * 1e3), 2), "runs": runs}
 
 
 def _kv_write_cell(B: int, reps: int) -> dict:
@@ -107,11 +139,15 @@ def main() -> int:
     p.add_argument("--rows", default="1,4,16,64")
     p.add_argument("--git-sha", default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="time every launch config of sweep_grid() per row count "
+                   "instead (writes decode_attention_sweep-*.{json,md})")
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("decode_attention benchmark: needs CUDA", file=sys.stderr)
         return 2
     hbm = measure_hbm(torch.device("cuda"))["GBps"]  # bench decode's HBM floor measurement
+    if a.sweep:
+        return _sweep_main(a, hbm)
     cells = [_cell(int(b), a.reps, hbm) for b in a.rows.split(",")]
     writes = [_kv_write_cell(int(b), a.reps) for b in a.rows.split(",")]
     res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -136,6 +172,35 @@ def main() -> int:
         stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
         stem.with_suffix(".md").write_text(text)
     print(json.dumps(res, indent=2) if a.json else text)
+    return 0
+
+
+def _sweep_main(a, hbm: float) -> int:
+    cells = []
+    res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},
+           "d2d_gbs": round(hbm, 1), "cells": cells}
+    stem = None
+    if a.out is not None:
+        a.out.mkdir(parents=True, exist_ok=True)
+        stem = a.out / f"decode_attention_sweep-{res['git']['sha'][:12]}-{dt.datetime.now(dt.timezone.utc):%Y%m%d-%H%M}"
+    lines = [f"# Decode attention launch sweep, {res['gpu']}, git {res['git']['sha'][:12]}, torch {res['torch']}", "",
+             f"Hkv {HKV}, G {G}, D {D}, bf16, static cache {S} positions, {VISIBLE} visible; {LAYERS} layers per "
+             f"CUDA graph; {len(sweep_grid())} configs per row count.", "",
+             "| rows | default us/layer | best us/layer | best config | HBM floor us | max abs diff |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for b in a.rows.split(","):
+        c = _sweep_cell(int(b), a.reps, hbm)
+        cells.append(c)
+        best = c["best"]
+        lines.append(f"| {c['rows']} | {c['default_us']} | {best['us_per_layer']} | "
+                     f"{' '.join(f'{k}={v}' for k, v in best['config'].items())} | {c['hbm_floor_us']} | "
+                     f"{best['max_abs_diff_vs_default']:.3g} |")
+        if stem is not None:  # after every row count: a run cut short keeps what it measured
+            stem.with_suffix(".json").write_text(json.dumps(res, indent=2))
+            stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print(lines[-1], flush=True)
+    print(json.dumps(res, indent=2) if a.json else "\n".join(lines))
     return 0
 
 

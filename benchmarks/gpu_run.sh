@@ -3,7 +3,7 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split
+#           retune_aligned decode_split attn_sweep
 # Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
@@ -99,6 +99,13 @@ if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json), the de
   # T = 1 alone took ~290 s at fb04647 (every candidate compiles once); the table is written after the whole shape
   timeout ${RETUNE_GEMV_TIMEOUT:-240} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has attn_sweep; then  # decode attention: its GPU tests (default and bounded launches), then every launch config of
+  # benchmarks/decode_attention.py sweep_grid() at 1/4/16/64 rows (~1-3 min: one compile per distinct config)
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py > "$RES/pytest_attn.log" 2>&1
+  timeout ${ATTN_SWEEP_TIMEOUT:-300} python3 benchmarks/decode_attention.py --sweep --out "$RES" \
+    --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/attn_sweep.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has decode_split; then  # the decode MoE kernels one by one at T = 16 / 64 against their HBM floors, padded vs unpadded rows
   timeout 120 python3 benchmarks/decode_moe_split.py --unaligned --json --git-sha ${SERVE_CHECK_SHA:-unknown} \

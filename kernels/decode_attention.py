@@ -30,6 +30,8 @@ same kernels run on CPU tensors (CI).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:  # importing triton touches no CUDA
@@ -44,6 +46,29 @@ if triton is not None:
     _MASKED = tl.constexpr(-1.0e30)  # a masked score: finite, so an all-masked tile gives weight 0, not NaN
 
     @triton.jit
+    def _visible(m_row, offs, sms, inside, MASK_KIND: tl.constexpr):
+        """Which positions ``offs`` of one mask row may be attended (``inside`` limits the read)."""
+        if MASK_KIND == 1:
+            return inside & (tl.load(m_row + offs * sms, mask=inside, other=0) != 0)
+        return inside & (tl.load(m_row + offs * sms, mask=inside, other=_MASKED).to(tl.float32) > _MASKED)
+
+    @triton.jit
+    def _tile(q, k_row, sks, v_row, svs, offs_s, offs_d, D, keep, bias, m_i, l_i, acc, scale,
+              DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+        """One BLOCK-position tile of the online softmax: ``(m_i, l_i, acc)`` updated."""
+        kv_mask = keep[:, None] & (offs_d[None, :] < D)
+        k = tl.load(k_row + offs_s[:, None].to(tl.int64) * sks + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_row + offs_s[:, None].to(tl.int64) * svs + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        scores = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale + bias[None, :]
+        scores = tl.where(keep[None, :], scores, _MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.where(keep[None, :], tl.exp(scores - m_new[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PREC).to(tl.float32)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _partial_kernel(q_ptr, sqb, sqh, sqg,
                         k_ptr, skb, skh, sks,
                         v_ptr, svb, svh, svs,
@@ -51,7 +76,7 @@ if triton is not None:
                         m_out, l_out, acc_out,
                         Hkv, G, S, D, per_split, scale,
                         MASK_KIND: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr):
+                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, BOUND: tl.constexpr, MAXT: tl.constexpr):
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         nsp = tl.num_programs(1)
@@ -65,9 +90,18 @@ if triton is not None:
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, DP), tl.float32)
         s_begin = sp * per_split
-        for s0 in range(s_begin, tl.minimum(s_begin + per_split, S), BLOCK):
+        s_end = tl.minimum(s_begin + per_split, S)
+        lo = s_begin
+        hi = s_end
+        if BOUND and MASK_KIND != 0:  # one mask read bounds the loop to the split's visible tiles
+            offs_a = s_begin + tl.arange(0, MAXT * BLOCK)
+            vis = _visible(m_ptr + b * smb, offs_a, sms, offs_a < s_end, MASK_KIND)
+            first = tl.min(tl.where(vis, offs_a, s_end), axis=0)
+            lo = s_begin + ((first - s_begin) // BLOCK) * BLOCK
+            hi = tl.max(tl.where(vis, offs_a + 1, s_begin), axis=0)
+        for s0 in range(lo, hi, BLOCK):
             offs_s = s0 + tl.arange(0, BLOCK)
-            inside = offs_s < S
+            inside = offs_s < s_end
             if MASK_KIND == 1:  # bool: attend where True
                 keep = tl.load(m_ptr + b * smb + offs_s * sms, mask=inside, other=0) != 0
                 bias = tl.zeros((BLOCK,), tl.float32)
@@ -77,21 +111,14 @@ if triton is not None:
             else:
                 keep = inside
                 bias = tl.zeros((BLOCK,), tl.float32)
-            if tl.max(keep.to(tl.int32), axis=0) > 0:  # a tile nobody may see is not read
-                kv_mask = keep[:, None] & (offs_d[None, :] < D)
-                k = tl.load(k_ptr + b * skb + h * skh + offs_s[:, None].to(tl.int64) * sks + offs_d[None, :],
-                            mask=kv_mask, other=0.0).to(DOT_DTYPE)
-                v = tl.load(v_ptr + b * svb + h * svh + offs_s[:, None].to(tl.int64) * svs + offs_d[None, :],
-                            mask=kv_mask, other=0.0).to(DOT_DTYPE)
-                scores = tl.dot(q, tl.trans(k), input_precision=PREC).to(tl.float32) * scale + bias[None, :]
-                scores = tl.where(keep[None, :], scores, _MASKED)
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                p = tl.where(keep[None, :], p, 0.0)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=PREC).to(tl.float32)
-                m_i = m_new
+            # BOUND: no branch in the loop (so Triton can pipeline its loads); hidden positions' lanes are
+            # masked off the loads (not read) and weigh 0. Else a tile nobody may see is skipped by a branch.
+            if BOUND:
+                m_i, l_i, acc = _tile(q, k_ptr + b * skb + h * skh, sks, v_ptr + b * svb + h * svh, svs, offs_s, offs_d,
+                                      D, keep, bias, m_i, l_i, acc, scale, DOT_DTYPE, PREC)
+            elif tl.max(keep.to(tl.int32), axis=0) > 0:
+                m_i, l_i, acc = _tile(q, k_ptr + b * skb + h * skh, sks, v_ptr + b * svb + h * svh, svs, offs_s, offs_d,
+                                      D, keep, bias, m_i, l_i, acc, scale, DOT_DTYPE, PREC)
         row = bh * nsp + sp
         tl.store(m_out + row * GP + offs_g, m_i)
         tl.store(l_out + row * GP + offs_g, l_i)
@@ -121,19 +148,39 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
 
 
-def splits_for(S: int, programs_per_split: int, target_programs: int = 256) -> int:
+@dataclass(frozen=True)
+class AttnConfig:
+    """Launch choices of ``decode_attention``. ``block``: positions per tile; ``warps``/``stages``: Triton's
+    num_warps/num_stages of ``_partial_kernel``; ``target_programs``: how many (row, head, split) programs
+    ``splits_for`` aims at; ``bound``: bound each split's loop by one read of its mask (a branch-free loop)
+    instead of skipping hidden tiles with a branch per tile."""
+    block: int = BLOCK_S
+    warps: int = 4
+    stages: int = 3
+    target_programs: int = 256
+    bound: bool = False
+
+
+DEFAULT_CONFIG = AttnConfig()
+MAX_SPLIT_TILES = 64  # bound: one split's mask is read as one vector of at most this many tiles
+
+
+def splits_for(S: int, programs_per_split: int, target_programs: int = 256, block: int = BLOCK_S) -> int:
     """How many splits of S: enough programs (``target_programs`` over all (row, head) pairs) while every
     split keeps at least one whole tile."""
-    tiles = max(1, -(-S // BLOCK_S))
+    tiles = max(1, -(-S // block))
     return max(1, min(tiles, -(-target_programs // max(1, programs_per_split))))
 
 
 def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float, splits: int | None = None) -> torch.Tensor:
+                     mask: torch.Tensor | None, scale: float, splits: int | None = None,
+                     config: AttnConfig | None = None) -> torch.Tensor:
     """``[B, Hkv, G, D]`` attention output in ``q``'s dtype; see the module docstring.
 
     ``k``/``v`` may be views (a static cache's first S positions): the last dim must be contiguous.
-    ``mask``: None, or bool/float ``[B or 1, 1, 1, S]``. ``splits``: override the split count (tests)."""
+    ``mask``: None, or bool/float ``[B or 1, 1, 1, S]``. ``splits``: override the split count (tests).
+    ``config``: launch choices (default ``DEFAULT_CONFIG``)."""
+    cfg = config or DEFAULT_CONFIG
     if triton is None:
         raise RuntimeError("decode_attention needs triton (pip install triton)")
     if q_BHGD.dim() != 4 or k_BHSD.dim() != 4 or v_BHSD.shape != k_BHSD.shape:
@@ -156,8 +203,11 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     DP = max(16, triton.next_power_of_2(D))
     if splits is not None and splits < 1:
         raise ValueError(f"splits={splits}: must be >= 1 (or None: splits_for)")
-    sp = splits if splits is not None else splits_for(S, B * Hkv)
-    per_split = BLOCK_S * -(-max(1, -(-S // BLOCK_S)) // sp)
+    block = cfg.block
+    tiles = max(1, -(-S // block))
+    sp = splits if splits is not None else splits_for(S, B * Hkv, cfg.target_programs, block)
+    sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
+    per_split = block * -(-tiles // sp)
     sp = max(1, -(-S // per_split)) if S > 0 else 1
     m_part = torch.empty((B * Hkv * sp, GP), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
@@ -179,8 +229,9 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        v, v.stride(0), v.stride(1), v.stride(2),
                                        m_arg, smb, sms, m_part, l_part, acc_part,
                                        Hkv, G, S, D, per_split, float(scale),
-                                       MASK_KIND=kind, GP=GP, DP=DP, BLOCK=BLOCK_S, DOT_DTYPE=dot_dtype, PREC=precision,
-                                       num_warps=4)
+                                       MASK_KIND=kind, GP=GP, DP=DP, BLOCK=block, DOT_DTYPE=dot_dtype, PREC=precision,
+                                       BOUND=cfg.bound, MAXT=triton.next_power_of_2(per_split // block) if cfg.bound else 1,
+                                       num_warps=cfg.warps, num_stages=cfg.stages)
         _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
                                     Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
     return out

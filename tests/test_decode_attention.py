@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels.decode_attention import BLOCK_S, decode_attention, splits_for
+from moe_offload.kernels.decode_attention import BLOCK_S, AttnConfig, decode_attention, splits_for
+
+#: the default launch (a branch skips hidden tiles) and the bounded loop with a smaller tile
+CONFIGS = {"branch": AttnConfig(), "bound": AttnConfig(block=32, bound=True, target_programs=512)}
 
 
 def _case(B, Hkv, G, S, D, dtype, mask_kind, seed=0, pad=7):
@@ -34,9 +37,10 @@ def _sdpa(q, k, v, mask, scale):
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
 @pytest.mark.parametrize("B,Hkv,G,S,D,splits", [(1, 4, 8, 300, 64, None), (3, 2, 3, 130, 8, 3), (2, 1, 1, 5, 16, None),
                                                  (2, 2, 4, 2 * BLOCK_S, 32, 1)])
-def test_fp32_equals_sdpa(mask_kind, B, Hkv, G, S, D, splits):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_fp32_equals_sdpa(mask_kind, B, Hkv, G, S, D, splits, config):
     q, k, v, mask = _case(B, Hkv, G, S, D, torch.float32, mask_kind, seed=S)
-    got = decode_attention(q, k, v, mask, D ** -0.5, splits)
+    got = decode_attention(q, k, v, mask, D ** -0.5, splits, CONFIGS[config])
     assert got.shape == (B, Hkv, G, D) and got.dtype == torch.float32
     torch.testing.assert_close(got, _sdpa(q, k, v, mask, D ** -0.5), atol=2e-6, rtol=2e-6)
 
@@ -57,16 +61,39 @@ def test_the_split_count_does_not_change_the_result_beyond_rounding():
         torch.testing.assert_close(o, outs[0], atol=1e-6, rtol=1e-6)
 
 
-def test_positions_a_mask_hides_do_not_matter():
-    """A tile nobody may see is skipped, and masked positions inside a tile weigh 0: garbage there
+@pytest.mark.parametrize("config", CONFIGS)
+def test_positions_a_mask_hides_do_not_matter(config):
+    """A tile nobody may see is not read, and masked positions inside a tile weigh 0: garbage there
     (NaN included, as in never-written static-cache rows) changes nothing."""
     q, k, v, mask = _case(2, 2, 4, 3 * BLOCK_S, 16, torch.float32, "bool", seed=5)
-    want = decode_attention(q, k, v, mask, 0.25)
+    want = decode_attention(q, k, v, mask, 0.25, config=CONFIGS[config])
     b, s = (~mask[:, 0, 0, :]).nonzero(as_tuple=True)
     k2, v2 = k.clone(), v.clone()
     k2[b, :, s] = float("nan")
     v2[b, :, s] = float("nan")
-    assert torch.equal(decode_attention(q, k2, v2, mask, 0.25), want)
+    assert torch.equal(decode_attention(q, k2, v2, mask, 0.25, config=CONFIGS[config]), want)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_the_bounded_loop_handles_holes_and_empty_splits(mask_kind):
+    """bound: a split whose mask hides everything runs no tile, one with a hole in the middle reads across it,
+    and a split longer than MAX_SPLIT_TILES tiles is cut into more splits: all equal SDPA."""
+    from moe_offload.kernels.decode_attention import MAX_SPLIT_TILES
+
+    B, Hkv, G, D, block = 3, 2, 4, 16, 16
+    S = (MAX_SPLIT_TILES + 5) * block
+    q, k, v, _ = _case(B, Hkv, G, S, D, torch.float32, "none", seed=9)
+    keep = torch.zeros(B, S, dtype=torch.bool)
+    keep[0, :3] = True  # only the first split sees anything
+    keep[1, 5:S // 3] = True  # a hole from S // 3 to S - 40
+    keep[1, S - 40:] = True
+    keep[2, S - 1] = True  # one visible position, in the last tile
+    mask = keep[:, None, None, :] if mask_kind == "bool" else \
+        torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
+    cfg = AttnConfig(block=block, bound=True, target_programs=1)  # 1 split asked: the tile cap makes 2
+    for splits in (None, 4):
+        got = decode_attention(q, k, v, mask, D ** -0.5, splits, cfg)
+        torch.testing.assert_close(got, _sdpa(q, k, v, mask, D ** -0.5), atol=2e-6, rtol=2e-6)
 
 
 def test_split_count_keeps_whole_tiles_and_enough_programs():

@@ -8,7 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_offload.kernels.decode_attention import decode_attention
+from moe_offload.kernels.decode_attention import AttnConfig, decode_attention
+
+#: the default launch and a bounded-loop one (the sweep's candidates: benchmarks/decode_attention.py --sweep)
+CONFIGS = {"default": None, "bound": AttnConfig(block=32, warps=4, stages=3, target_programs=512, bound=True)}
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,26 +31,29 @@ def _inputs(B, Hkv, G, S, D, seed=0):
 
 @pytest.mark.parametrize("B", [1, 4, 16])
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])
-def test_bf16_decode_shapes_match_sdpa(B, mask_kind):
+@pytest.mark.parametrize("config", CONFIGS)
+def test_bf16_decode_shapes_match_sdpa(B, mask_kind, config):
     q, k, v, keep = _inputs(B, 4, 8, 1152, 128, seed=B)
     mask = keep if mask_kind == "bool" else torch.where(keep, 0.0, torch.finfo(torch.bfloat16).min).bfloat16()
-    got = decode_attention(q, k, v, mask, 128 ** -0.5)
+    got = decode_attention(q, k, v, mask, 128 ** -0.5, config=CONFIGS[config])
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keep, scale=128 ** -0.5)
     torch.testing.assert_close(got.float(), want, atol=2 ** -7, rtol=2 ** -6)
 
 
-def test_captured_call_replays_bitwise_and_reads_the_mask_at_replay():
+@pytest.mark.parametrize("config", CONFIGS)
+def test_captured_call_replays_bitwise_and_reads_the_mask_at_replay(config):
+    cfg = CONFIGS[config]
     q, k, v, keep = _inputs(2, 4, 8, 1152, 128, seed=7)
     mask = keep.clone()
-    eager = decode_attention(q, k, v, mask, 0.1)
+    eager = decode_attention(q, k, v, mask, 0.1, config=cfg)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        decode_attention(q, k, v, mask, 0.1)  # compile before capture
+        decode_attention(q, k, v, mask, 0.1, config=cfg)  # compile before capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = decode_attention(q, k, v, mask, 0.1)
+        out = decode_attention(q, k, v, mask, 0.1, config=cfg)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
@@ -55,4 +61,10 @@ def test_captured_call_replays_bitwise_and_reads_the_mask_at_replay():
     mask[:, :, :, 0] = True
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, decode_attention(q, k, v, mask, 0.1))
+    assert torch.equal(out, decode_attention(q, k, v, mask, 0.1, config=cfg))
+    mask[:, :, :, :] = False  # a hole: the first and the last tiles visible (bound: one loop reads across)
+    mask[:, :, :, :5] = True
+    mask[:, :, :, 1100:] = True
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, decode_attention(q, k, v, mask, 0.1, config=cfg))

@@ -252,8 +252,8 @@ class ComputeConfig(_Strict):
         "(kernels/decode_moe.py), auto = gemv up to the routed-pair count in decode_gemv_tuning.json")
     decode_attention: Literal["sdpa", "triton"] = Field(
         "triton", description="one-position grouped-query attention on CUDA (with fused_norms): triton = split-K "
-        "kernels/decode_attention.py (two launches, skips masked tiles; on the H200 1.45-2.1 x faster than SDPA "
-        "per layer at 1-16 rows, even at 64, and 149.9 -> 172.8 tok/s at batch 1), sdpa = torch's SDPA on the "
+        "kernels/decode_attention.py (two launches, reads only the visible positions; on the H200 1.5-2.1 x faster "
+        "than SDPA per layer at 1-64 rows, 149.9 -> 172.8 tok/s at batch 1), sdpa = torch's SDPA on the "
         "folded query")
     fused_norms: bool = Field(True, description="on CUDA, the decode step's small ops are fused: each RMSNorm and "
                               "rotary one kernel (kernels/rmsnorm.py, kernels/rotary.py), the router's softmax + "

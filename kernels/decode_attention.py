@@ -1,4 +1,4 @@
-"""Grouped-query decode attention in two Triton launches (split-K "flash decoding").
+"""Grouped-query decode attention in two Triton launches (split-K "flash decoding"), one when S is not split.
 
 Legend: B batch rows, Hkv key/value heads, G query heads per KV head, S cached positions, D head dim,
 SP splits of the S axis, GP = G padded to a power of two >= 16 (the tensor-core tile).
@@ -78,10 +78,11 @@ if triton is not None:
                         k_ptr, skb, skh, sks,
                         v_ptr, svb, svh, svs,
                         m_ptr, smb, sms,
-                        m_out, l_out, acc_out,
+                        m_out, l_out, acc_out, out_ptr, sob, soh, sog,
                         Hkv, G, S, D, per_split, scale,
                         MASK_KIND: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, BOUND: tl.constexpr, MAXT: tl.constexpr):
+                        DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, BOUND: tl.constexpr, MAXT: tl.constexpr,
+                        DIRECT: tl.constexpr):
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         nsp = tl.num_programs(1)
@@ -124,6 +125,11 @@ if triton is not None:
             elif tl.max(keep.to(tl.int32), axis=0) > 0:
                 m_i, l_i, acc = _tile(q, k_ptr + b * skb + h * skh, sks, v_ptr + b * svb + h * svh, svs, offs_s, offs_d,
                                       D, keep, bias, m_i, l_i, acc, scale, DOT_DTYPE, PREC)
+        if DIRECT:  # one split: the output itself (what _combine_kernel computes from one partial, bit for bit)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(out_ptr + b * sob + h * soh + offs_g[:, None] * sog + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
+            return
         row = bh * nsp + sp
         tl.store(m_out + row * GP + offs_g, m_i)
         tl.store(l_out + row * GP + offs_g, l_i)
@@ -214,9 +220,10 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
     per_split = block * -(-tiles // sp)
     sp = max(1, -(-S // per_split)) if S > 0 else 1
-    m_part = torch.empty((B * Hkv * sp, GP), dtype=torch.float32, device=q.device)
+    parts = B * Hkv * sp if sp > 1 else 1  # one split writes the output directly (no partials)
+    m_part = torch.empty((parts, GP), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
-    acc_part = torch.empty((B * Hkv * sp, GP, DP), dtype=torch.float32, device=q.device)
+    acc_part = torch.empty((parts, GP, DP), dtype=torch.float32, device=q.device)
     if mask is None:
         kind, m_arg, smb, sms = 0, q, 0, 0
     else:
@@ -233,10 +240,12 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        k, k.stride(0), k.stride(1), k.stride(2),
                                        v, v.stride(0), v.stride(1), v.stride(2),
                                        m_arg, smb, sms, m_part, l_part, acc_part,
+                                       out, out.stride(0), out.stride(1), out.stride(2),
                                        Hkv, G, S, D, per_split, float(scale),
                                        MASK_KIND=kind, GP=GP, DP=DP, BLOCK=block, DOT_DTYPE=dot_dtype, PREC=precision,
                                        BOUND=cfg.bound, MAXT=triton.next_power_of_2(per_split // block) if cfg.bound else 1,
-                                       num_warps=cfg.warps, num_stages=cfg.stages)
-        _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
-                                    Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
+                                       DIRECT=sp == 1, num_warps=cfg.warps, num_stages=cfg.stages)
+        if sp > 1:
+            _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
+                                        Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
     return out

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from moe_offload.kernels.decode_attention import BLOCK_S, AttnConfig, decode_attention, splits_for
 
-#: the default launch (a branch skips hidden tiles) and the bounded loop with a smaller tile
-CONFIGS = {"branch": AttnConfig(), "bound": AttnConfig(block=32, bound=True, target_programs=512)}
+#: a branch skips hidden tiles; the bounded loop with a smaller tile; one split (one launch, no combine)
+CONFIGS = {"branch": AttnConfig(bound=False), "bound": AttnConfig(block=32, bound=True, target_programs=512),
+           "one_split": AttnConfig(target_programs=1)}
 
 
 def _case(B, Hkv, G, S, D, dtype, mask_kind, seed=0, pad=7):

@@ -9,8 +9,8 @@ Legend: T tokens, K top-k, E experts, H hidden, I intermediate, B bytes per expe
     from mapped pinned host memory into scratch rows, vs the copy engine measured in the same run:
     one ``copy_(non_blocking=True)`` of a 1 GiB pinned tensor, and ``copy_`` of the same n rows.
     Rows at their exact size (4-byte aligned: 4-byte loads) and with the row stride padded to a
-    multiple of 16 (16-byte vector loads); a sweep of the copy launch shape at n = 64 (both layouts) and 16 / 32
-    (padded rows: a short prompt's misses per layer).
+    multiple of 16 (16-byte vector loads); a sweep of the copy launch shape at n = 64 (both layouts) and 1 / 16 / 32
+    (padded rows: a batch-1 decode layer's miss, a short prompt's misses per layer).
     CUDA events, median of ``--reps``.
 (ii) Decode MoE layer time at T = 1..64 for Qwen3-30B-A3B (H 2048, I 768, E 128, K 8) and Flash-Next
     (H 2560, I 640, E 512, K 10): ``decode_moe_nvfp4`` vs ``decode_gemv_nvfp4`` (GEMVs, no tensor-core
@@ -45,7 +45,7 @@ TOKENS = (1, 2, 4, 8, 16, 32, 64)
 MISSES = (1, 8, 16, 32, 64)
 # launch shapes swept at these miss counts on padded rows (16-32: what a short prompt misses per layer at residency
 # 0.37, where the SM reads cost ~1.3 x the copy engine's time: README "b18b0cc"), and at 64 on both layouts
-SWEEP_MISSES = (16, 32, 64)
+SWEEP_MISSES = (1, 16, 32, 64)
 RESIDENCY = 0.37
 # decode_moe rounds the activation and each weighted term to bf16 (2^-9 relative each, accumulated over
 # K terms and I products: ~3e-3 relative norm); decode_gemv keeps both fp32. A wrong row, scale or weight
@@ -139,7 +139,7 @@ def bench_uva(device, reps: int, h2d_GBps: float) -> list[dict]:
                 ids = torch.randperm(E, device=device)[:n].view(n, 1)
                 configs = [MissCopyConfig()]
                 if n == max(MISSES) or (n in SWEEP_MISSES and row == B16):
-                    configs += [MissCopyConfig(chunk_bytes=c, ctas_per_sm=k) for c in (4096, 16384, 65536)
+                    configs += [MissCopyConfig(chunk_bytes=c, ctas_per_sm=k) for c in (1024, 4096, 16384, 65536)
                                 for k in (1, 2, 8)]
                 for cfg in configs:
                     ms = events_ms(lambda: serve_misses(slot_of_E, ids, host_dev, pool, 0, cfg), reps)
@@ -378,6 +378,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     ap.add_argument("--json", action="store_true", help="print the JSON report to stdout")
+    ap.add_argument("--uva-only", action="store_true", help="section (i) only")
     ap.add_argument("--git-sha", help="record this commit (default: `git rev-parse HEAD`)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -401,7 +402,7 @@ def main(argv=None) -> int:
         report["errors"].append(f"uva: {type(exc).__name__}: {exc}")
     save()
     print("uva done", flush=True)
-    for name in args.shapes:
+    for name in ([] if args.uva_only else args.shapes):
         layers, specs = make_layers(name, args.layers, device)
         for T in args.tokens:
             report["layer"] += bench_layer(name, layers, specs, T, device, report["floors"]["d2d_rw_GBps"], args.reps)

@@ -72,10 +72,10 @@ def _inputs(B: int):
 
 def sweep_grid() -> list[AttnConfig]:
     """The launch choices ``--sweep`` times (kernels/decode_attention.py ``AttnConfig``)."""
-    # cf9c69a's sweep (with the branch loop and targets 256-1024): the bounded loop won at 4-64 rows; a target
-    # of at most (rows x KV heads) programs now means one split and one launch (no combine)
-    return [AttnConfig(block=bl, warps=w, stages=st, target_programs=tp, bound=True)
-            for bl in (32, 64) for w in (4, 8) for st in (2, 3) for tp in (4, 16, 64, 256, 1024)]
+    # cf9c69a's sweep (with the branch loop and targets 256-1024): the bounded loop won at 4-64 rows; with
+    # direct, a target of at most (rows x KV heads) programs means one split and one launch (no combine)
+    return [AttnConfig(block=bl, warps=w, stages=st, target_programs=tp, bound=True, direct=dr)
+            for dr in (False, True) for bl in (32, 64) for w in (4, 8) for st in (2, 3) for tp in (4, 16, 64, 256)]
 
 
 def _sweep_cell(B: int, reps: int, hbm_gbs: float) -> dict:

@@ -1,4 +1,5 @@
-"""Grouped-query decode attention in two Triton launches (split-K "flash decoding"), one when S is not split.
+"""Grouped-query decode attention in two Triton launches (split-K "flash decoding"); one with
+``AttnConfig.direct`` when S is not split.
 
 Legend: B batch rows, Hkv key/value heads, G query heads per KV head, S cached positions, D head dim,
 SP splits of the S axis, GP = G padded to a power of two >= 16 (the tensor-core tile).
@@ -129,11 +130,11 @@ if triton is not None:
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b * sob + h * soh + offs_g[:, None] * sog + offs_d[None, :],
                      out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
-            return
-        row = bh * nsp + sp
-        tl.store(m_out + row * GP + offs_g, m_i)
-        tl.store(l_out + row * GP + offs_g, l_i)
-        tl.store(acc_out + (row * GP + offs_g[:, None]) * DP + offs_d[None, :], acc)
+        else:
+            row = bh * nsp + sp
+            tl.store(m_out + row * GP + offs_g, m_i)
+            tl.store(l_out + row * GP + offs_g, l_i)
+            tl.store(acc_out + (row * GP + offs_g[:, None]) * DP + offs_d[None, :], acc)
 
     @triton.jit
     def _combine_kernel(m_in, l_in, acc_in, out_ptr, sob, soh, sog,
@@ -164,12 +165,15 @@ class AttnConfig:
     """Launch choices of ``decode_attention``. ``block``: positions per tile; ``warps``/``stages``: Triton's
     num_warps/num_stages of ``_partial_kernel``; ``target_programs``: how many (row, head, split) programs
     ``splits_for`` aims at; ``bound``: bound each split's loop by one read of its mask (a branch-free loop)
-    instead of skipping hidden tiles with a branch per tile."""
+    instead of skipping hidden tiles with a branch per tile; ``direct``: with one split, the partial kernel
+    writes the output itself (one launch, no combine; same bits). ``direct`` is off by default: it has run in the
+    Triton interpreter only, not yet on a GPU (``benchmarks/decode_attention.py --sweep`` times it)."""
     block: int = BLOCK_S
     warps: int = 4
     stages: int = 3
     target_programs: int = 256
     bound: bool = True
+    direct: bool = False
 
 
 DEFAULT_CONFIG = AttnConfig()
@@ -220,7 +224,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
     per_split = block * -(-tiles // sp)
     sp = max(1, -(-S // per_split)) if S > 0 else 1
-    parts = B * Hkv * sp if sp > 1 else 1  # one split writes the output directly (no partials)
+    direct = cfg.direct and sp == 1
+    parts = 1 if direct else B * Hkv * sp  # one split written directly needs no partials
     m_part = torch.empty((parts, GP), dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty((parts, GP, DP), dtype=torch.float32, device=q.device)
@@ -244,8 +249,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        Hkv, G, S, D, per_split, float(scale),
                                        MASK_KIND=kind, GP=GP, DP=DP, BLOCK=block, DOT_DTYPE=dot_dtype, PREC=precision,
                                        BOUND=cfg.bound, MAXT=triton.next_power_of_2(per_split // block) if cfg.bound else 1,
-                                       DIRECT=sp == 1, num_warps=cfg.warps, num_stages=cfg.stages)
-        if sp > 1:
+                                       DIRECT=direct, num_warps=cfg.warps, num_stages=cfg.stages)
+        if not direct:
             _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
                                         Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
     return out

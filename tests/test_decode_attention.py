@@ -13,7 +13,7 @@ from moe_offload.kernels.decode_attention import BLOCK_S, AttnConfig, decode_att
 
 #: a branch skips hidden tiles; the bounded loop with a smaller tile; one split (one launch, no combine)
 CONFIGS = {"branch": AttnConfig(bound=False), "bound": AttnConfig(block=32, bound=True, target_programs=512),
-           "one_split": AttnConfig(target_programs=1)}
+           "one_split": AttnConfig(target_programs=1, direct=True)}
 
 
 def _case(B, Hkv, G, S, D, dtype, mask_kind, seed=0, pad=7):
@@ -208,3 +208,11 @@ def test_the_kernels_compile_for_sm90_with_tensor_core_dots(compiled_without_int
     out = compiled_without_interpreter(_COMPILE_SM90)
     result = json.loads(out)
     assert result == {"partial_1_mma": True, "partial_2_mma": True, "partial_0_mma": True}
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])
+def test_one_split_written_directly_equals_the_combined_one_bit_for_bit(mask_kind):
+    """``direct``: the partial kernel's own output equals what the combine kernel makes of its one partial."""
+    q, k, v, mask = _case(3, 2, 4, 2 * BLOCK_S + 5, 32, torch.float32, mask_kind, seed=21)
+    combined = decode_attention(q, k, v, mask, 0.2, 1, AttnConfig(direct=False))
+    assert torch.equal(decode_attention(q, k, v, mask, 0.2, 1, AttnConfig(direct=True)), combined)

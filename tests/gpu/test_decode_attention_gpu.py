@@ -12,7 +12,7 @@ from moe_offload.kernels.decode_attention import AttnConfig, decode_attention
 
 #: the default launch and others: the per-tile branch, a smaller tile, one split (one launch, no combine)
 CONFIGS = {"default": None, "bound": AttnConfig(block=32, warps=4, stages=3, target_programs=512, bound=True),
-           "branch": AttnConfig(bound=False), "one_split": AttnConfig(target_programs=1)}
+           "branch": AttnConfig(bound=False), "one_split": AttnConfig(target_programs=1, direct=True)}
 
 pytestmark = [
     pytest.mark.gpu,

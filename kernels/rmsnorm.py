@@ -25,12 +25,13 @@ SCALES = ("weight", "one_plus_weight")
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, out_stride, eps,
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, inner_n, inner_stride, out_stride, eps,
                          ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0)  # input row (row // inner_n, row % inner_n) of x viewed as [R, inner_n, H]
         offs = tl.arange(0, BLOCK)
         mask = offs < H
-        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        x_row = x_ptr + (row // inner_n).to(tl.int64) * x_stride + (row % inner_n).to(tl.int64) * inner_stride
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         if ONE_PLUS:
@@ -56,20 +57,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "we
         raise ValueError(f"weight on {weight.device}, x on {x.device}")
     if H > 65536:
         raise ValueError(f"H={H} exceeds one program's row (65536); use the module's forward")
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty((x2.shape[0], H), dtype=x.dtype, device=x.device)
-    if x2.shape[0] == 0:
+    # rows read in place through two strides where x views as [R, n, H] with contiguous H: e.g. the heads of a
+    # q or k slice of a fused q/k/v GEMM output (fused_qkv), which ``reshape(-1, H)`` would copy (one more launch)
+    n = x.shape[-2] if x.dim() >= 2 and x.shape[-2] > 0 else 1
+    x3 = _rows_view(x, n, H)
+    if x3 is None:
+        n, x3 = 1, x.reshape(-1, 1, H).contiguous()
+    rows = x3.shape[0] * n
+    out = torch.empty((rows, H), dtype=x.dtype, device=x.device)
+    if rows == 0:
         return out.view(x.shape)
     from moe_offload.kernels.nvfp4 import device_guard
 
     block = triton.next_power_of_2(H)
     with device_guard(x.device):
-            _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, H, x2.stride(0), out.stride(0), float(eps),
-                                         ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
-                                         num_warps=4 if block <= 4096 else 8)
+        _rms_norm_kernel[(rows,)](x3, weight, out, H, x3.stride(0), n, x3.stride(1), out.stride(0), float(eps),
+                                  ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
+                                  num_warps=4 if block <= 4096 else 8)
     return out.view(x.shape)
+
+
+def _rows_view(x: torch.Tensor, n: int, H: int) -> torch.Tensor | None:
+    """``x`` as ``[R, n, H]`` without a copy, with a contiguous last dim; None where no such view exists."""
+    try:
+        x3 = x.view(-1, n, H)
+    except RuntimeError:  # leading dims that do not merge: the caller copies
+        return None
+    return x3 if x3.stride(-1) == 1 or H == 1 else None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:

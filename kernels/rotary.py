@@ -5,7 +5,7 @@ activation dtype).
 Legend: B batch, Hq/Hk query/key heads, T tokens, D head dim (even; rotate_half swaps its halves).
 
 In module form the two tensors take ~10 kernels (neg, cat, two muls and an add each); this is one
-launch over every (b, head, t) row of q and one of k. Outputs are new contiguous ``[B, H, T, D]`` tensors.
+launch over every (b, head, t) row of q and of k. Outputs are new contiguous ``[B, H, T, D]`` tensors.
 """
 
 from __future__ import annotations
@@ -21,51 +21,56 @@ except ImportError:
 if triton is not None:
 
     @triton.jit
-    def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, T, sxb, sxh, sxt, scb, sct,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0)  # row (b, h, t) of the output, contiguous [B, H, T, D]
-        t = r % T
-        h = (r // T) % H
-        b = r // (T * H)
+    def _rotate_row(xb, cb, sb, ob, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of D = 2 * HALF: ``x * cos + rotate_half(x) * sin`` with the module's roundings."""
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
-        xb = x_ptr + b * sxb + h * sxh + t * sxt
-        cb = b * scb + t * sct
         x1 = tl.load(xb + offs, mask=mask, other=0.0)
         x2 = tl.load(xb + HALF + offs, mask=mask, other=0.0)
-        c1 = tl.load(cos_ptr + cb + offs, mask=mask, other=0.0)
-        c2 = tl.load(cos_ptr + cb + HALF + offs, mask=mask, other=0.0)
-        s1 = tl.load(sin_ptr + cb + offs, mask=mask, other=0.0)
-        s2 = tl.load(sin_ptr + cb + HALF + offs, mask=mask, other=0.0)
-        dt = out_ptr.dtype.element_ty
+        c1 = tl.load(cb + offs, mask=mask, other=0.0)
+        c2 = tl.load(cb + HALF + offs, mask=mask, other=0.0)
+        s1 = tl.load(sb + offs, mask=mask, other=0.0)
+        s2 = tl.load(sb + HALF + offs, mask=mask, other=0.0)
+        dt = ob.dtype.element_ty
         f = tl.float32
         o1 = ((x1.to(f) * c1.to(f)).to(dt).to(f) + (-x2.to(f) * s1.to(f)).to(dt).to(f)).to(dt)
         o2 = ((x2.to(f) * c2.to(f)).to(dt).to(f) + (x1.to(f) * s2.to(f)).to(dt).to(f)).to(dt)
-        ob = out_ptr + r * (2 * HALF)
         tl.store(ob + offs, o1, mask=mask)
         tl.store(ob + HALF + offs, o2, mask=mask)
 
-
-def _rotate(x_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor) -> torch.Tensor:
-    B, H, T, D = x_BHTD.shape
-    out = torch.empty((B, H, T, D), dtype=x_BHTD.dtype, device=x_BHTD.device)
-    if out.numel() == 0:
-        return out
-    if x_BHTD.stride(-1) != 1:
-        x_BHTD = x_BHTD.contiguous()
-    half = D // 2
-    _rotary_kernel[(B * H * T,)](x_BHTD, cos_BTD, sin_BTD, out, H, T, x_BHTD.stride(0), x_BHTD.stride(1),
-                                 x_BHTD.stride(2), cos_BTD.stride(0), cos_BTD.stride(1),
-                                 HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
-    return out
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, Hq, Hk, T,
+                       sqb, sqh, sqt, skb, skh, skt, scb, sct,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0)  # rows (b, h, t) of q's output (contiguous [B, Hq, T, D]), then of k's
+        rows_q = tl.num_programs(0) // (Hq + Hk) * Hq  # B * T * Hq
+        if r < rows_q:
+            t = r % T
+            h = (r // T) % Hq
+            b = r // (T * Hq)
+            cb = b * scb + t * sct
+            _rotate_row(q_ptr + b * sqb + h * sqh + t * sqt, cos_ptr + cb, sin_ptr + cb, qo_ptr + r * (2 * HALF),
+                        HALF, BLOCK)
+        else:
+            rk = r - rows_q
+            t = rk % T
+            h = (rk // T) % Hk
+            b = rk // (T * Hk)
+            cb = b * scb + t * sct
+            _rotate_row(k_ptr + b * skb + h * skh + t * skt, cos_ptr + cb, sin_ptr + cb, ko_ptr + rk * (2 * HALF),
+                        HALF, BLOCK)
 
 
 def apply_rotary(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tensor, sin_BTD: torch.Tensor):
-    """``(q_embed, k_embed)`` as transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (unsqueeze_dim 1)."""
+    """``(q_embed, k_embed)`` as transformers' ``apply_rotary_pos_emb(q, k, cos, sin)`` (unsqueeze_dim 1):
+    one launch for both."""
     for name, t in (("q", q_BHTD), ("k", k_BHTD)):
         if t.dim() != 4 or t.shape[-1] % 2:
             raise ValueError(f"{name} must be [B, H, T, D] with an even D, got {tuple(t.shape)}")
-    B, _, T, D = q_BHTD.shape
+    B, Hq, T, D = q_BHTD.shape
+    if k_BHTD.shape[0] != B or k_BHTD.shape[2] != T or k_BHTD.shape[3] != D:
+        raise ValueError(f"k {tuple(k_BHTD.shape)} does not match q {tuple(q_BHTD.shape)} in B, T, D")
+    Hk = k_BHTD.shape[1]
     if cos_BTD.shape != (B, T, D) or sin_BTD.shape != (B, T, D):
         if cos_BTD.dim() == 3 and cos_BTD.shape[0] == 1 and cos_BTD.shape[1:] == (T, D):
             cos_BTD, sin_BTD = cos_BTD.expand(B, T, D), sin_BTD.expand(B, T, D)
@@ -73,10 +78,20 @@ def apply_rotary(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tens
             raise ValueError(f"cos/sin must be [B={B}, T={T}, D={D}], got {tuple(cos_BTD.shape)}")
     if cos_BTD.stride(-1) != 1 or cos_BTD.stride() != sin_BTD.stride():
         cos_BTD, sin_BTD = cos_BTD.contiguous(), sin_BTD.contiguous()
+    q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BHTD, k_BHTD))
+    q_out = torch.empty((B, Hq, T, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((B, Hk, T, D), dtype=k.dtype, device=k.device)
+    if B * T * (Hq + Hk) == 0:
+        return q_out, k_out
     from moe_offload.kernels.nvfp4 import device_guard
 
-    with device_guard(q_BHTD.device):
-        return _rotate(q_BHTD, cos_BTD, sin_BTD), _rotate(k_BHTD, cos_BTD, sin_BTD)
+    half = D // 2
+    with device_guard(q.device):
+        _rotary_kernel[(B * T * (Hq + Hk),)](q, k, cos_BTD, sin_BTD, q_out, k_out, Hq, Hk, T,
+                                             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                                             k.stride(2), cos_BTD.stride(0), cos_BTD.stride(1),
+                                             HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+    return q_out, k_out
 
 
 def apply_rotary_reference(q, k, cos, sin):

@@ -190,10 +190,14 @@ strides = i32(["sqb", "sqh", "sqg", "skb", "skh", "sks", "svb", "svh", "svs", "s
                "per_split"], "i32")
 out = {}
 for kind, mask in ((1, "*u8"), (2, "*bf16"), (0, "*bf16")):
-    ptx = build(da._partial_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": mask,
-                                     **i32(["m_out", "l_out", "acc_out"], "*fp32"), **strides, "scale": "fp32"},
-                {"MASK_KIND": kind, "GP": 16, "DP": 128, "BLOCK": da.BLOCK_S, "DOT_DTYPE": tl.bfloat16, "PREC": "tf32"})
-    out[f"partial_{kind}_mma"] = len(re.findall(r"mma|wgmma", ptx)) > 0
+    for bound, maxt, direct in ((False, 1, False), (True, 8, False), (True, 64, True)):
+        ptx = build(da._partial_kernel, {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "m_ptr": mask,
+                                         **i32(["m_out", "l_out", "acc_out"], "*fp32"), "out_ptr": "*bf16",
+                                         **i32(["sob", "soh", "sog"], "i32"), **strides, "scale": "fp32"},
+                    {"MASK_KIND": kind, "GP": 16, "DP": 128, "BLOCK": da.BLOCK_S, "DOT_DTYPE": tl.bfloat16,
+                     "PREC": "tf32", "BOUND": bound, "MAXT": maxt, "DIRECT": direct})
+        out[f"partial_{kind}_{'bound' if bound else 'branch'}{'_direct' if direct else ''}_mma"] = \
+            len(re.findall(r"mma|wgmma", ptx)) > 0
 build(da._combine_kernel, {**i32(["m_in", "l_in", "acc_in"], "*fp32"), "out_ptr": "*bf16",
                            **i32(["sob", "soh", "sog", "Hkv", "G", "D", "SP"], "i32")}, {"GP": 16, "DP": 128})
 print(json.dumps(out))
@@ -202,12 +206,13 @@ print(json.dumps(out))
 
 def test_the_kernels_compile_for_sm90_with_tensor_core_dots(compiled_without_interpreter):
     """The interpreter runs kernels as Python; this compiles both kernels for an H200 (sm_90) with Triton's
-    own compiler, no GPU needed, in a process without TRITON_INTERPRET, for each mask kind."""
+    own compiler, no GPU needed, in a process without TRITON_INTERPRET, for each mask kind and each loop
+    (per-tile branch; bounded; bounded with the one-split direct write)."""
     import json
 
     out = compiled_without_interpreter(_COMPILE_SM90)
     result = json.loads(out)
-    assert result == {"partial_1_mma": True, "partial_2_mma": True, "partial_0_mma": True}
+    assert len(result) == 9 and all(result.values()), result
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "none"])

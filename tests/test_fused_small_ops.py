@@ -38,6 +38,30 @@ def test_the_kernel_matches_the_reference_over_awkward_shapes(H, scale):
     torch.testing.assert_close(rms_norm(x, w, 1e-6, scale), rms_norm_reference(x, w, 1e-6, scale), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("scale", ["weight", "one_plus_weight"])
+def test_the_heads_of_a_fused_qkv_slice_are_normalized_in_place(scale):
+    """q and k as attention passes them from the fused q/k/v GEMM (integrations/fused_qkv.py): a column slice
+    of ``[B, T, Q + 2 KV]`` viewed as ``[B, T, heads, D]``. The kernel reads the rows through their strides (no
+    copy of the slice) and equals the reference on a contiguous copy."""
+    from moe_offload.kernels.rmsnorm import _rows_view
+
+    gen = torch.Generator().manual_seed(1)
+    B, T, Hq, Hk, D = 2, 3, 4, 2, 16
+    y = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=gen)
+    w = torch.randn(D, generator=gen)
+    for lo, heads in ((0, Hq), (Hq * D, Hk)):
+        x = y[..., lo:lo + heads * D].view(B, T, heads, D)
+        assert not x.is_contiguous() and _rows_view(x, heads, D) is not None
+        got = rms_norm(x, w, 1e-6, scale)
+        assert got.shape == x.shape and got.is_contiguous()
+        torch.testing.assert_close(got, rms_norm_reference(x.contiguous(), w, 1e-6, scale), atol=1e-5, rtol=1e-5)
+    # a transposed view merges no leading dims: copied first, same result
+    xt = y[..., :Hq * D].view(B, T, Hq, D).transpose(0, 1)
+    assert _rows_view(xt, Hq, D) is None
+    torch.testing.assert_close(rms_norm(xt, w, 1e-6, scale), rms_norm_reference(xt.contiguous(), w, 1e-6, scale),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_model_with_fused_norms_gives_the_same_logits(tiny_ckpt):
     from moe_offload.integrations.reference import build_reference_model
 
@@ -58,7 +82,7 @@ def test_bad_arguments_are_refused():
 
 @pytest.mark.parametrize("B,Hq,Hk,T,D", [(1, 4, 2, 1, 16), (2, 3, 1, 5, 8), (1, 2, 2, 3, 6)])
 def test_the_rotary_kernel_matches_transformers_arithmetic(B, Hq, Hk, T, D):
-    from moe_offload.kernels.rotary import _rotate, apply_rotary_reference
+    from moe_offload.kernels.rotary import apply_rotary, apply_rotary_reference
 
     gen = torch.Generator().manual_seed(D)
     q = torch.randn(B, T, Hq, D, generator=gen).transpose(1, 2)  # the strided layout attention passes
@@ -68,5 +92,44 @@ def test_the_rotary_kernel_matches_transformers_arithmetic(B, Hq, Hk, T, D):
     want_q, want_k = apply_rotary_reference(q, k, cos, sin)
     # interpreted kernel on CPU tensors (the CUDA wrapper adds only the device guard); fp32 products
     # and sum: the same roundings as torch's elementwise ops
-    torch.testing.assert_close(_rotate(q, cos, sin), want_q, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(_rotate(k, cos, sin), want_k, atol=1e-6, rtol=1e-6)
+    got_q, got_k = apply_rotary(q, k, cos, sin)  # one launch for both
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, want_k, atol=1e-6, rtol=1e-6)
+    assert got_q.is_contiguous() and got_k.is_contiguous()
+
+
+_COMPILE_SM90 = r'''
+import json
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from moe_offload.kernels import rmsnorm, rotary
+
+def build(fn, sig, consts, num_warps):
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+
+i32 = dict.fromkeys
+out = {}
+for one_plus in (False, True):
+    ptx = build(rmsnorm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32",
+                                           **i32(["H", "x_stride", "inner_n", "inner_stride", "out_stride"], "i32")},
+                {"ONE_PLUS": one_plus, "BLOCK": 128}, 4)
+    out[f"rms_norm_{one_plus}"] = "st.global" in ptx
+ptx = build(rotary._rotary_kernel, {**i32(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], "*bf16"),
+                                    **i32(["Hq", "Hk", "T", "sqb", "sqh", "sqt", "skb", "skh", "skt", "scb", "sct"],
+                                          "i32")}, {"HALF": 64, "BLOCK": 64}, 1)
+out["rotary"] = "st.global" in ptx
+print(json.dumps(out))
+'''
+
+
+def test_the_kernels_compile_for_sm90(compiled_without_interpreter):
+    """The interpreter runs kernels as Python and accepts code the compiler refuses: the RMSNorm (strided rows)
+    and the one-launch rotary kernels compiled for an H200 (sm_90) by Triton's own compiler, no GPU needed."""
+    import json
+
+    result = json.loads(compiled_without_interpreter(_COMPILE_SM90))
+    assert result == {"rms_norm_False": True, "rms_norm_True": True, "rotary": True}

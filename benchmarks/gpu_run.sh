@@ -100,9 +100,10 @@ if has retune_aligned; then  # the prefill tiles (fused_moe_tuning.json), the de
   timeout ${RETUNE_GEMV_TIMEOUT:-240} python3 benchmarks/tune_decode_gemv.py --tokens 1 2 --report "$RES" > "$RES/tune_gemv_aligned.log" 2>&1
   cp kernels/decode_gemv_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
 fi
-if has attn_sweep; then  # decode attention: its GPU tests (default and bounded launches), then every launch config of
+if has attn_sweep; then  # decode attention and the fused RMSNorm/rotary: their GPU tests, then every launch config of
   # benchmarks/decode_attention.py sweep_grid() at 1/4/16/64 rows (~1-3 min: one compile per distinct config)
-  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py > "$RES/pytest_attn.log" 2>&1
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_decode_attention_gpu.py \
+    tests/gpu/test_fused_small_ops_gpu.py > "$RES/pytest_attn.log" 2>&1
   timeout ${ATTN_SWEEP_TIMEOUT:-300} python3 benchmarks/decode_attention.py --sweep --out "$RES" \
     --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/attn_sweep.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .

@@ -3,7 +3,7 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep
+#           retune_aligned decode_split attn_sweep decode_ab
 # Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
@@ -181,6 +181,18 @@ if has check_decode; then  # bench decode at the check_serve residencies and bat
     --set model.cache_dir=/tmp/moe-cache --residency 0.37,1 --batch 1,4,16,64 --steps 64 --reps 1 --peers none \
     --git-sha ${SERVE_CHECK_SHA:-unknown} --out "$RES/check" --json > "$RES/check-decode.json" 2> "$RES/check-decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has decode_ab; then  # bench decode with the tree, then with AB_FILES as of AB_REV (e.g. AB_REV=4fae0d1
+  # AB_FILES="kernels/rmsnorm.py kernels/rotary.py": f2b8264's fused small ops off), same machine, back to back;
+  # the files are restored afterwards. AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1.5 min per side after a build.
+  for side in tree base; do
+    if [[ $side == base ]]; then for f in ${AB_FILES:?}; do cp "$f" "/tmp/ab-keep-$(basename "$f")"; git show "${AB_REV:?}:$f" > "$f" || exit 3; done; fi
+    timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --residency ${AB_RESIDENCY:-1} --batch ${AB_BATCH:-1,16,64} --steps 64 --reps 1 \
+      --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$side --out "$RES/ab-$side" --json > "$RES/ab-$side.json" 2> "$RES/ab-$side.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
+  for f in ${AB_FILES}; do cp "/tmp/ab-keep-$(basename "$f")" "$f"; done
 fi
 if has lookahead; then  # decode.lookahead off, then on: its GPU tests, then bench decode at LOOKAHEAD_RESIDENCIES x 1/4/16 (~4 min)
   timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_lookahead_gpu.py > "$RES/pytest_lookahead.log" 2>&1

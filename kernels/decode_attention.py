@@ -175,6 +175,12 @@ class AttnConfig:
     bound: bool = True
     direct: bool = False
 
+    def __post_init__(self):
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"AttnConfig.block={self.block}: must be a power of two >= 16 (tl.dot's K)")
+        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.target_programs < 1:
+            raise ValueError(f"invalid {self}: warps a power of two <= 16, stages >= 1, target_programs >= 1")
+
 
 DEFAULT_CONFIG = AttnConfig()
 MAX_SPLIT_TILES = 64  # bound: one split's mask is read as one vector of at most this many tiles
@@ -187,13 +193,25 @@ def splits_for(S: int, programs_per_split: int, target_programs: int = 256, bloc
     return max(1, min(tiles, -(-target_programs // max(1, programs_per_split))))
 
 
+def split_plan(S: int, pairs: int, cfg: AttnConfig, splits: int | None = None) -> tuple[int, int]:
+    """``(splits, positions per split)`` of a call over S positions and ``pairs`` (row, KV head) pairs: ``splits``
+    (default ``splits_for``), raised where ``cfg.bound`` needs it so that no split exceeds ``MAX_SPLIT_TILES``
+    tiles (its mask is read as one vector), then trimmed to the splits that hold a position."""
+    tiles = max(1, -(-S // cfg.block))
+    sp = splits if splits is not None else splits_for(S, pairs, cfg.target_programs, cfg.block)
+    sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
+    per_split = cfg.block * -(-tiles // sp)
+    return (max(1, -(-S // per_split)) if S > 0 else 1), per_split
+
+
 def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
                      mask: torch.Tensor | None, scale: float, splits: int | None = None,
                      config: AttnConfig | None = None) -> torch.Tensor:
     """``[B, Hkv, G, D]`` attention output in ``q``'s dtype; see the module docstring.
 
     ``k``/``v`` may be views (a static cache's first S positions): the last dim must be contiguous.
-    ``mask``: None, or bool/float ``[B or 1, 1, 1, S]``. ``splits``: override the split count (tests).
+    ``mask``: None, or bool/float ``[B or 1, 1, 1, S]``. ``splits``: override the split count (tests; with
+    ``bound`` it is raised where a split would exceed ``MAX_SPLIT_TILES`` tiles, see ``split_plan``).
     ``config``: launch choices (default ``DEFAULT_CONFIG``)."""
     cfg = config or DEFAULT_CONFIG
     if triton is None:
@@ -219,11 +237,7 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
     if splits is not None and splits < 1:
         raise ValueError(f"splits={splits}: must be >= 1 (or None: splits_for)")
     block = cfg.block
-    tiles = max(1, -(-S // block))
-    sp = splits if splits is not None else splits_for(S, B * Hkv, cfg.target_programs, block)
-    sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
-    per_split = block * -(-tiles // sp)
-    sp = max(1, -(-S // per_split)) if S > 0 else 1
+    sp, per_split = split_plan(S, B * Hkv, cfg, splits)
     direct = cfg.direct and sp == 1
     parts = 1 if direct else B * Hkv * sp  # one split written directly needs no partials
     m_part = torch.empty((parts, GP), dtype=torch.float32, device=q.device)
@@ -248,7 +262,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        out, out.stride(0), out.stride(1), out.stride(2),
                                        Hkv, G, S, D, per_split, float(scale),
                                        MASK_KIND=kind, GP=GP, DP=DP, BLOCK=block, DOT_DTYPE=dot_dtype, PREC=precision,
-                                       BOUND=cfg.bound, MAXT=triton.next_power_of_2(per_split // block) if cfg.bound else 1,
+                                       BOUND=cfg.bound,
+                                       MAXT=triton.next_power_of_2(per_split // block) if cfg.bound and kind else 1,
                                        DIRECT=direct, num_warps=cfg.warps, num_stages=cfg.stages)
         if not direct:
             _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),

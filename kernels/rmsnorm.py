@@ -38,7 +38,7 @@ if triton is not None:
             y = (x * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
         else:
             y = (w.to(tl.float32) * (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + row * out_stride + offs, y, mask=mask)
+        tl.store(out_ptr + row.to(tl.int64) * out_stride + offs, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:
@@ -59,7 +59,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "we
         raise ValueError(f"H={H} exceeds one program's row (65536); use the module's forward")
     # rows read in place through two strides where x views as [R, n, H] with contiguous H: e.g. the heads of a
     # q or k slice of a fused q/k/v GEMM output (fused_qkv), which ``reshape(-1, H)`` would copy (one more launch)
-    n = x.shape[-2] if x.dim() >= 2 and x.shape[-2] > 0 else 1
+    if x.numel() == 0:
+        return torch.empty_like(x)
+    n = x.shape[-2] if x.dim() >= 2 else 1
     x3 = _rows_view(x, n, H)
     if x3 is None:
         n, x3 = 1, x.reshape(-1, 1, H).contiguous()

@@ -42,8 +42,8 @@ if triton is not None:
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, Hq, Hk, T,
                        sqb, sqh, sqt, skb, skh, skt, scb, sct,
                        HALF: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0)  # rows (b, h, t) of q's output (contiguous [B, Hq, T, D]), then of k's
-        rows_q = tl.num_programs(0) // (Hq + Hk) * Hq  # B * T * Hq
+        r = tl.program_id(0).to(tl.int64)  # rows (b, h, t) of q's output (contiguous [B, Hq, T, D]), then of k's
+        rows_q = tl.num_programs(0).to(tl.int64) // (Hq + Hk) * Hq  # B * T * Hq
         if r < rows_q:
             t = r % T
             h = (r // T) % Hq

@@ -79,7 +79,7 @@ def test_positions_a_mask_hides_do_not_matter(config):
 def test_the_bounded_loop_handles_holes_and_empty_splits(mask_kind):
     """bound: a split whose mask hides everything runs no tile, one with a hole in the middle reads across it,
     and a split longer than MAX_SPLIT_TILES tiles is cut into more splits: all equal SDPA."""
-    from moe_offload.kernels.decode_attention import MAX_SPLIT_TILES
+    from moe_offload.kernels.decode_attention import MAX_SPLIT_TILES, split_plan
 
     B, Hkv, G, D, block = 3, 2, 4, 16, 16
     S = (MAX_SPLIT_TILES + 5) * block
@@ -92,9 +92,45 @@ def test_the_bounded_loop_handles_holes_and_empty_splits(mask_kind):
     mask = keep[:, None, None, :] if mask_kind == "bool" else \
         torch.where(keep, 0.0, torch.finfo(torch.float32).min)[:, None, None, :]
     cfg = AttnConfig(block=block, bound=True, target_programs=1)  # 1 split asked: the tile cap makes 2
+    assert split_plan(S, B * Hkv, cfg) == (2, -(-(MAX_SPLIT_TILES + 5) // 2) * block)
+    assert split_plan(S, B * Hkv, AttnConfig(block=block, bound=False, target_programs=1)) == (1, S)
     for splits in (None, 4):
         got = decode_attention(q, k, v, mask, D ** -0.5, splits, cfg)
         torch.testing.assert_close(got, _sdpa(q, k, v, mask, D ** -0.5), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_hole_inside_one_split_is_not_read_and_weighs_nothing(config):
+    """One split holding visible positions on both sides of a hidden stretch: the bounded loop reads across
+    it, and NaN keys and values there (never-written cache rows) change nothing."""
+    B, Hkv, G, D, S = 2, 2, 4, 16, 100
+    q, k, v, _ = _case(B, Hkv, G, S, D, torch.float32, "none", seed=13)
+    keep = torch.zeros(B, S, dtype=torch.bool)
+    keep[:, :5] = True
+    keep[:, 90:] = True
+    keep[1, 40] = True  # a lone visible position inside the hole of row 1
+    mask = keep[:, None, None, :]
+    k[:, :, ~keep[0]] = float("nan")
+    v[:, :, ~keep[0]] = float("nan")
+    k[1, :, 40], v[1, :, 40] = q[1, :, 0], q[1, :, 1]  # row 1's position 40 is visible: real values
+    want = _sdpa(q, k.nan_to_num(), v.nan_to_num(), mask, 0.25)
+    cfg = CONFIGS[config]
+    got = decode_attention(q, k, v, mask, 0.25, 1, AttnConfig(**{**cfg.__dict__, "block": 16}))
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("bound", [True, False])
+def test_an_fp16_models_minus_65504_is_a_bias_not_a_hole(bound):
+    """An additive mask above -1e30 (fp16's most negative finite, as fp16 models build their masks) is added
+    as it is, not read as hidden: a row that is -65504 everywhere attends everywhere, like SDPA."""
+    B, Hkv, G, D, S = 2, 2, 4, 16, 70
+    q, k, v, _ = _case(B, Hkv, G, S, D, torch.float16, "none", seed=17)
+    m = torch.zeros(B, S, dtype=torch.float16)
+    m[0, 30:] = -65504.0
+    m[1, :] = -65504.0
+    mask = m[:, None, None, :]
+    got = decode_attention(q, k, v, mask, 0.25, None, AttnConfig(block=16, bound=bound))
+    torch.testing.assert_close(got.float(), _sdpa(q, k, v, mask, 0.25), atol=2e-3, rtol=2e-3)
 
 
 def test_split_count_keeps_whole_tiles_and_enough_programs():
@@ -102,6 +138,12 @@ def test_split_count_keeps_whole_tiles_and_enough_programs():
     assert splits_for(1152, 4) == 1152 // BLOCK_S  # 18 tiles, 4 (row, head) pairs: every tile its own split
     assert splits_for(1152, 256) == 1  # enough programs without splitting
     assert 1 <= splits_for(100_000, 16) <= 16
+
+
+def test_bad_launch_choices_are_named():
+    for bad in ({"block": 48}, {"block": 8}, {"warps": 3}, {"stages": 0}, {"target_programs": 0}):
+        with pytest.raises(ValueError, match="AttnConfig|invalid"):
+            AttnConfig(**bad)
 
 
 def test_bad_shapes_are_named():

@@ -62,6 +62,26 @@ def test_the_heads_of_a_fused_qkv_slice_are_normalized_in_place(scale):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(48,), (2, 0, 48), (0, 48), (3, 0), (2, 1, 1)])
+def test_edge_shapes_of_the_norm(shape):
+    x = torch.randn(shape)
+    w = torch.randn(shape[-1])
+    got = rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got, rms_norm_reference(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("Hq,Hk", [(0, 2), (3, 0)])
+def test_the_one_launch_rotary_with_no_q_or_no_k_heads(Hq, Hk):
+    from moe_offload.kernels.rotary import apply_rotary, apply_rotary_reference
+
+    gen = torch.Generator().manual_seed(Hq)
+    q, k = torch.randn(2, Hq, 3, 8, generator=gen), torch.randn(2, Hk, 3, 8, generator=gen)
+    ang = torch.randn(2, 3, 8, generator=gen)
+    for got, want in zip(apply_rotary(q, k, ang.cos(), ang.sin()), apply_rotary_reference(q, k, ang.cos(), ang.sin())):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 def test_a_model_with_fused_norms_gives_the_same_logits(tiny_ckpt):
     from moe_offload.integrations.reference import build_reference_model
 

@@ -44,20 +44,18 @@ if triton is not None:
                        HALF: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)  # rows (b, h, t) of q's output (contiguous [B, Hq, T, D]), then of k's
         rows_q = tl.num_programs(0).to(tl.int64) // (Hq + Hk) * Hq  # B * T * Hq
-        if r < rows_q:
-            t = r % T
-            h = (r // T) % Hq
-            b = r // (T * Hq)
-            cb = b * scb + t * sct
-            _rotate_row(q_ptr + b * sqb + h * sqh + t * sqt, cos_ptr + cb, sin_ptr + cb, qo_ptr + r * (2 * HALF),
+        is_q = r < rows_q
+        rr = tl.where(is_q, r, r - rows_q)  # the row within its own tensor
+        H = tl.where(is_q, Hq, Hk)
+        t = rr % T
+        h = (rr // T) % H
+        b = rr // (T * H)
+        cb = b * scb + t * sct
+        if is_q:
+            _rotate_row(q_ptr + b * sqb + h * sqh + t * sqt, cos_ptr + cb, sin_ptr + cb, qo_ptr + rr * (2 * HALF),
                         HALF, BLOCK)
         else:
-            rk = r - rows_q
-            t = rk % T
-            h = (rk // T) % Hk
-            b = rk // (T * Hk)
-            cb = b * scb + t * sct
-            _rotate_row(k_ptr + b * skb + h * skh + t * skt, cos_ptr + cb, sin_ptr + cb, ko_ptr + rk * (2 * HALF),
+            _rotate_row(k_ptr + b * skb + h * skh + t * skt, cos_ptr + cb, sin_ptr + cb, ko_ptr + rr * (2 * HALF),
                         HALF, BLOCK)
 
 

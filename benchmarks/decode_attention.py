@@ -152,9 +152,7 @@ def main() -> int:
         return _sweep_main(a, hbm)
     cells = [_cell(int(b), a.reps, hbm) for b in a.rows.split(",")]
     writes = [_kv_write_cell(int(b), a.reps) for b in a.rows.split(",")]
-    res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},
-           "d2d_gbs": round(hbm, 1), "cells": cells, "kv_write": writes}
+    res = {**_report_head(a, hbm), "cells": cells, "kv_write": writes}
     lines = [f"# Decode attention, {res['gpu']}, git {res['git']['sha'][:12]}, torch {res['torch']}", "",
              f"Hkv {HKV}, G {G}, D {D}, bf16, static cache {S} positions, {VISIBLE} visible (bool mask); {LAYERS} "
              f"layers of distinct K/V per CUDA graph; D2D {res['d2d_gbs']} GB/s (read + write) in the same run.", "",
@@ -177,11 +175,16 @@ def main() -> int:
     return 0
 
 
+def _report_head(a, hbm: float) -> dict:
+    """What every report of this script starts with: git, GPU, torch, the shape, the measured bandwidth."""
+    return {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},
+            "d2d_gbs": round(hbm, 1)}
+
+
 def _sweep_main(a, hbm: float) -> int:
     cells = []
-    res = {"git": git_info(a.git_sha), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "shape": {"Hkv": HKV, "G": G, "D": D, "S": S, "visible": VISIBLE, "layers": LAYERS, "dtype": "bfloat16"},
-           "d2d_gbs": round(hbm, 1), "cells": cells}
+    res = {**_report_head(a, hbm), "cells": cells}
     stem = None
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -52,11 +52,18 @@ if triton is not None:
     _MASKED = tl.constexpr(-1.0e30)  # a masked score: finite, so an all-masked tile gives weight 0, not NaN
 
     @triton.jit
-    def _visible(m_row, offs, sms, inside, MASK_KIND: tl.constexpr):
-        """Which positions ``offs`` of one mask row may be attended (``inside`` limits the read)."""
-        if MASK_KIND == 1:
-            return inside & (tl.load(m_row + offs * sms, mask=inside, other=0) != 0)
-        return inside & (tl.load(m_row + offs * sms, mask=inside, other=_MASKED).to(tl.float32) > _MASKED)
+    def _mask_tile(m_row, offs, sms, inside, MASK_KIND: tl.constexpr):
+        """``(keep, bias)`` of positions ``offs`` of one mask row (``inside`` limits the read): which may be
+        attended, and the additive float mask's value there (0 for bool and no mask)."""
+        bias = tl.zeros(offs.shape, tl.float32)
+        if MASK_KIND == 1:  # bool: attend where True
+            keep = inside & (tl.load(m_row + offs * sms, mask=inside, other=0) != 0)
+        elif MASK_KIND == 2:  # additive float
+            bias = tl.load(m_row + offs * sms, mask=inside, other=_MASKED).to(tl.float32)
+            keep = inside & (bias > _MASKED)
+        else:
+            keep = inside
+        return keep, bias
 
     @triton.jit
     def _tile(q, k_row, sks, v_row, svs, offs_s, offs_d, D, keep, bias, m_i, l_i, acc, scale,
@@ -100,32 +107,26 @@ if triton is not None:
         s_end = tl.minimum(s_begin + per_split, S)
         lo = s_begin
         hi = s_end
+        m_row = m_ptr + b * smb
+        k_row = k_ptr + b * skb + h * skh
+        v_row = v_ptr + b * svb + h * svh
         if BOUND and MASK_KIND != 0:  # one mask read bounds the loop to the split's visible tiles
             offs_a = s_begin + tl.arange(0, MAXT * BLOCK)
-            vis = _visible(m_ptr + b * smb, offs_a, sms, offs_a < s_end, MASK_KIND)
+            vis, _ = _mask_tile(m_row, offs_a, sms, offs_a < s_end, MASK_KIND)
             first = tl.min(tl.where(vis, offs_a, s_end), axis=0)
             lo = s_begin + ((first - s_begin) // BLOCK) * BLOCK
             hi = tl.max(tl.where(vis, offs_a + 1, s_begin), axis=0)
         for s0 in range(lo, hi, BLOCK):
             offs_s = s0 + tl.arange(0, BLOCK)
-            inside = offs_s < s_end
-            if MASK_KIND == 1:  # bool: attend where True
-                keep = tl.load(m_ptr + b * smb + offs_s * sms, mask=inside, other=0) != 0
-                bias = tl.zeros((BLOCK,), tl.float32)
-            elif MASK_KIND == 2:  # additive float
-                bias = tl.load(m_ptr + b * smb + offs_s * sms, mask=inside, other=_MASKED).to(tl.float32)
-                keep = inside & (bias > _MASKED)
-            else:
-                keep = inside
-                bias = tl.zeros((BLOCK,), tl.float32)
+            keep, bias = _mask_tile(m_row, offs_s, sms, offs_s < s_end, MASK_KIND)
             # BOUND: no branch in the loop (so Triton can pipeline its loads); hidden positions' lanes are
             # masked off the loads (not read) and weigh 0. Else a tile nobody may see is skipped by a branch.
             if BOUND:
-                m_i, l_i, acc = _tile(q, k_ptr + b * skb + h * skh, sks, v_ptr + b * svb + h * svh, svs, offs_s, offs_d,
-                                      D, keep, bias, m_i, l_i, acc, scale, DOT_DTYPE, PREC)
+                m_i, l_i, acc = _tile(q, k_row, sks, v_row, svs, offs_s, offs_d, D, keep, bias, m_i, l_i, acc, scale,
+                                      DOT_DTYPE, PREC)
             elif tl.max(keep.to(tl.int32), axis=0) > 0:
-                m_i, l_i, acc = _tile(q, k_ptr + b * skb + h * skh, sks, v_ptr + b * svb + h * svh, svs, offs_s, offs_d,
-                                      D, keep, bias, m_i, l_i, acc, scale, DOT_DTYPE, PREC)
+                m_i, l_i, acc = _tile(q, k_row, sks, v_row, svs, offs_s, offs_d, D, keep, bias, m_i, l_i, acc, scale,
+                                      DOT_DTYPE, PREC)
         if DIRECT:  # one split: the output itself (what _combine_kernel computes from one partial, bit for bit)
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             tl.store(out_ptr + b * sob + h * soh + offs_g[:, None] * sog + offs_d[None, :],

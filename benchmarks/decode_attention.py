@@ -72,10 +72,11 @@ def _inputs(B: int):
 
 def sweep_grid() -> list[AttnConfig]:
     """The launch choices ``--sweep`` times (kernels/decode_attention.py ``AttnConfig``)."""
-    # cf9c69a's sweep (with the branch loop and targets 256-1024): the bounded loop won at 4-64 rows; with
-    # direct, a target of at most (rows x KV heads) programs means one split and one launch (no combine)
-    return [AttnConfig(block=bl, warps=w, stages=st, target_programs=tp, bound=True, direct=dr)
-            for dr in (False, True) for bl in (32, 64) for w in (4, 8) for st in (2, 3) for tp in (4, 16, 64, 256)]
+    # cf9c69a's sweep (with the branch loop and targets 256-1024): the bounded loop won at 4-64 rows; 971877e's
+    # (direct on/off, stages 2/3, targets 4-256): direct won at 64 rows, 3 stages never lost by more than 2 %,
+    # a target of 4 always lost, and 9 two-tile splits beat 18 one-tile ones at 1 row (min_split_tiles)
+    return [AttnConfig(block=bl, warps=w, stages=3, target_programs=tp, bound=True, direct=dr, min_split_tiles=mt)
+            for dr in (False, True) for bl in (32, 64) for w in (4, 8) for tp in (16, 64, 256) for mt in (1, 2)]
 
 
 def _sweep_cell(B: int, reps: int, hbm_gbs: float) -> dict:

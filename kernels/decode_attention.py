@@ -22,8 +22,9 @@ a static cache of ``decode.max_cache_len`` positions holding a shorter sequence 
 holds, and the loop has no branch, so Triton pipelines its K/V loads. Hidden positions inside that range
 are masked off the loads (not read) and weigh 0. On the H200 (benchmarks/results/
 decode_attention_sweep-cf9c69a-20261205-1028.md, 48 launch configs) this took 66.6 -> 43.2 us per layer at
-64 rows and 25.2 -> 20.9 at 16 (the per-tile branch it replaces stays as ``bound=False``); at 1-4 rows,
-latency-bound at ~16.5 us, no config moved it by more than 3 %.
+64 rows and 25.2 -> 20.9 at 16 (the per-tile branch it replaces stays as ``bound=False``). The 971877e sweep
+(``decode_attention_sweep-971877e-20261205-1223.md``, with direct and fewer splits) then set
+``direct`` on (64 rows: 44.2 -> 42.6 us) and at least two tiles per split (1 row: 16.6 -> 12.6 us).
 
 Masks: bool (True = attend) or additive float, shaped ``[B or 1, 1, 1, S]``; None attends everywhere.
 Masked scores are set to -1e30 (finite: a tile with no visible position gives weight 0, not NaN), and an
@@ -167,31 +168,40 @@ class AttnConfig:
     num_warps/num_stages of ``_partial_kernel``; ``target_programs``: how many (row, head, split) programs
     ``splits_for`` aims at; ``bound``: bound each split's loop by one read of its mask (a branch-free loop)
     instead of skipping hidden tiles with a branch per tile; ``direct``: with one split, the partial kernel
-    writes the output itself (one launch, no combine; same bits). ``direct`` is off by default: it has run in the
-    Triton interpreter only, not yet on a GPU (``benchmarks/decode_attention.py --sweep`` times it)."""
+    writes the output itself (one launch, no combine; same bits); ``min_split_tiles``: no split holds fewer
+    tiles (where the cache has that many).
+
+    The defaults are the H200 sweep's (``decode_attention_sweep-971877e-*``, 1,100 of 1,152 positions visible):
+    ``direct`` took 44.2 -> 42.6 us per layer at 64 rows (one split there at any target) and changed nothing
+    elsewhere; two tiles per split at least took 1 row from 16.6 us (18 one-tile splits) to 12.6 (9 of two), the
+    same at 4-64 rows."""
     block: int = BLOCK_S
     warps: int = 4
     stages: int = 3
     target_programs: int = 256
     bound: bool = True
-    direct: bool = False
+    direct: bool = True
+    min_split_tiles: int = 2
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"AttnConfig.block={self.block}: must be a power of two >= 16 (tl.dot's K)")
-        if self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.target_programs < 1:
-            raise ValueError(f"invalid {self}: warps a power of two <= 16, stages >= 1, target_programs >= 1")
+        if (self.warps not in (1, 2, 4, 8, 16) or self.stages < 1 or self.target_programs < 1
+                or self.min_split_tiles < 1):
+            raise ValueError(f"invalid {self}: warps a power of two <= 16, stages, target_programs and "
+                             f"min_split_tiles >= 1")
 
 
 DEFAULT_CONFIG = AttnConfig()
 MAX_SPLIT_TILES = 64  # bound: one split's mask is read as one vector of at most this many tiles
 
 
-def splits_for(S: int, programs_per_split: int, target_programs: int = 256, block: int = BLOCK_S) -> int:
+def splits_for(S: int, programs_per_split: int, target_programs: int = 256, block: int = BLOCK_S,
+               min_tiles: int = 1) -> int:
     """How many splits of S: enough programs (``target_programs`` over all (row, head) pairs) while every
-    split keeps at least one whole tile."""
+    split keeps at least ``min_tiles`` whole tiles (one split where S has fewer)."""
     tiles = max(1, -(-S // block))
-    return max(1, min(tiles, -(-target_programs // max(1, programs_per_split))))
+    return max(1, min(tiles // min_tiles, -(-target_programs // max(1, programs_per_split))))
 
 
 def split_plan(S: int, pairs: int, cfg: AttnConfig, splits: int | None = None) -> tuple[int, int]:
@@ -199,7 +209,7 @@ def split_plan(S: int, pairs: int, cfg: AttnConfig, splits: int | None = None) -
     (default ``splits_for``), raised where ``cfg.bound`` needs it so that no split exceeds ``MAX_SPLIT_TILES``
     tiles (its mask is read as one vector), then trimmed to the splits that hold a position."""
     tiles = max(1, -(-S // cfg.block))
-    sp = splits if splits is not None else splits_for(S, pairs, cfg.target_programs, cfg.block)
+    sp = splits if splits is not None else splits_for(S, pairs, cfg.target_programs, cfg.block, cfg.min_split_tiles)
     sp = max(sp, -(-tiles // MAX_SPLIT_TILES)) if cfg.bound else sp
     per_split = cfg.block * -(-tiles // sp)
     return (max(1, -(-S // per_split)) if S > 0 else 1), per_split

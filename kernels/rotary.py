@@ -6,6 +6,12 @@ Legend: B batch, Hq/Hk query/key heads, T tokens, D head dim (even; rotate_half 
 
 In module form the two tensors take ~10 kernels (neg, cat, two muls and an add each); this is one
 launch over every (b, head, t) row of q and of k. Outputs are new contiguous ``[B, H, T, D]`` tensors.
+
+Compiled with ``enable_fp_fusion=False``: with it on, Triton turns the rounded products into bf16 and fuses the
+first product with the sum into one ``fma.rn.bf16``, skipping that product's rounding; on the H200 this
+flipped the last bit of some outputs against the module (sm_90 PTX: ``fma.rn.bf16`` with fusion,
+``mul.rn.bf16`` + ``add.rn.bf16``/``sub.rn.bf16`` without; the bf16 add of two bf16 products rounds as the
+module's fp32 add then bf16 cast does).
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+#: the launch's compile options (see the module docstring for why fusion is off)
+LAUNCH_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 
 if triton is not None:
 
@@ -88,7 +97,7 @@ def apply_rotary(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tens
         _rotary_kernel[(B * T * (Hq + Hk),)](q, k, cos_BTD, sin_BTD, q_out, k_out, Hq, Hk, T,
                                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                              k.stride(2), cos_BTD.stride(0), cos_BTD.stride(1),
-                                             HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1)
+                                             HALF=half, BLOCK=triton.next_power_of_2(half), **LAUNCH_OPTIONS)
     return q_out, k_out
 
 

@@ -138,10 +138,15 @@ def test_split_count_keeps_whole_tiles_and_enough_programs():
     assert splits_for(1152, 4) == 1152 // BLOCK_S  # 18 tiles, 4 (row, head) pairs: every tile its own split
     assert splits_for(1152, 256) == 1  # enough programs without splitting
     assert 1 <= splits_for(100_000, 16) <= 16
+    # at least two tiles per split (AttnConfig's default): 18 tiles at 1 row make 9 splits, not 18
+    assert splits_for(1152, 4, min_tiles=2) == 9
+    assert splits_for(BLOCK_S, 4, min_tiles=2) == 1  # one tile: one split
+    assert splits_for(1152, 64, min_tiles=2) == 4  # the target, not the tile floor, sets it at 16 rows
 
 
 def test_bad_launch_choices_are_named():
-    for bad in ({"block": 48}, {"block": 8}, {"warps": 3}, {"stages": 0}, {"target_programs": 0}):
+    for bad in ({"block": 48}, {"block": 8}, {"warps": 3}, {"stages": 0}, {"target_programs": 0},
+                {"min_split_tiles": 0}):
         with pytest.raises(ValueError, match="AttnConfig|invalid"):
             AttnConfig(**bad)
 

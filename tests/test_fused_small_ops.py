@@ -125,23 +125,26 @@ from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from moe_offload.kernels import rmsnorm, rotary
 
-def build(fn, sig, consts, num_warps):
+def build(fn, sig, consts, options):
     names = fn.arg_names
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 i32 = dict.fromkeys
 out = {}
 for one_plus in (False, True):
     ptx = build(rmsnorm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32",
                                            **i32(["H", "x_stride", "inner_n", "inner_stride", "out_stride"], "i32")},
-                {"ONE_PLUS": one_plus, "BLOCK": 128}, 4)
+                {"ONE_PLUS": one_plus, "BLOCK": 128}, {"num_warps": 4})
     out[f"rms_norm_{one_plus}"] = "st.global" in ptx
 ptx = build(rotary._rotary_kernel, {**i32(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], "*bf16"),
                                     **i32(["Hq", "Hk", "T", "sqb", "sqh", "sqt", "skb", "skh", "skt", "scb", "sct"],
-                                          "i32")}, {"HALF": 64, "BLOCK": 64}, 1)
+                                          "i32")}, {"HALF": 64, "BLOCK": 64}, rotary.LAUNCH_OPTIONS)
 out["rotary"] = "st.global" in ptx
+# with FP fusion on, the first rounded product and the sum became one fma.rn.bf16 (one rounding fewer than the
+# module: last-bit differences on the H200); the launch's options must keep every product rounded
+out["rotary_no_fma"] = "fma.rn" not in ptx
 print(json.dumps(out))
 '''
 
@@ -152,4 +155,4 @@ def test_the_kernels_compile_for_sm90(compiled_without_interpreter):
     import json
 
     result = json.loads(compiled_without_interpreter(_COMPILE_SM90))
-    assert result == {"rms_norm_False": True, "rms_norm_True": True, "rotary": True}
+    assert result == {"rms_norm_False": True, "rms_norm_True": True, "rotary": True, "rotary_no_fma": True}

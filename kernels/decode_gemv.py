@@ -28,8 +28,10 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
 2b. with ``down_per_pair`` instead: kernel 1 stores each pair's activations split (even columns, then odd);
    ``_down_pair_kernel``, program = (pair, BLOCK_N of the H outputs), loads them contiguously as tiles of the
    weight tile's shape (compiled for sm_90: 16-byte loads, no shared-memory conversion in the K loop where a
-   thread holds 8 weight bytes, e.g. 8 x 256 tiles with 4 warps; with 16 it converts once), writing fp32 partials ``[M, H]``; then ``_sum_pairs_kernel`` adds each token's K partials
+   thread holds 8 weight bytes, e.g. 8 x 256 tiles with 4 warps; with 16 it converts once), writing fp32 partials ``[M, H]``; then ``moe_sum.sum_pairs`` adds each token's K partials
    in the order k = 0..K-1 (deterministic).
+With ``residual_TH`` the output is ``residual + y`` with the decoder layer's roundings (``moe_sum.py``), in the
+launch that writes y (the down kernel or the pair sum): the layer's residual add needs no launch of its own.
    KP times the programs of kernel 2 and one more launch; which is faster is data (the tuning table).
 Pairs whose row is outside [0, N) (e.g. -1) contribute nothing (masked loads, weight 0).
 
@@ -48,6 +50,7 @@ import triton.language as tl
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call
+from moe_offload.kernels.moe_sum import check_residual, store_out, sum_pairs
 from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_guard, e2m1_to_f32
 
 
@@ -195,8 +198,9 @@ def _down_sum_kernel(
     g_ptr, stride_gn,  # gs [N, 3] f32
     rows_ptr, w_ptr,  # [M] bank rows, [M] routing weights (any float dtype; used in fp32)
     out_ptr, stride_ot,  # [T, H]
+    res_ptr, stride_rt,  # [T, H] residual added to the output (RESIDUAL only)
     N, H, I, TOPK,
-    KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -233,7 +237,7 @@ def _down_sum_kernel(
     scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w
     y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * scale, (KP, BLOCK_N)), axis=0)  # fixed-order sum over pairs
     offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + t * stride_ot + offs_y, y.to(out_ptr.dtype.element_ty), mask=offs_y < H)
+    store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs_y, offs_y < H, y, RESIDUAL)
 
 
 @triton.jit
@@ -279,18 +283,6 @@ def _down_pair_kernel(
     tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
 
 
-@triton.jit
-def _sum_pairs_kernel(part_ptr, out_ptr, stride_ot, H, TOPK, BLOCK: tl.constexpr):
-    """y[t] = sum over k = 0..K-1, in that order, of part[t*K + k] (deterministic, no atomics)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    t = tl.program_id(1).to(tl.int64)
-    y = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k in range(0, TOPK):
-        y += tl.load(part_ptr + (t * TOPK + k) * H + offs, mask=offs < H, other=0.0)
-    tl.store(out_ptr + t * stride_ot + offs, y.to(out_ptr.dtype.element_ty), mask=offs < H)
-
-
-SUM_BLOCK = 1024  # outputs per program of the pair sum (H = 2048: 2 programs a token)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,6 +296,7 @@ def decode_gemv_nvfp4(
     views: dict,
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
+    residual_TH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for few tokens per expert; no host sync, no bf16 weight copy.
 
@@ -316,6 +309,8 @@ def decode_gemv_nvfp4(
             ``w2_q [N, H, I/2] u8``, ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32``; rows contiguous.
         out_dtype: output dtype (default ``hidden_TH.dtype``).
         config: tiles; default ``gemv_config_for(device, H, I, T*K)``.
+        residual_TH: ``[T, H]`` in ``out_dtype`` (optional): returns ``residual_TH + y`` rounded as the decoder
+            layer's add (``moe_sum.py``), in the same launches.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
@@ -325,8 +320,10 @@ def decode_gemv_nvfp4(
     T, K = rows_TK.shape
     M = T * K
     dev = hidden_TH.device
+    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
     if M == 0:
-        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+        zeros = torch.zeros((T, H), dtype=out_dtype, device=dev)
+        return zeros if residual_TH is None else residual_TH + zeros
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config
@@ -374,9 +371,7 @@ def decode_gemv_nvfp4(
                 BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
                 num_warps=dn.num_warps,
             )
-            _sum_pairs_kernel[(triton.cdiv(H, SUM_BLOCK), T)](part_MH, out_TH, out_TH.stride(0), H, K,
-                                                              BLOCK=SUM_BLOCK, num_warps=4)
-            return out_TH
+            return sum_pairs(part_MH, K, out_TH, residual_TH)
         _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
             act_MI,
             q2, q2.stride(0), q2.stride(1),
@@ -384,8 +379,9 @@ def decode_gemv_nvfp4(
             gs, gs.stride(0),
             rows_M, weights_M,
             out_TH, out_TH.stride(0),
+            *((out_TH, 0) if residual_TH is None else (residual_TH, residual_TH.stride(0))),
             N, H, I, K,
             KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
-            num_warps=dn.num_warps,
+            RESIDUAL=residual_TH is not None, num_warps=dn.num_warps,
         )
     return out_TH

@@ -17,7 +17,8 @@ GEMMs, the sum over K); this path enqueues 4:
    ``decode_moe_tuning.json`` (keyed by GPU name, shape (H, I) and M; written by
    ``benchmarks/tune_decode_moe.py``): BLOCK_M = 16 (one expert rarely gets more than a few pairs at
    decode) and narrow N tiles, so a step with 8 routed experts still spreads over >= 132 SMs.
-4. the sum over K of the weighted per-pair terms (deterministic: no atomics).
+4. the sum over K of the weighted per-pair terms (deterministic: no atomics), which also adds the decoder
+   layer's residual when given one (``moe_sum.py``).
 
 Grids depend only on host-known shapes (T, K, N, H, I), nothing is read back to the host: the call can
 be captured in a CUDA graph, and rows (e.g. from ``decode_miss.serve_misses``) are read at replay time.
@@ -109,6 +110,7 @@ def decode_moe_nvfp4(
     views: dict,
     out_dtype: torch.dtype | None = None,
     config: FusedMoeConfig | None = None,
+    residual_TH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
 
@@ -121,8 +123,11 @@ def decode_moe_nvfp4(
             ``w2_q [N, H, I/2] u8``, ``w2_s [N, H, I/16] e4m3``, ``gs [N, 3] f32``; rows contiguous.
         out_dtype: output dtype (default ``hidden_TH.dtype``).
         config: tiles; default ``decode_config_for(device, H, I, T*K)``.
+        residual_TH: ``[T, H]`` in ``out_dtype`` (optional): returns ``residual_TH + y`` with the decoder layer's
+            roundings, added by the sum over K (``moe_sum.py``; no launch of its own).
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
-    return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align)
+    return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
+                     residual_TH)

@@ -11,7 +11,8 @@ Steps, all enqueued without a host sync (the grid is sized from host-known upper
 2. ``_gate_up_silu_kernel``: per block of one row, x @ [gate; up]^T with NVFP4 dequant in the K loop,
    epilogue ``silu(gate) * up`` -> ``act_MI`` (pair order, compute dtype).
 3. ``_down_kernel``: ``act @ down^T`` with dequant in the K loop, times the routing weight ->
-   ``terms_MH`` (pair order); ``terms.view(T, K, H).sum(1)`` reduces over K (deterministic, no atomics).
+   ``terms_MH`` (pair order); ``moe_sum.sum_pairs`` reduces over K (k = 0..K-1 in fp32: deterministic, no
+   atomics), adding the decoder layer's residual in the same launch when one is given.
    With K == 1 the kernel writes the output directly.
 
 Weight tiles are loaded transposed, ``[BLOCK_K/2 bytes, BLOCK_N rows]`` (contiguous along K), and
@@ -275,16 +276,22 @@ def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, i
     return N, H, I, out_dtype
 
 
-def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align) -> torch.Tensor:
+def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align,
+              residual_TH=None) -> torch.Tensor:
     """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
-    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K.
+    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K
+    (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the residual, the decoder layer's roundings).
     ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
+    from moe_offload.kernels.moe_sum import check_residual, sum_pairs
+
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
     dev = hidden_TH.device
+    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
     if M == 0:
-        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+        zeros = torch.zeros((T, H), dtype=out_dtype, device=dev)
+        return zeros if residual_TH is None else residual_TH + zeros
     if config is None:
         config = default_config(dev, H, I, M)
     if hidden_TH.stride(1) != 1:
@@ -296,9 +303,9 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config)
     gate_up()
     down()
-    if K == 1:
+    if K == 1 and residual_TH is None:
         return terms_MH
-    return terms_MH.view(T, K, H).sum(dim=1)
+    return sum_pairs(terms_MH, K, torch.empty((T, H), dtype=out_dtype, device=dev), residual_TH)
 
 
 def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig):

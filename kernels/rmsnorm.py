@@ -8,6 +8,9 @@ Two flavours, as the model families define them:
 statistics in fp32. In a decode step the module form is ~6 kernels per norm (cast, pow, mean, add+rsqrt,
 mul, cast, mul) and a Qwen3-MoE layer has four norms; this is one. The fp32 sum runs in another order
 than torch's mean, so outputs may differ from the module in the last bit of the stored dtype.
+
+``add_rms_norm``: a decoder layer's ``h = residual + x`` (rounded to the dtype, as the layer's add) and the norm
+of ``h`` in one launch, both written (``h`` stays the residual stream): one launch instead of two per use.
 """
 
 from __future__ import annotations
@@ -41,11 +44,28 @@ if triton is not None:
         tl.store(out_ptr + row.to(tl.int64) * out_stride + offs, y, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:
-    """``x [..., H]`` normalized over H -> same shape and dtype as ``x`` (see the module docstring).
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, H, x_stride, r_stride, eps,
+                             ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < H
+        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+        r = tl.load(r_ptr + row * r_stride + offs, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the layer's ``residual + x``
+        tl.store(h_ptr + row * H + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        if ONE_PLUS:
+            y = (hf * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
+        else:
+            y = (w.to(tl.float32) * (hf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row * H + offs, y, mask=mask)
 
-    ``weight`` ``[H]``; its dtype is the model's (the product with the weight is rounded to ``x.dtype``,
-    as the modules do when weight and activations share a dtype)."""
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: str) -> int:
+    """H of a valid norm call, or a ValueError naming what is wrong."""
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r}; accepted: {SCALES}")
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
@@ -57,6 +77,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "we
         raise ValueError(f"weight on {weight.device}, x on {x.device}")
     if H > 65536:
         raise ValueError(f"H={H} exceeds one program's row (65536); use the module's forward")
+    return H
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 scale: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h))`` with ``h = residual + x`` rounded to ``x.dtype``, in one launch: a decoder layer's
+    residual add and the next norm (``h`` is the new residual stream). Same bits as the add followed by
+    ``rms_norm``. ``x`` and ``residual``: the same shape ``[..., H]`` and dtype."""
+    H = _check(x, weight, scale)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} must match x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.numel() == 0:
+        return h, out
+    x2, r2 = (_rows(t, H) for t in (x, residual))
+    from moe_offload.kernels.nvfp4 import device_guard
+
+    block = triton.next_power_of_2(H)
+    with device_guard(x.device):
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, h, out, H, x2.stride(0), r2.stride(0), float(eps),
+                                             ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
+                                             num_warps=4 if block <= 4096 else 8)
+    return h, out
+
+
+def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
+    """``t`` as ``[rows, H]`` with a unit column stride (a view where one exists, else a copy)."""
+    try:
+        t2 = t.view(-1, H)
+    except RuntimeError:
+        return t.reshape(-1, H).contiguous()
+    return t2 if t2.stride(-1) == 1 or H == 1 else t2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:
+    """``x [..., H]`` normalized over H -> same shape and dtype as ``x`` (see the module docstring).
+
+    ``weight`` ``[H]``; its dtype is the model's (the product with the weight is rounded to ``x.dtype``,
+    as the modules do when weight and activations share a dtype)."""
+    H = _check(x, weight, scale)
     # rows read in place through two strides where x views as [R, n, H] with contiguous H: e.g. the heads of a
     # q or k slice of a fused q/k/v GEMM output (fused_qkv), which ``reshape(-1, H)`` would copy (one more launch)
     if x.numel() == 0:

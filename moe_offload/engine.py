@@ -134,10 +134,12 @@ class Engine:
         model.to(device).eval()
         check_no_meta(model)
         if cfg.compute.fused_norms and device.type == "cuda":
-            from moe_offload.integrations.fused_norms import fuse_rms_norms, fuse_rotary, fuse_routers, mark_gqa_decode
+            from moe_offload.integrations.fused_norms import (fuse_residual_adds, fuse_rms_norms, fuse_rotary,
+                                                              fuse_routers, mark_gqa_decode)
             from moe_offload.integrations.fused_qkv import fuse_qkv
 
             fuse_rms_norms(model)
+            fuse_residual_adds(model)
             fuse_rotary()
             fuse_routers(model)
             mark_gqa_decode(model, cfg.compute.decode_attention)

@@ -22,6 +22,7 @@ from torch import nn
 
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.compute.base import ExpertCompute
+from moe_offload.compute.decode import DecodeCompute
 
 
 class OffloadedExperts(nn.Module):
@@ -53,16 +54,23 @@ class OffloadedExperts(nn.Module):
         """Whether a forward of ``num_tokens`` tokens takes the routed-only (decode) path."""
         return self.cache.takes_routed_path(num_tokens)
 
-    def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                residual_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, H]``; with ``residual_TH`` (``[T, H]``, the decoder layer's residual stream) ``residual_TH + out``
+        rounded as the layer's own add would be. On the decode path of one rank with the fused decode compute the
+        add happens inside the MoE's last launch (``kernels/moe_sum.py``); elsewhere it is a torch add."""
         T = hidden_TH.shape[0]
         self.cache.observe_routing(self.layer_idx, top_k_index)
         if self.uses_decode_path(T):
+            if residual_TH is not None and self.reduce is None and isinstance(self.decode_compute, DecodeCompute):
+                return self._decode(hidden_TH, top_k_index, top_k_weights, residual_TH)
             out = self._decode(hidden_TH, top_k_index, top_k_weights)
         else:
             out = self._prefill(hidden_TH, top_k_index, top_k_weights)
-        return self.reduce(out) if self.reduce is not None else out
+        out = self.reduce(out) if self.reduce is not None else out
+        return out if residual_TH is None else residual_TH + out
 
-    def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK):
+    def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK, residual_TH=None):
         cache = self.cache
         eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
         layers = cache.layers
@@ -72,7 +80,8 @@ class OffloadedExperts(nn.Module):
         if eager and self.layer_idx == layers[0]:
             cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
         rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK, hidden_TH)
-        out = self.decode_compute(hidden_TH, rows_TK, topk_w_TK, cache.decode_views(), cache.decode_num_rows)
+        args = (hidden_TH, rows_TK, topk_w_TK, cache.decode_views(), cache.decode_num_rows)
+        out = self.decode_compute(*args) if residual_TH is None else self.decode_compute(*args, residual_TH=residual_TH)
         if eager and self.layer_idx == layers[-1]:
             cache.decode_step_enqueued()
         return out

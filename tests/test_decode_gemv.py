@@ -152,9 +152,9 @@ def test_the_per_pair_down_gives_the_bits_of_the_same_sum_done_by_hand(case):
 def test_the_pair_sum_covers_every_output_block(monkeypatch):
     """With a pair-sum block of 16 outputs, H = 48 and 80 take several programs along H (H = 2048 takes two
     of the shipped 1024): each must add its own block."""
-    from moe_offload.kernels import decode_gemv as g
+    from moe_offload.kernels import moe_sum
 
-    monkeypatch.setattr(g, "SUM_BLOCK", 16)
+    monkeypatch.setattr(moe_sum, "SUM_BLOCK", 16)
     for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
         out, ref = run(case, torch.float32, PAIR_DOWN)
         assert_close_to_scale(out, ref, 1e-5)  # fp32: as in test_decode_gemv_matches_the_fp32_reference
@@ -229,12 +229,14 @@ common = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "rows_ptr": "*i
 div16 = ["q_ptr", "s_ptr", "stride_qn", "stride_qr", "stride_sn", "H", "I"]
 gate_up_sig = {**common, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*fp32", "M": "i32",
                **i32(["sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32")}
+down_sig = {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_ot": "i32", "res_ptr": "*bf16",
+            "stride_rt": "i32"}
 out = {"gate_up": v4_loads(g._gate_up_kernel, gate_up_sig,
                            {"BLOCK_M": 1, "BLOCK_N": cfg.gate_up.block_n, "BLOCK_K": cfg.gate_up.block_k, "EVEN_K": True,
                             "SPLIT_X": False, "SPLIT_ACT": False}, div16, cfg.gate_up.num_warps),
-       "down": v4_loads(g._down_sum_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_ot": "i32"},
-                        {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True},
-                        div16, cfg.down.num_warps),
+       "down": v4_loads(g._down_sum_kernel, down_sig,
+                        {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k, "EVEN_K": True,
+                         "RESIDUAL": False}, div16, cfg.down.num_warps),
        "gate_up_bytes": cfg.gate_up.block_n * cfg.gate_up.block_k // 2 // (32 * cfg.gate_up.num_warps),
        "down_bytes": 8 * cfg.down.block_n * cfg.down.block_k // 2 // (32 * cfg.down.num_warps)}
 def loop_of(fn, sig, consts, div, num_warps):
@@ -267,8 +269,14 @@ for split in (False, True):
               "SPLIT_X": split, "SPLIT_ACT": False}
     out["grouped_split" if split else "grouped_interleaved"] = stats(loop_of(
         g._gate_up_kernel, gate_up_sig, consts, div16 + ["x_ptr", "stride_xt", "x_odd_off"], grp.gate_up.num_warps))
-v4_loads(g._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", **i32(["stride_ot", "H", "TOPK"], "i32")},
-         {"BLOCK": g.SUM_BLOCK}, ["part_ptr", "H"], 4)
+# the residual-adding variants compile too (the pair sum's, and the down kernel's at T = 1 tiles)
+from moe_offload.kernels import moe_sum
+for residual in (False, True):
+    v4_loads(moe_sum._sum_pairs_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "res_ptr": "*bf16",
+                                         **i32(["stride_pm", "stride_rt", "stride_ot", "H", "TOPK"], "i32")},
+             {"BLOCK": moe_sum.SUM_BLOCK, "RESIDUAL": residual}, ["part_ptr", "H"], 4)
+v4_loads(g._down_sum_kernel, down_sig, {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k,
+                                        "EVEN_K": True, "RESIDUAL": True}, div16, cfg.down.num_warps)
 print(json.dumps(out))
 '''
 

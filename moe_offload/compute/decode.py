@@ -46,13 +46,16 @@ class DecodeCompute:
 
         return "gemv" if T * K <= gemv_entry(device, H, I).gemv_max_pairs else "tiles"
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows):
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None):
+        """``out_TH``, or ``residual_TH + out_TH`` (rounded as the decoder layer's add) when a residual is given:
+        the fused kernels add it in their last launch, the other computes with a torch add."""
         T, K = rows_TK.shape
         if self.fused:
             H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
             fn = self._gemv if self.pick(hidden_TH.device, T, K, H, I) == "gemv" else self._tiles
-            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype)
+            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype, residual_TH=residual_TH)
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)
-        return self.inner(hidden_TH, pair_rows_TK, weights_TK, routed, T * K)
+        out = self.inner(hidden_TH, pair_rows_TK, weights_TK, routed, T * K)
+        return out if residual_TH is None else residual_TH + out

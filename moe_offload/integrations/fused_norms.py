@@ -1,5 +1,5 @@
-"""Fused replacements for the launch-bound small ops of a decode step (CUDA): RMSNorm, rotary, the
-router's softmax + top-k, and grouped-query decode attention without repeated K/V.
+"""Fused replacements for the launch-bound small ops of a decode step (CUDA): RMSNorm, the decoder layers'
+residual adds, rotary, the router's softmax + top-k, and grouped-query decode attention without repeated K/V.
 
 RMSNorm: the modules of a built transformers model get a forward that runs one fused kernel each.
 
@@ -50,6 +50,54 @@ def fuse_rms_norms(model: torch.nn.Module) -> int:
         module.forward = forward
         n += 1
     log.event("fused_rms_norms", logging.DEBUG, modules=n)
+    return n
+
+
+#: decoder layer class name -> its MoE block class name: layers whose forward is ``h = x + attn(norm1(x));
+#: out = h + mlp(norm2(h))`` (attention called with the layer's keyword arguments), MoE blocks whose forward is
+#: ``gate`` -> ``experts(x, ids, weights)`` -> reshape (Mixtral's jitter only in training)
+RESIDUAL_LAYERS = {"Qwen3MoeDecoderLayer": "Qwen3MoeSparseMoeBlock", "MixtralDecoderLayer": "MixtralSparseMoeBlock"}
+
+
+def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
+    """Give every listed decoder layer of ``model`` a forward whose two residual adds share launches with their
+    neighbours (CUDA, or also CPU tensors with ``on_cpu``, which runs the kernels only under Triton's interpreter:
+    tests; keyword-argument calls, eval mode; anything else runs the layer's own forward):
+    - after attention, ``h = x + attn`` and ``post_attention_layernorm(h)`` are one launch
+      (``kernels/rmsnorm.py`` ``add_rms_norm``);
+    - after the MoE block, ``h + moe`` is added by the MoE's own sum over K where the experts are
+      ``OffloadedExperts`` on the decode path of one rank (``kernels/moe_sum.py``); elsewhere a torch add.
+    Two launches fewer per layer and step, same roundings as the layer (bit-equal to the unfused fused-kernel
+    path; see tests). Returns how many layers."""
+    from moe_offload.experts import OffloadedExperts
+    from moe_offload.kernels.rmsnorm import add_rms_norm
+
+    n = 0
+    for layer in model.modules():
+        block_name = RESIDUAL_LAYERS.get(type(layer).__name__)
+        post = getattr(layer, "post_attention_layernorm", None)
+        if block_name is None or post is None or FLAVOURS.get(type(post).__name__) is None:
+            continue
+        original = type(layer).forward.__get__(layer)
+        flavour, eps = FLAVOURS[type(post).__name__], _eps(post)
+
+        def forward(hidden_states, *args, _layer=layer, _original=original, _post=post, _eps=eps, _scale=flavour,
+                    _block=block_name, **kwargs):
+            if args or not (hidden_states.is_cuda or on_cpu) or _layer.training:
+                return _original(hidden_states, *args, **kwargs)
+            attn, _ = _layer.self_attn(hidden_states=_layer.input_layernorm(hidden_states), **kwargs)
+            h, normed = add_rms_norm(attn, hidden_states, _post.weight, _eps, _scale)
+            mlp = _layer.mlp
+            if type(mlp).__name__ == _block and isinstance(mlp.experts, OffloadedExperts):
+                B, S, H = normed.shape
+                x = normed.view(-1, H)
+                _, weights, ids = mlp.gate(x)
+                return mlp.experts(x, ids, weights, residual_TH=h.view(-1, H)).view(B, S, H)
+            return h + mlp(normed)
+
+        layer.forward = forward
+        n += 1
+    log.event("fused_residual_adds", logging.DEBUG, layers=n)
     return n
 
 

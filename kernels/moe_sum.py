@@ -1,0 +1,80 @@
+"""The last step of an MoE layer in one launch: each token's K weighted expert outputs summed in a fixed order,
+rounded to the output dtype, and (optionally) added to the decoder layer's residual stream.
+
+Legend: T tokens, K top-k, M = T*K routed pairs (token-major: pair t*K + k), H hidden.
+
+    out[t] = round(sum_{k=0..K-1} part[t*K + k])                       (no residual)
+    out[t] = round(residual[t] + round(sum_{k=0..K-1} part[t*K + k]))  (with one)
+
+The second line is what a transformers decoder layer computes as ``residual + mlp(x)`` in the activations'
+dtype (the MoE output rounded, then the add rounded), so fusing the add changes no bit; it saves the add's
+launch (~1.4 us of kernel and a graph gap per decode layer on the H200) and replaces torch's reduction over
+K (``reduce_kernel``, ~4.8 us per layer at batch 16 in the H200 graph profile
+``profile-decode-l8-r1.0-b16-retuned-b18b0cc.json``). Sums in fp32, k = 0..K-1: deterministic, no atomics.
+Grids depend on host-known shapes only (graph-capturable). ``store_out`` is the same rounding for kernels that
+sum over K themselves (``decode_gemv.py``'s down kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SUM_BLOCK = 1024  # outputs per program (H = 2048: 2 programs a token)
+
+
+@triton.jit
+def store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs, mask, y, RESIDUAL: tl.constexpr):
+    """Store fp32 ``y`` (outputs ``offs`` of token ``t``) rounded to the output dtype; with RESIDUAL, the rounded
+    value added to the residual's row and rounded again (the decoder layer's ``residual + mlp_out``)."""
+    out = y.to(out_ptr.dtype.element_ty)
+    if RESIDUAL:
+        res = tl.load(res_ptr + t * stride_rt + offs, mask=mask, other=0.0)
+        out = (res.to(tl.float32) + out.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * stride_ot + offs, out, mask=mask)
+
+
+@triton.jit
+def _sum_pairs_kernel(part_ptr, stride_pm, res_ptr, stride_rt, out_ptr, stride_ot, H, TOPK,
+                      RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # tokens on the first grid axis (up to 2^31 - 1 of them)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < H
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, TOPK):
+        y += tl.load(part_ptr + (t * TOPK + k) * stride_pm + offs, mask=mask, other=0.0).to(tl.float32)
+    store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs, mask, y, RESIDUAL)
+
+
+def check_residual(residual_TH: torch.Tensor | None, T: int, H: int, out_dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor | None:
+    """``residual_TH`` as the kernels read it (rows with a unit column stride), or a ValueError naming what is
+    wrong; None stays None."""
+    if residual_TH is None:
+        return None
+    if not isinstance(residual_TH, torch.Tensor) or residual_TH.shape != (T, H):
+        raise ValueError(f"residual_TH must be [T={T}, H={H}], got {tuple(getattr(residual_TH, 'shape', ()))}")
+    if residual_TH.dtype != out_dtype or residual_TH.device != device:
+        raise ValueError(f"residual_TH is {residual_TH.dtype} on {residual_TH.device}; the output is {out_dtype} "
+                         f"on {device} (the residual add runs in the output's dtype)")
+    return residual_TH if residual_TH.stride(1) == 1 else residual_TH.contiguous()
+
+
+def sum_pairs(part_MH: torch.Tensor, topk: int, out_TH: torch.Tensor, residual_TH: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """``out_TH[t] = [residual[t] +] sum_k part_MH[t*K + k]`` with the module docstring's roundings (enqueue
+    only); ``part_MH`` any float dtype, rows with a unit column stride; ``residual_TH`` as ``check_residual``
+    returns it. Returns ``out_TH``."""
+    from moe_offload.kernels.nvfp4 import device_guard
+
+    T, H = out_TH.shape
+    if T == 0 or H == 0:
+        return out_TH
+    res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
+    with device_guard(out_TH.device):
+        _sum_pairs_kernel[(T, triton.cdiv(H, SUM_BLOCK))](part_MH, part_MH.stride(0), res, res.stride(0),
+                                                          out_TH, out_TH.stride(0), H, topk,
+                                                          RESIDUAL=residual_TH is not None, BLOCK=SUM_BLOCK,
+                                                          num_warps=4)
+    return out_TH

@@ -1,0 +1,72 @@
+"""On CUDA, in bf16: the decoder layers' residual adds fused into ``add_rms_norm`` and the MoE's sum over K give
+the bits of the unfused adds (CUDA rounds to nearest as torch does, so bf16 is checked bit for bit here), and a
+whole model decodes to the same logits with and without the fusion (graphs on).
+
+Legend: T tokens, K top-k, H hidden.
+"""
+
+import pytest
+import torch
+
+from moe_offload.config import load_config
+from moe_offload.decode_graph import StaticDecoder
+from moe_offload.engine import Engine
+from moe_offload.kernels.rmsnorm import add_rms_norm, rms_norm
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_add_rms_norm_gives_the_bits_of_the_bf16_add_then_the_norm():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, res = (torch.randn(16, 1, 2048, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = torch.randn(2048, device="cuda", generator=gen).bfloat16()
+    h, normed = add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(h, res + x) and torch.equal(normed, rms_norm(res + x, w, 1e-6))
+
+
+@pytest.mark.parametrize("kernel", ["tiles", "gemv", "gemv-pair-down"])
+def test_the_decode_kernels_residual_add_gives_the_bits_of_the_layers_bf16_add(kernel):
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+    from moe_offload.kernels.decode_moe import decode_moe_nvfp4
+    from test_decode_gemv import PAIR_DOWN
+    from test_decode_moe import make_pool, routing
+
+    T, K, N, H, I = 16, 8, 40, 256, 128
+    _, views = make_pool(N, H, I, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    residual = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    rows, weights = routing(T, K, N, "random", gen)
+    fn, config = {"tiles": (decode_moe_nvfp4, None), "gemv": (decode_gemv_nvfp4, None),
+                  "gemv-pair-down": (decode_gemv_nvfp4, PAIR_DOWN)}[kernel]
+    plain = fn(hidden, rows, weights, views, config=config)
+    assert torch.equal(fn(hidden, rows, weights, views, config=config, residual_TH=residual), residual + plain)
+
+
+def _engine(path, *extra):
+    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
+                             "logging.level=WARNING", *extra])
+    return Engine.from_config(cfg, progress=False)
+
+
+def _run(dec, steps=8):
+    logits = dec.prefill(torch.tensor([list(range(10, 42)), list(range(50, 82))], device="cuda"))
+    seen = [logits.clone()]
+    for _ in range(steps):
+        logits = dec.step(logits.argmax(-1))
+        seen.append(logits.clone())
+    return seen
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
+def test_a_model_with_fused_residual_adds_decodes_to_the_bits_of_the_layers_own_adds(tiny_ckpt, preset):
+    path = tiny_ckpt(preset, "nvfp4-modelopt")
+    fused = _engine(path, "cache.budget=0.37")
+    assert all("forward" in vars(layer) for layer in fused.model.model.layers)  # compute.fused_norms installed it
+    plain = _engine(path, "cache.budget=0.37")
+    for layer in plain.model.model.layers:
+        del layer.forward  # the layer's own forward (the fused norms, routers, rotary and q/k/v stay)
+    want = _run(StaticDecoder(plain, 2, 64, graphs=True))
+    got = _run(StaticDecoder(fused, 2, 64, graphs=True))
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"step {i} differs"

@@ -24,8 +24,18 @@ except ImportError:
     triton = None
 
 SCALES = ("weight", "one_plus_weight")
+#: compile options of every launch here: FP fusion off, as in kernels/rotary.py, so that kernels/qk_norm_rope.py
+#: (which must be compiled without it) reproduces the statistic bit for bit; 4 warps up to 4096 columns
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 if triton is not None:
+
+    @triton.jit
+    def inverse_rms(xf, H, eps):
+        """``1 / sqrt(mean(x^2) + eps)`` of an fp32 row vector (``H`` the real length; masked lanes hold 0). Every
+        kernel that must match this file's norms bit for bit computes it here, over the same vector layout
+        (``next_power_of_2(H)`` lanes, the same warps)."""
+        return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, inner_n, inner_stride, out_stride, eps,
@@ -35,7 +45,7 @@ if triton is not None:
         mask = offs < H
         x_row = x_ptr + (row // inner_n).to(tl.int64) * x_stride + (row % inner_n).to(tl.int64) * inner_stride
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        inv = inverse_rms(x, H, eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         if ONE_PLUS:
             y = (x * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
@@ -55,7 +65,7 @@ if triton is not None:
         h = (r.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the layer's ``residual + x``
         tl.store(h_ptr + row * H + offs, h, mask=mask)
         hf = h.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / H + eps)
+        inv = inverse_rms(hf, H, eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         if ONE_PLUS:
             y = (hf * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
@@ -100,8 +110,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     with device_guard(x.device):
         _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, h, out, H, x2.stride(0), r2.stride(0), float(eps),
                                              ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
-                                             num_warps=4 if block <= 4096 else 8)
+                                             num_warps=num_warps(block), **LAUNCH_OPTIONS)
     return h, out
+
+
+def num_warps(block: int) -> int:
+    """Warps of a norm program over ``block`` lanes (part of the statistic's reduction order)."""
+    return 4 if block <= 4096 else 8
 
 
 def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -135,7 +150,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "we
     with device_guard(x.device):
         _rms_norm_kernel[(rows,)](x3, weight, out, H, x3.stride(0), n, x3.stride(1), out.stride(0), float(eps),
                                   ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
-                                  num_warps=4 if block <= 4096 else 8)
+                                  num_warps=num_warps(block), **LAUNCH_OPTIONS)
     return out.view(x.shape)
 
 

@@ -259,7 +259,8 @@ class ComputeConfig(_Strict):
                               "rotary one kernel (kernels/rmsnorm.py, kernels/rotary.py), the router's softmax + "
                               "top-k + renorm one kernel (kernels/router.py), q/k/v one GEMM, grouped-query decode "
                               "attention without repeated K/V, each residual add inside the next norm or the MoE's "
-                              "sum over K (kernels/moe_sum.py) (moe_offload/integrations/)")
+                              "sum over K (kernels/moe_sum.py), Qwen3-MoE's q/k norms + rotary + KV write one kernel "
+                              "(kernels/qk_norm_rope.py) (moe_offload/integrations/)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

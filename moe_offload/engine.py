@@ -136,7 +136,7 @@ class Engine:
         if cfg.compute.fused_norms and device.type == "cuda":
             from moe_offload.integrations.fused_norms import (fuse_residual_adds, fuse_rms_norms, fuse_rotary,
                                                               fuse_routers, mark_gqa_decode)
-            from moe_offload.integrations.fused_qkv import fuse_qkv
+            from moe_offload.integrations.fused_qkv import fuse_qk_norm_rope, fuse_qkv
 
             fuse_rms_norms(model)
             fuse_residual_adds(model)
@@ -144,6 +144,7 @@ class Engine:
             fuse_routers(model)
             mark_gqa_decode(model, cfg.compute.decode_attention)
             fuse_qkv(model)
+            fuse_qk_norm_rope(model)
         tokenizer = None
         try:
             from moe_offload.tokenizer import load_tokenizer

@@ -156,3 +156,86 @@ def test_fused_residual_layers_give_the_bits_of_the_layers_own_forward(tiny_ckpt
     assert torch.equal(got, want)
     assert seen and all(r for _, r in seen)  # every MoE call, prefill (19 x 2 tokens) and decode (2), got it
     assert {t for t, _ in seen} == {38, 2}, seen
+
+
+# --- q/k norms + rotary + KV write in one launch (kernels/qk_norm_rope.py, integrations/fused_qkv.py) ---------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, T, Hq, Hk, D, start", [(2, 1, 4, 2, 16, 5), (3, 4, 6, 2, 32, 0), (1, 3, 2, 1, 64, 30)])
+def test_qk_norm_rope_write_is_the_three_kernels_in_a_row(dtype, B, T, Hq, Hk, D, start):
+    """The same bits as rms_norm (q and k heads), apply_rotary and kv_write run one after the other, in fp32 and in
+    bf16 (all four are Triton kernels here, so the interpreter's rounding is the same on both sides); a position
+    past the cache's end is not written."""
+    from moe_offload.kernels.kv_write import launch as kv_write_launch
+    from moe_offload.kernels.qk_norm_rope import qk_norm_rope_write
+    from moe_offload.kernels.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(B * 100 + T * 10 + D)
+    y = torch.randn(B, T, (Hq + 2 * Hk) * D, generator=gen).to(DEVICE, dtype)
+    wq, wk = (torch.randn(D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    ang = torch.randn(B, T, D, generator=gen)
+    cos, sin = ang.cos().to(DEVICE, dtype), ang.sin().to(DEVICE, dtype)
+    R, P = B + 1, 32
+    keys, values = (torch.full((R, Hk, P, D), -7.0, dtype=dtype, device=DEVICE) for _ in range(2))
+    start_B = torch.tensor([start], device=DEVICE).expand(B)
+    q = qk_norm_rope_write(y, (Hq, Hk), wq, wk, 1e-6, cos, sin, keys, values, start_B)
+
+    qn = rms_norm(y[..., :Hq * D].view(B, T, Hq, D), wq, 1e-6).transpose(1, 2)
+    kn = rms_norm(y[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D), wk, 1e-6).transpose(1, 2)
+    want_q, want_k = apply_rotary(qn, kn, cos, sin)
+    want_keys, want_values = (torch.full_like(keys, -7.0) for _ in range(2))
+    kv_write_launch(want_keys, want_values, want_k, y[..., (Hq + Hk) * D:].view(B, T, Hk, D).transpose(1, 2), start_B)
+    assert torch.equal(q, want_q)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert (keys[B:] == -7.0).all() and (start + T <= P or (keys[:, :, P - 1] != -7.0).any())
+
+
+def test_qk_norm_rope_write_names_what_does_not_fit():
+    from moe_offload.kernels.qk_norm_rope import qk_norm_rope_write
+
+    y = torch.zeros(2, 1, (4 + 4) * 16, device=DEVICE)
+    w = torch.ones(16, device=DEVICE)
+    cos = torch.ones(2, 1, 16, device=DEVICE)
+    keys = torch.zeros(2, 2, 8, 16, device=DEVICE)
+    start = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="does not fit"):
+        qk_norm_rope_write(y, (4, 3), w, w, 1e-6, cos, cos, keys, keys.clone(), start)
+    with pytest.raises(ValueError, match="cos/sin"):
+        qk_norm_rope_write(y, (4, 2), w, w, 1e-6, cos[..., :8], cos[..., :8], keys, keys.clone(), start)
+    with pytest.raises(ValueError, match="start"):
+        qk_norm_rope_write(y, (4, 2), w, w, 1e-6, cos, cos, keys, keys.clone(), start[:1])
+    with pytest.raises(ValueError, match="dtypes"):
+        qk_norm_rope_write(y, (4, 2), w, w, 1e-6, cos, cos, keys.double(), keys.double(), start)
+
+
+def test_a_qwen3_moe_model_with_fused_qk_norm_rope_gives_the_same_logits(tiny_ckpt, monkeypatch):
+    """Prefill and decode steps over the decoder's static cache with the q/k norms, rotary and KV write in one kernel
+    give the logits of the module's own forward (fp32, both with the fused q/k/v GEMM and RMSNorm kernel), and the
+    kernel ran for every attention call after each layer's first."""
+    from moe_offload.integrations.fused_qkv import fuse_qk_norm_rope, fuse_qkv
+    from moe_offload.integrations.fused_norms import fuse_rms_norms
+    from moe_offload.kernels import qk_norm_rope as qnr
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    base = _engine(path)
+    fuse_rms_norms(base.model)
+    fuse_qkv(base.model)
+    want = _decode_logits(base)
+
+    eng = _engine(path)
+    fuse_rms_norms(eng.model)
+    fuse_qkv(eng.model)
+    assert fuse_qk_norm_rope(eng.model) == len(eng.model.model.layers)
+    assert torch.equal(_decode_logits(eng), want)  # CPU tensors: the module's own forward unless on_cpu
+    calls = []
+    kernel = qnr.qk_norm_rope_write
+    monkeypatch.setattr(qnr, "qk_norm_rope_write", lambda *a: calls.append(a[0].shape[1]) or kernel(*a))
+    eng2 = _engine(path)
+    fuse_rms_norms(eng2.model)
+    fuse_qkv(eng2.model)
+    fuse_qk_norm_rope(eng2.model, on_cpu=True)
+    got = _decode_logits(eng2)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # the decoder's cache layers initialize on the prefill (module forward there); the 3 steps then run the kernel
+    assert calls.count(1) == 3 * len(eng2.model.model.layers)

@@ -123,7 +123,7 @@ import json
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from moe_offload.kernels import rmsnorm, rotary
+from moe_offload.kernels import qk_norm_rope, rmsnorm, rotary
 
 def build(fn, sig, consts, options):
     names = fn.arg_names
@@ -136,8 +136,8 @@ out = {}
 for one_plus in (False, True):
     ptx = build(rmsnorm._rms_norm_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32",
                                            **i32(["H", "x_stride", "inner_n", "inner_stride", "out_stride"], "i32")},
-                {"ONE_PLUS": one_plus, "BLOCK": 128}, {"num_warps": 4})
-    out[f"rms_norm_{one_plus}"] = "st.global" in ptx
+                {"ONE_PLUS": one_plus, "BLOCK": 128}, {"num_warps": 4, **rmsnorm.LAUNCH_OPTIONS})
+    out[f"rms_norm_{one_plus}"] = "st.global" in ptx and "fma.rn" not in ptx
 ptx = build(rotary._rotary_kernel, {**i32(["q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qo_ptr", "ko_ptr"], "*bf16"),
                                     **i32(["Hq", "Hk", "T", "sqb", "sqh", "sqt", "skb", "skh", "skt", "scb", "sct"],
                                           "i32")}, {"HALF": 64, "BLOCK": 64}, rotary.LAUNCH_OPTIONS)
@@ -145,6 +145,14 @@ out["rotary"] = "st.global" in ptx
 # with FP fusion on, the first rounded product and the sum became one fma.rn.bf16 (one rounding fewer than the
 # module: last-bit differences on the H200); the launch's options must keep every product rounded
 out["rotary_no_fma"] = "fma.rn" not in ptx
+# the q/k norms + rotary + KV write kernel at Qwen3-30B-A3B's head dim, with the launch's options
+ptx = build(qk_norm_rope._qk_norm_rope_kernel,
+            {**i32(["y_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "q_ptr", "kc_ptr", "vc_ptr"], "*bf16"),
+             "start_ptr": "*i64", "eps": "fp32",
+             **i32(["syb", "syt", "scb", "sct", "skb", "skh", "skp", "svb", "svh", "svp", "stride_start", "P", "Hq",
+                    "Hk", "T", "Dr"], "i32")},
+            {"D": 128, "BLOCK": 128, "HALF_BLOCK": 64}, {"num_warps": rmsnorm.num_warps(128), **rmsnorm.LAUNCH_OPTIONS})
+out["qk_norm_rope"] = "st.global" in ptx and "fma.rn" not in ptx
 print(json.dumps(out))
 '''
 
@@ -155,4 +163,5 @@ def test_the_kernels_compile_for_sm90(compiled_without_interpreter):
     import json
 
     result = json.loads(compiled_without_interpreter(_COMPILE_SM90))
-    assert result == {"rms_norm_False": True, "rms_norm_True": True, "rotary": True, "rotary_no_fma": True}
+    assert result == {"rms_norm_False": True, "rms_norm_True": True, "rotary": True, "rotary_no_fma": True,
+                      "qk_norm_rope": True}

@@ -9,6 +9,9 @@ three weights are one ``[Q + 2 KV, H]`` tensor (the modules' ``weight`` become v
 copy); ``q_proj(x)`` runs the fused GEMM and keeps the result for the k and v calls with that same
 ``x`` object (the v call drops it); a call with any other input computes its own slice, so a caller
 that uses one projection alone still gets the right answer.
+
+``fuse_qk_norm_rope`` (Qwen3-MoE, after ``fuse_qkv``): over a decoder's static cache, the module's q/k RMSNorms,
+rotary embedding and KV write after that GEMM are one kernel (``kernels/qk_norm_rope.py``), same bits.
 """
 
 from __future__ import annotations
@@ -80,4 +83,68 @@ def fuse_qkv(model: nn.Module) -> int:
             lo += p.out_features
         n += 1
     log.event("fused_qkv", logging.DEBUG, modules=n)
+    return n
+
+
+#: attention class name -> its q/k norm class name: modules whose forward is ``q = rope(q_norm(q_proj(x)))``,
+#: ``k = rope(k_norm(k_proj(x)))``, ``v = v_proj(x)``, then the cache update and the attention function
+NORM_ROPE_ATTENTION = {"Qwen3MoeAttention": "Qwen3MoeRMSNorm"}
+_OWN_KWARGS = ("hidden_states", "position_embeddings", "attention_mask", "cache", "past_key_values")
+
+
+def fuse_qk_norm_rope(model: nn.Module, on_cpu: bool = False) -> int:
+    """Give every listed attention module of ``model`` whose q/k/v are fused (``fuse_qkv`` first) a forward that,
+    over a decoder's static cache (``decode_graph.SharedStartLayer``, initialized), runs the q/k RMSNorms, the
+    rotary embedding and the KV write in one launch (``kernels/qk_norm_rope.py``) instead of four; same bits.
+    Anything else (another cache, its first call, positional arguments, training, an attention implementation
+    other than sdpa, CPU tensors unless ``on_cpu``, which runs the kernel in Triton's interpreter: tests) runs the
+    module's own forward. Returns how many modules."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from moe_offload.decode_graph import SharedStartLayer
+    from moe_offload.integrations.fused_norms import _eps
+    from moe_offload.kernels.qk_norm_rope import qk_norm_rope_write
+
+    n = 0
+    for module in model.modules():
+        norm = NORM_ROPE_ATTENTION.get(type(module).__name__)
+        projs = [getattr(module, f"{p}_proj", None) for p in "qkv"]
+        if norm is None or not all(isinstance(p, _FusedProjection) for p in projs):
+            continue
+        if len({id(p.shared) for p in projs}) != 1 or any(type(getattr(module, f"{p}_norm", None)).__name__ != norm
+                                                          for p in "qk"):
+            continue
+        eps = _eps(module.q_norm)
+        if _eps(module.k_norm) != eps:
+            continue
+        q = projs[0]
+        heads = (q.out_features // module.head_dim, projs[1].out_features // module.head_dim)
+        original = type(module).forward.__get__(module)
+
+        def forward(*args, _m=module, _original=original, _q=q, _heads=heads, _eps=eps, **kwargs):
+            x, cache, pe = kwargs.get("hidden_states"), kwargs.get("cache", kwargs.get("past_key_values")), \
+                kwargs.get("position_embeddings")
+            layers = getattr(cache, "layers", None)
+            layer = layers[_m.layer_idx] if layers is not None and _m.layer_idx < len(layers) else None
+            if (args or x is None or pe is None or not isinstance(layer, SharedStartLayer) or not layer.is_initialized
+                    or not (x.is_cuda or on_cpu) or _m.training or _m.config._attn_implementation != "sdpa"
+                    or kwargs.get("output_attentions") or pe[0].dim() != 3 or pe[0].shape[-1] != _m.head_dim):
+                return _original(*args, **kwargs)
+            B, T = x.shape[:2]
+            cos, sin = pe
+            q_BHTD = qk_norm_rope_write(F.linear(x, _q.fused_weight, _q.fused_bias), _heads, _m.q_norm.weight,
+                                        _m.k_norm.weight, _eps, cos, sin, layer.keys, layer.values,
+                                        layer.start_0.view(1).expand(B))
+            keys, values = layer.keys, layer.values
+            if layer.window is not None:
+                keys, values = keys[:, :, :layer.window], values[:, :, :layer.window]
+            rest = {k: v for k, v in kwargs.items() if k not in _OWN_KWARGS}
+            out, weights = ALL_ATTENTION_FUNCTIONS["sdpa"](_m, q_BHTD, keys, values, kwargs.get("attention_mask"),
+                                                           dropout=0.0, scaling=_m.scaling,
+                                                           sliding_window=getattr(_m, "sliding_window", None), **rest)
+            return _m.o_proj(out.reshape(B, T, -1).contiguous()), weights
+
+        module.forward = forward
+        n += 1
+    log.event("fused_qk_norm_rope", logging.DEBUG, modules=n)
     return n

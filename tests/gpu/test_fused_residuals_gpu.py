@@ -1,6 +1,7 @@
 """On CUDA, in bf16: the decoder layers' residual adds fused into ``add_rms_norm`` and the MoE's sum over K give
-the bits of the unfused adds (CUDA rounds to nearest as torch does, so bf16 is checked bit for bit here), and a
-whole model decodes to the same logits with and without the fusion (graphs on).
+the bits of the unfused adds (CUDA rounds to nearest as torch does, so bf16 is checked bit for bit here), the q/k
+norms + rotary + KV write kernel gives the bits of the three kernels it replaces, and a whole model decodes to the
+same logits with and without each fusion (graphs on).
 
 Legend: T tokens, K top-k, H hidden.
 """
@@ -66,6 +67,41 @@ def test_a_model_with_fused_residual_adds_decodes_to_the_bits_of_the_layers_own_
     plain = _engine(path, "cache.budget=0.37")
     for layer in plain.model.model.layers:
         del layer.forward  # the layer's own forward (the fused norms, routers, rotary and q/k/v stay)
+    want = _run(StaticDecoder(plain, 2, 64, graphs=True))
+    got = _run(StaticDecoder(fused, 2, 64, graphs=True))
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"step {i} differs"
+
+
+def test_qk_norm_rope_write_gives_the_bits_of_the_three_kernels_in_bf16():
+    from moe_offload.kernels.kv_write import kv_write
+    from moe_offload.kernels.qk_norm_rope import qk_norm_rope_write
+    from moe_offload.kernels.rotary import apply_rotary
+
+    B, T, Hq, Hk, D, P = 16, 1, 32, 4, 128, 1152  # Qwen3-30B-A3B's attention at a batch-16 decode step
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    y = torch.randn(B, T, (Hq + 2 * Hk) * D, device="cuda", generator=gen).bfloat16()
+    wq, wk = (torch.randn(D, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    ang = torch.randn(B, T, D, device="cuda", generator=gen)
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    start = torch.tensor([1000], device="cuda").expand(B)
+    keys, values = (torch.zeros(B, Hk, P, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = qk_norm_rope_write(y, (Hq, Hk), wq, wk, 1e-6, cos, sin, keys, values, start)
+    qn = rms_norm(y[..., :Hq * D].view(B, T, Hq, D), wq, 1e-6).transpose(1, 2)
+    kn = rms_norm(y[..., Hq * D:(Hq + Hk) * D].view(B, T, Hk, D), wk, 1e-6).transpose(1, 2)
+    want_q, want_k = apply_rotary(qn, kn, cos, sin)
+    want_keys, want_values = torch.zeros_like(keys), torch.zeros_like(values)
+    kv_write(want_keys, want_values, want_k, y[..., (Hq + Hk) * D:].view(B, T, Hk, D).transpose(1, 2), start)
+    assert torch.equal(q, want_q) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_a_model_with_fused_qk_norm_rope_decodes_to_the_bits_of_the_modules_own_forward(tiny_ckpt):
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    fused = _engine(path, "cache.budget=0.37")
+    assert all("forward" in vars(layer.self_attn) for layer in fused.model.model.layers)
+    plain = _engine(path, "cache.budget=0.37")
+    for layer in plain.model.model.layers:
+        del layer.self_attn.forward  # the module's own forward (its fused q/k/v GEMM, norms and rotary stay)
     want = _run(StaticDecoder(plain, 2, 64, graphs=True))
     got = _run(StaticDecoder(fused, 2, 64, graphs=True))
     for i, (a, b) in enumerate(zip(want, got)):

@@ -38,6 +38,13 @@ if triton is not None:
         return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
 
     @triton.jit
+    def _normalized(xf, inv, w, ONE_PLUS: tl.constexpr, dt: tl.constexpr):
+        """The normalized row in ``dt`` with the modules' roundings (module docstring), from fp32 ``xf``."""
+        if ONE_PLUS:
+            return (xf * inv * (1.0 + w.to(tl.float32))).to(dt)
+        return (w.to(tl.float32) * (xf * inv).to(dt).to(tl.float32)).to(dt)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, inner_n, inner_stride, out_stride, eps,
                          ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # input row (row // inner_n, row % inner_n) of x viewed as [R, inner_n, H]
@@ -45,12 +52,8 @@ if triton is not None:
         mask = offs < H
         x_row = x_ptr + (row // inner_n).to(tl.int64) * x_stride + (row % inner_n).to(tl.int64) * inner_stride
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        inv = inverse_rms(x, H, eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        if ONE_PLUS:
-            y = (x * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
-        else:
-            y = (w.to(tl.float32) * (x * inv).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = _normalized(x, inverse_rms(x, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
+                        out_ptr.dtype.element_ty)
         tl.store(out_ptr + row.to(tl.int64) * out_stride + offs, y, mask=mask)
 
 
@@ -65,12 +68,8 @@ if triton is not None:
         h = (r.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the layer's ``residual + x``
         tl.store(h_ptr + row * H + offs, h, mask=mask)
         hf = h.to(tl.float32)
-        inv = inverse_rms(hf, H, eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        if ONE_PLUS:
-            y = (hf * inv * (1.0 + w.to(tl.float32))).to(out_ptr.dtype.element_ty)
-        else:
-            y = (w.to(tl.float32) * (hf * inv).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
+        y = _normalized(hf, inverse_rms(hf, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
+                        out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * H + offs, y, mask=mask)
 
 

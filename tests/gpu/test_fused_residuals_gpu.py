@@ -9,10 +9,9 @@ Legend: T tokens, K top-k, H hidden.
 import pytest
 import torch
 
-from moe_offload.config import load_config
 from moe_offload.decode_graph import StaticDecoder
-from moe_offload.engine import Engine
 from moe_offload.kernels.rmsnorm import add_rms_norm, rms_norm
+from test_decode_gpu import _engine, _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -44,31 +43,23 @@ def test_the_decode_kernels_residual_add_gives_the_bits_of_the_layers_bf16_add(k
     assert torch.equal(fn(hidden, rows, weights, views, config=config, residual_TH=residual), residual + plain)
 
 
-def _engine(path, *extra):
-    cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
-                             "logging.level=WARNING", *extra])
-    return Engine.from_config(cfg, progress=False)
+PROMPTS = [list(range(10, 42)), list(range(50, 82))]
 
 
-def _run(dec, steps=8):
-    logits = dec.prefill(torch.tensor([list(range(10, 42)), list(range(50, 82))], device="cuda"))
-    seen = [logits.clone()]
-    for _ in range(steps):
-        logits = dec.step(logits.argmax(-1))
-        seen.append(logits.clone())
-    return seen
-
-
-@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral"])
-def test_a_model_with_fused_residual_adds_decodes_to_the_bits_of_the_layers_own_adds(tiny_ckpt, preset):
+@pytest.mark.parametrize("preset, part", [("tiny-qwen3-moe", "layer"), ("tiny-mixtral", "layer"),
+                                          ("tiny-qwen3-moe", "self_attn")])
+def test_a_model_with_each_fusion_decodes_to_the_bits_of_the_unfused_forward(tiny_ckpt, preset, part):
+    """``layer``: the decoder layers' residual adds (fuse_residual_adds); ``self_attn``: the q/k norms + rotary + KV
+    write kernel (fuse_qk_norm_rope). Removing that one per-instance forward leaves every other fusion in place."""
     path = tiny_ckpt(preset, "nvfp4-modelopt")
     fused = _engine(path, "cache.budget=0.37")
-    assert all("forward" in vars(layer) for layer in fused.model.model.layers)  # compute.fused_norms installed it
     plain = _engine(path, "cache.budget=0.37")
     for layer in plain.model.model.layers:
-        del layer.forward  # the layer's own forward (the fused norms, routers, rotary and q/k/v stay)
-    want = _run(StaticDecoder(plain, 2, 64, graphs=True))
-    got = _run(StaticDecoder(fused, 2, 64, graphs=True))
+        module = layer if part == "layer" else layer.self_attn
+        assert "forward" in vars(module)  # compute.fused_norms installed it
+        del module.forward
+    want = _run(StaticDecoder(plain, 2, 64, graphs=True), PROMPTS, 8)
+    got = _run(StaticDecoder(fused, 2, 64, graphs=True), PROMPTS, 8)
     for i, (a, b) in enumerate(zip(want, got)):
         assert torch.equal(a, b), f"step {i} differs"
 
@@ -93,16 +84,3 @@ def test_qk_norm_rope_write_gives_the_bits_of_the_three_kernels_in_bf16():
     want_keys, want_values = torch.zeros_like(keys), torch.zeros_like(values)
     kv_write(want_keys, want_values, want_k, y[..., (Hq + Hk) * D:].view(B, T, Hk, D).transpose(1, 2), start)
     assert torch.equal(q, want_q) and torch.equal(keys, want_keys) and torch.equal(values, want_values)
-
-
-def test_a_model_with_fused_qk_norm_rope_decodes_to_the_bits_of_the_modules_own_forward(tiny_ckpt):
-    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    fused = _engine(path, "cache.budget=0.37")
-    assert all("forward" in vars(layer.self_attn) for layer in fused.model.model.layers)
-    plain = _engine(path, "cache.budget=0.37")
-    for layer in plain.model.model.layers:
-        del layer.self_attn.forward  # the module's own forward (its fused q/k/v GEMM, norms and rotary stay)
-    want = _run(StaticDecoder(plain, 2, 64, graphs=True))
-    got = _run(StaticDecoder(fused, 2, 64, graphs=True))
-    for i, (a, b) in enumerate(zip(want, got)):
-        assert torch.equal(a, b), f"step {i} differs"

@@ -144,7 +144,8 @@ class Engine:
             fuse_routers(model)
             mark_gqa_decode(model, cfg.compute.decode_attention)
             fuse_qkv(model)
-            fuse_qk_norm_rope(model)
+            if cfg.compute.fused_qk_rope:
+                fuse_qk_norm_rope(model)
         tokenizer = None
         try:
             from moe_offload.tokenizer import load_tokenizer

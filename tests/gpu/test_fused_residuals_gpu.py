@@ -52,8 +52,8 @@ def test_a_model_with_each_fusion_decodes_to_the_bits_of_the_unfused_forward(tin
     """``layer``: the decoder layers' residual adds (fuse_residual_adds); ``self_attn``: the q/k norms + rotary + KV
     write kernel (fuse_qk_norm_rope). Removing that one per-instance forward leaves every other fusion in place."""
     path = tiny_ckpt(preset, "nvfp4-modelopt")
-    fused = _engine(path, "cache.budget=0.37")
-    plain = _engine(path, "cache.budget=0.37")
+    fused = _engine(path, "cache.budget=0.37", "compute.fused_qk_rope=true")
+    plain = _engine(path, "cache.budget=0.37", "compute.fused_qk_rope=true")
     for layer in plain.model.model.layers:
         module = layer if part == "layer" else layer.self_attn
         assert "forward" in vars(module)  # compute.fused_norms installed it

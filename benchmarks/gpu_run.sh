@@ -3,7 +3,9 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab
+#           retune_aligned decode_split attn_sweep decode_ab set_ab
+# set_ab: the fused small ops' GPU tests, then bench decode with --set SET_AB and without (issue 12's next run:
+# "build set_ab" with SET_AB=compute.fused_qk_rope=true, ~4 min after the machine starts).
 # Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
@@ -193,6 +195,19 @@ if has decode_ab; then  # bench decode with the tree, then with AB_FILES as of A
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
   for f in ${AB_FILES}; do cp "/tmp/ab-keep-$(basename "$f")" "$f"; done
+fi
+if has set_ab; then  # bench decode with SET_AB (e.g. "compute.fused_qk_rope=true"), then without, same machine, back to
+  # back, after the GPU tests of the fused small ops; AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1 min per side after a build
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_residuals_gpu.py \
+    tests/gpu/test_fused_small_ops_gpu.py > "$RES/pytest_set_ab.log" 2>&1
+  for side in on off; do
+    extra=(); [[ $side == on ]] && extra=(--set "${SET_AB:?}")
+    timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache "${extra[@]}" --residency ${AB_RESIDENCY:-1} --batch ${AB_BATCH:-1,16,64} \
+      --steps 64 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$side --out "$RES/set-ab-$side" --json \
+      > "$RES/set-ab-$side.json" 2> "$RES/set-ab-$side.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 if has lookahead; then  # decode.lookahead off, then on: its GPU tests, then bench decode at LOOKAHEAD_RESIDENCIES x 1/4/16 (~4 min)
   timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_lookahead_gpu.py > "$RES/pytest_lookahead.log" 2>&1

@@ -168,8 +168,8 @@ class AttnConfig:
     num_warps/num_stages of ``_partial_kernel``; ``target_programs``: how many (row, head, split) programs
     ``splits_for`` aims at; ``bound``: bound each split's loop by one read of its mask (a branch-free loop)
     instead of skipping hidden tiles with a branch per tile; ``direct``: with one split, the partial kernel
-    writes the output itself (one launch, no combine; same bits); ``min_split_tiles``: no split holds fewer
-    tiles (where the cache has that many).
+    writes the output itself (one launch, no combine; same bits); ``min_split_tiles``: at most tiles //
+    min_split_tiles splits (the last split may hold fewer tiles than the others).
 
     The defaults are the H200 sweep's (``decode_attention_sweep-971877e-*``, 1,100 of 1,152 positions visible):
     ``direct`` took 44.2 -> 42.6 us per layer at 64 rows (one split there at any target) and changed nothing

@@ -60,6 +60,10 @@ class OffloadedExperts(nn.Module):
         rounded as the layer's own add would be. On the decode path of one rank with the fused decode compute the
         add happens inside the MoE's last launch (``kernels/moe_sum.py``); elsewhere it is a torch add."""
         T = hidden_TH.shape[0]
+        if residual_TH is not None and self.reduce is None and self.cache.store.tp_size > 1:
+            raise ValueError(f"layer {self.layer_idx}: a residual_TH with experts sharded over "
+                             f"{self.cache.store.tp_size} ranks and no reduce would be added to a partial sum (once "
+                             "per rank); add the residual after the host's own reduction")
         self.cache.observe_routing(self.layer_idx, top_k_index)
         if self.uses_decode_path(T):
             if residual_TH is not None and self.reduce is None and isinstance(self.decode_compute, DecodeCompute):

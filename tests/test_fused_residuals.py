@@ -107,8 +107,9 @@ def _engine(path, *extra):
     from moe_offload.config import load_config
     from moe_offload.engine import Engine
 
+    # on the CPU even where CUDA exists: on CUDA the engine installs the fusions itself (no unfused baseline)
     cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "logging.level=WARNING", "dtype=float32",
-                             *extra])
+                             "device=cpu", *extra])
     return Engine.from_config(cfg, progress=False)
 
 
@@ -239,3 +240,26 @@ def test_a_qwen3_moe_model_with_fused_qk_norm_rope_gives_the_same_logits(tiny_ck
     torch.testing.assert_close(got, want, atol=0, rtol=0)
     # the decoder's cache layers initialize on the prefill (module forward there); the 3 steps then run the kernel
     assert calls.count(1) == 3 * len(eng2.model.model.layers)
+
+
+def test_experts_sharded_without_a_reduce_refuse_a_residual_and_the_layer_adds_it_after(tiny_ckpt, monkeypatch):
+    """Experts sharded over ranks with no reduce of their own (a host reduces their partial sums) must not add the
+    residual (it would be added once per rank): the call is refused by name, and the fused layer forward adds it
+    after the block, as the layer itself does (same logits)."""
+    from moe_offload.experts import offloaded_experts
+    from moe_offload.integrations.fused_norms import fuse_residual_adds, fuse_rms_norms
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    base = _engine(path)
+    fuse_rms_norms(base.model)
+    want = _decode_logits(base, 1)
+    eng = _engine(path)
+    fuse_rms_norms(eng.model)
+    fuse_residual_adds(eng.model, on_cpu=True)
+    experts = offloaded_experts(eng.model)
+    monkeypatch.setattr(experts[0].cache.store, "tp_size", 2)  # fault injection: the shard count the checks read
+    h = torch.randn(3, experts[0].cache.store.geometry.hidden)
+    ids, w = torch.zeros(3, experts[0].top_k, dtype=torch.long), torch.full((3, experts[0].top_k), 0.5)
+    with pytest.raises(ValueError, match="partial sum"):
+        experts[0](h, ids, w, residual_TH=h)
+    assert torch.equal(_decode_logits(eng, 1), want)

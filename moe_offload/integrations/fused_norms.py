@@ -66,7 +66,10 @@ def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
     - after attention, ``h = x + attn`` and ``post_attention_layernorm(h)`` are one launch
       (``kernels/rmsnorm.py`` ``add_rms_norm``);
     - after the MoE block, ``h + moe`` is added by the MoE's own sum over K where the experts are
-      ``OffloadedExperts`` on the decode path of one rank (``kernels/moe_sum.py``); elsewhere a torch add.
+      ``OffloadedExperts`` on the decode path of one rank (``kernels/moe_sum.py``); elsewhere a torch add (experts
+      sharded with no reduce of their own, i.e. a host that reduces: the layer's own ``h + mlp(x)``).
+    Activations whose dtype differs from the residual stream's or the norm weight's (autocast, mixed dtypes)
+    take the layer's own arithmetic.
     Two launches fewer per layer and step, same roundings as the layer (bit-equal to the unfused fused-kernel
     path; see tests). Returns how many layers."""
     from moe_offload.experts import OffloadedExperts
@@ -83,16 +86,22 @@ def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
 
         def forward(hidden_states, *args, _layer=layer, _original=original, _post=post, _eps=eps, _scale=flavour,
                     _block=block_name, **kwargs):
-            if args or not (hidden_states.is_cuda or on_cpu) or _layer.training:
+            if (args or not (hidden_states.is_cuda or on_cpu) or _layer.training
+                    or torch.is_autocast_enabled(hidden_states.device.type)):
                 return _original(hidden_states, *args, **kwargs)
             attn, _ = _layer.self_attn(hidden_states=_layer.input_layernorm(hidden_states), **kwargs)
+            if attn.dtype != hidden_states.dtype or _post.weight.dtype != attn.dtype:  # the layer's promotions
+                h = hidden_states + attn
+                return h + _layer.mlp(_post(h))
             h, normed = add_rms_norm(attn, hidden_states, _post.weight, _eps, _scale)
             mlp = _layer.mlp
-            if type(mlp).__name__ == _block and isinstance(mlp.experts, OffloadedExperts):
+            experts = getattr(mlp, "experts", None)
+            if (type(mlp).__name__ == _block and isinstance(experts, OffloadedExperts)
+                    and (experts.reduce is not None or experts.cache.store.tp_size == 1)):
                 B, S, H = normed.shape
                 x = normed.view(-1, H)
                 _, weights, ids = mlp.gate(x)
-                return mlp.experts(x, ids, weights, residual_TH=h.view(-1, H)).view(B, S, H)
+                return experts(x, ids, weights, residual_TH=h.view(-1, H)).view(B, S, H)
             return h + mlp(normed)
 
         layer.forward = forward

@@ -50,7 +50,7 @@ import triton.language as tl
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call
-from moe_offload.kernels.moe_sum import check_residual, store_out, sum_pairs
+from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs
 from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_guard, e2m1_to_f32
 
 
@@ -322,8 +322,7 @@ def decode_gemv_nvfp4(
     dev = hidden_TH.device
     residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
     if M == 0:
-        zeros = torch.zeros((T, H), dtype=out_dtype, device=dev)
-        return zeros if residual_TH is None else residual_TH + zeros
+        return no_pairs(T, H, out_dtype, dev, residual_TH)
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config

@@ -282,7 +282,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K
     (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the residual, the decoder layer's roundings).
     ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
-    from moe_offload.kernels.moe_sum import check_residual, sum_pairs
+    from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
 
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
@@ -290,8 +290,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     dev = hidden_TH.device
     residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
     if M == 0:
-        zeros = torch.zeros((T, H), dtype=out_dtype, device=dev)
-        return zeros if residual_TH is None else residual_TH + zeros
+        return no_pairs(T, H, out_dtype, dev, residual_TH)
     if config is None:
         config = default_config(dev, H, I, M)
     if hidden_TH.stride(1) != 1:

@@ -61,6 +61,12 @@ def check_residual(residual_TH: torch.Tensor | None, T: int, H: int, out_dtype: 
     return residual_TH if residual_TH.stride(1) == 1 else residual_TH.contiguous()
 
 
+def no_pairs(T: int, H: int, out_dtype: torch.dtype, device, residual_TH: torch.Tensor | None) -> torch.Tensor:
+    """The result of an MoE call that routed no pair: zeros, or the residual plus zeros (a new tensor)."""
+    zeros = torch.zeros((T, H), dtype=out_dtype, device=device)
+    return zeros if residual_TH is None else residual_TH + zeros
+
+
 def sum_pairs(part_MH: torch.Tensor, topk: int, out_TH: torch.Tensor, residual_TH: torch.Tensor | None = None
               ) -> torch.Tensor:
     """``out_TH[t] = [residual[t] +] sum_k part_MH[t*K + k]`` with the module docstring's roundings (enqueue

@@ -33,32 +33,25 @@ except ImportError:
     triton = None
 
 if triton is not None:
-    from moe_offload.kernels.rmsnorm import inverse_rms
+    from moe_offload.kernels.rmsnorm import inverse_rms, normalized
+    from moe_offload.kernels.rotary import rotate_store
 
     @triton.jit
     def _norm_rope_row(src, w_ptr, cb, sb, dst, eps, Dr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
                        HALF_BLOCK: tl.constexpr):
         """One head row: rms_norm's statistic over the whole row (its vector layout; ``Dr`` = D as a runtime value,
-        as rms_norm divides by it), then the norm and the rotation on the two halves in registers, with both
-        kernels' roundings."""
+        as rms_norm divides by it), then the norm (``rmsnorm.normalized``) and the rotation (``rotary.rotate_store``)
+        of the two halves in registers: both kernels' own arithmetic."""
         full = tl.arange(0, BLOCK)
         inv = inverse_rms(tl.load(src + full, mask=full < D, other=0.0).to(tl.float32), Dr, eps)
         offs = tl.arange(0, HALF_BLOCK)
         mask = offs < HALF
         dt = dst.dtype.element_ty
-        f = tl.float32
-        n1 = (tl.load(w_ptr + offs, mask=mask, other=0.0).to(f)
-              * (tl.load(src + offs, mask=mask, other=0.0).to(f) * inv).to(dt).to(f)).to(dt).to(f)
-        n2 = (tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(f)
-              * (tl.load(src + HALF + offs, mask=mask, other=0.0).to(f) * inv).to(dt).to(f)).to(dt).to(f)
-        c1 = tl.load(cb + offs, mask=mask, other=0.0).to(f)
-        c2 = tl.load(cb + HALF + offs, mask=mask, other=0.0).to(f)
-        s1 = tl.load(sb + offs, mask=mask, other=0.0).to(f)
-        s2 = tl.load(sb + HALF + offs, mask=mask, other=0.0).to(f)
-        o1 = ((n1 * c1).to(dt).to(f) + (-n2 * s1).to(dt).to(f)).to(dt)
-        o2 = ((n2 * c2).to(dt).to(f) + (n1 * s2).to(dt).to(f)).to(dt)
-        tl.store(dst + offs, o1, mask=mask)
-        tl.store(dst + HALF + offs, o2, mask=mask)
+        n1 = normalized(tl.load(src + offs, mask=mask, other=0.0).to(tl.float32), inv,
+                        tl.load(w_ptr + offs, mask=mask, other=0.0), False, dt)
+        n2 = normalized(tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32), inv,
+                        tl.load(w_ptr + HALF + offs, mask=mask, other=0.0), False, dt)
+        rotate_store(n1, n2, cb, sb, dst, offs, mask, HALF)
 
     @triton.jit
     def _qk_norm_rope_kernel(y_ptr, syb, syt, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr, scb, sct, q_ptr,

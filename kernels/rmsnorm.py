@@ -38,7 +38,7 @@ if triton is not None:
         return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
 
     @triton.jit
-    def _normalized(xf, inv, w, ONE_PLUS: tl.constexpr, dt: tl.constexpr):
+    def normalized(xf, inv, w, ONE_PLUS: tl.constexpr, dt: tl.constexpr):
         """The normalized row in ``dt`` with the modules' roundings (module docstring), from fp32 ``xf``."""
         if ONE_PLUS:
             return (xf * inv * (1.0 + w.to(tl.float32))).to(dt)
@@ -52,7 +52,7 @@ if triton is not None:
         mask = offs < H
         x_row = x_ptr + (row // inner_n).to(tl.int64) * x_stride + (row % inner_n).to(tl.int64) * inner_stride
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _normalized(x, inverse_rms(x, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
+        y = normalized(x, inverse_rms(x, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
                         out_ptr.dtype.element_ty)
         tl.store(out_ptr + row.to(tl.int64) * out_stride + offs, y, mask=mask)
 
@@ -68,7 +68,7 @@ if triton is not None:
         h = (r.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)  # the layer's ``residual + x``
         tl.store(h_ptr + row * H + offs, h, mask=mask)
         hf = h.to(tl.float32)
-        y = _normalized(hf, inverse_rms(hf, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
+        y = normalized(hf, inverse_rms(hf, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
                         out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * H + offs, y, mask=mask)
 
@@ -120,11 +120,8 @@ def num_warps(block: int) -> int:
 
 def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
     """``t`` as ``[rows, H]`` with a unit column stride (a view where one exists, else a copy)."""
-    try:
-        t2 = t.view(-1, H)
-    except RuntimeError:
-        return t.reshape(-1, H).contiguous()
-    return t2 if t2.stride(-1) == 1 or H == 1 else t2.contiguous()
+    t3 = _rows_view(t, 1, H)
+    return t.reshape(-1, H).contiguous() if t3 is None else t3[:, 0]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "weight") -> torch.Tensor:

@@ -30,12 +30,9 @@ LAUNCH_OPTIONS = {"num_warps": 1, "enable_fp_fusion": False}
 if triton is not None:
 
     @triton.jit
-    def _rotate_row(xb, cb, sb, ob, HALF: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of D = 2 * HALF: ``x * cos + rotate_half(x) * sin`` with the module's roundings."""
-        offs = tl.arange(0, BLOCK)
-        mask = offs < HALF
-        x1 = tl.load(xb + offs, mask=mask, other=0.0)
-        x2 = tl.load(xb + HALF + offs, mask=mask, other=0.0)
+    def rotate_store(x1, x2, cb, sb, ob, offs, mask, HALF: tl.constexpr):
+        """Store ``x * cos + rotate_half(x) * sin`` of a row's halves ``x1``/``x2`` (lanes ``offs``, in the output's
+        dtype) at ``ob``, with the module's roundings; ``cb``/``sb``: the row's cos and sin."""
         c1 = tl.load(cb + offs, mask=mask, other=0.0)
         c2 = tl.load(cb + HALF + offs, mask=mask, other=0.0)
         s1 = tl.load(sb + offs, mask=mask, other=0.0)
@@ -46,6 +43,14 @@ if triton is not None:
         o2 = ((x2.to(f) * c2.to(f)).to(dt).to(f) + (x1.to(f) * s2.to(f)).to(dt).to(f)).to(dt)
         tl.store(ob + offs, o1, mask=mask)
         tl.store(ob + HALF + offs, o2, mask=mask)
+
+    @triton.jit
+    def _rotate_row(xb, cb, sb, ob, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of D = 2 * HALF: ``x * cos + rotate_half(x) * sin`` with the module's roundings."""
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        rotate_store(tl.load(xb + offs, mask=mask, other=0.0), tl.load(xb + HALF + offs, mask=mask, other=0.0),
+                     cb, sb, ob, offs, mask, HALF)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, Hq, Hk, T,

@@ -134,18 +134,9 @@ class Engine:
         model.to(device).eval()
         check_no_meta(model)
         if cfg.compute.fused_norms and device.type == "cuda":
-            from moe_offload.integrations.fused_norms import (fuse_residual_adds, fuse_rms_norms, fuse_rotary,
-                                                              fuse_routers, mark_gqa_decode)
-            from moe_offload.integrations.fused_qkv import fuse_qk_norm_rope, fuse_qkv
+            from moe_offload.integrations.fused_norms import fuse_decode_ops
 
-            fuse_rms_norms(model)
-            fuse_residual_adds(model)
-            fuse_rotary()
-            fuse_routers(model)
-            mark_gqa_decode(model, cfg.compute.decode_attention)
-            fuse_qkv(model)
-            if cfg.compute.fused_qk_rope:
-                fuse_qk_norm_rope(model)
+            fuse_decode_ops(model, cfg.compute)
         tokenizer = None
         try:
             from moe_offload.tokenizer import load_tokenizer

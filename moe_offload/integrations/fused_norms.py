@@ -232,3 +232,18 @@ def mark_gqa_decode(model: torch.nn.Module, kernel: str = "sdpa") -> int:
             n += 1
     log.event("gqa_decode_attention", logging.DEBUG, modules=n, kernel=kernel)
     return n
+
+
+def fuse_decode_ops(model: torch.nn.Module, compute) -> None:
+    """Every fusion of this package that ``compute`` (the config's ``compute`` section) asks for, in the order
+    they build on each other (``compute.fused_norms``; the engine calls it on CUDA)."""
+    from moe_offload.integrations.fused_qkv import fuse_qk_norm_rope, fuse_qkv
+
+    fuse_rms_norms(model)
+    fuse_residual_adds(model)
+    fuse_rotary()
+    fuse_routers(model)
+    mark_gqa_decode(model, compute.decode_attention)
+    fuse_qkv(model)
+    if compute.fused_qk_rope:
+        fuse_qk_norm_rope(model)

@@ -6,6 +6,8 @@ each timed alone in a CUDA graph over ``--layers`` layers of distinct weights, a
         python benchmarks/decode_moe_split.py --ncu --tokens 64
 
 Legend: T tokens, K top-k, E experts, H hidden, I intermediate, D distinct routed experts of the step.
+align is timed four ways: decode_align's default (the sorted one-program kernel) and the looped one, each over E rows
+and over the 48 x E (+ scratch) rows of a fully resident pool, which the looped kernel zeroes and scans every step.
 Floors: D x (the kernel's weight + block-scale bytes) / HBM bandwidth (a 1 GiB device-to-device copy, read +
 write counted, measured in the same run: the bandwidth ``bench decode``'s HBM floor uses). ``--unaligned`` also times banks whose expert rows are not
 padded to 16 bytes (what the tuners timed before b18b0cc): their weight loads cannot be vectorized.
@@ -50,7 +52,13 @@ def kernel_times(name: str, T: int, layers: int, device, pad: bool, ncu: bool) -
     D = rows_TK.unique().numel()
     v = views[0]
     nbytes = lambda *keys: sum(v[k][0].numel() * v[k].element_size() for k in keys)  # noqa: E731
+    pool = 48 * E + min(M, E)  # the rows a fully resident 48-layer pool aligns over in a decode step (+ scratch)
     ms = {"align": graph_ms(lambda: [decode_align(rows_TK, E, cfg.block_m) for _ in views]),
+          # the sorted one-program alignment (decode_align's default up to SORTED_ALIGN_MAX_PAIRS) against the looped
+          # one (zeroes and scans every pool row), over E rows and over a pool's rows
+          "align_looped": graph_ms(lambda: [decode_align(rows_TK, E, cfg.block_m, 0) for _ in views]),
+          "align_pool": graph_ms(lambda: [decode_align(rows_TK, pool, cfg.block_m) for _ in views]),
+          "align_pool_looped": graph_ms(lambda: [decode_align(rows_TK, pool, cfg.block_m, 0) for _ in views]),
           "gate_up": graph_ms(lambda: [c[0]() for c in calls]),
           "down": graph_ms(lambda: [c[1]() for c in calls])}
     us = {k: None if t is None else 1e3 * t / layers for k, t in ms.items()}
@@ -90,7 +98,8 @@ def main(argv=None) -> int:
         for r in rows:
             u, f = r["us_per_layer"], r["floor_us"]
             print(f"{r['shape']} T={r['T']:3d} D={r['distinct_experts']:3d} padded={r['rows_padded']!s:5}: "
-                  f"align {u['align']:.1f} us, gate_up {u['gate_up']:.1f} us (floor {f['gate_up']:.1f}), "
+                  f"align {u['align']:.1f} us (looped {u['align_looped']:.1f}; over a 48-layer pool: "
+                  f"{u['align_pool']:.1f}, looped {u['align_pool_looped']:.1f}), gate_up {u['gate_up']:.1f} us (floor {f['gate_up']:.1f}), "
                   f"down {u['down']:.1f} us (floor {f['down']:.1f})")
     return 0
 

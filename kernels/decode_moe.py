@@ -84,22 +84,76 @@ def _align_kernel(rows_ptr, counts_ptr, cursor_ptr, sorted_ids_ptr, block_row_pt
         tl.store(block_row_ptr + dest // BLOCK_M, rows.to(tl.int32), mask=ok)
 
 
-def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignment:
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
+                         BLOCK_M: tl.constexpr, MP: tl.constexpr):
+    """One program, every pair in registers (M <= MP): sort the pairs by (row, pair id), then each pair's
+    padded position is its sorted position plus the padding of the groups before it. Loops over nothing
+    of size N or P; writes only the used slots [0, num_padded) (the GEMM programs of blocks at or past
+    ``num_padded`` exit before reading). ``key_ptr[MP]`` int64 is a workspace (the neighbour of a sorted
+    element is read back through it); ``last_key`` = N * MP, above every valid key (row * MP + pair id)."""
+    offs = tl.arange(0, MP)
+    rows = tl.load(rows_ptr + offs, mask=offs < M, other=-1).to(tl.int64)
+    ok = (offs < M) & (rows >= 0) & (rows < N)
+    key = tl.sort(tl.where(ok, rows * MP + offs, last_key + offs))  # left-out pairs sort last
+    tl.store(key_ptr + offs, key)
+    tl.debug_barrier()
+    valid = key < last_key
+    row = key // MP
+    prev_row = tl.load(key_ptr + offs - 1, mask=offs > 0, other=-MP) // MP
+    next_key = tl.load(key_ptr + offs + 1, mask=offs + 1 < MP, other=last_key)
+    first = valid & (row != prev_row)
+    last = valid & ((next_key >= last_key) | (next_key // MP != row))
+    group_start = tl.associative_scan(tl.where(first, offs, 0), 0, _max_combine)
+    pad = tl.where(last, (BLOCK_M - (offs - group_start + 1) % BLOCK_M) % BLOCK_M, 0)
+    dest = offs + tl.cumsum(pad, 0) - pad
+    total = tl.sum(valid.to(tl.int32), 0) + tl.sum(pad, 0)
+    for p0 in range(0, total, MP):  # the sentinel everywhere below total, then the pairs over it
+        tl.store(sorted_ids_ptr + p0 + offs, tl.full((MP,), 0, tl.int32) + M, mask=p0 + offs < total)
+    tl.debug_barrier()
+    tl.store(sorted_ids_ptr + dest, (key % MP).to(tl.int32), mask=valid)
+    tl.store(block_row_ptr + dest // BLOCK_M, row.to(tl.int32), mask=valid)
+    tl.store(num_padded_ptr, total)
+
+
+#: largest pair count the sorted alignment holds in registers; above it the looped ``_align_kernel`` runs
+SORTED_ALIGN_MAX_PAIRS = 2048
+
+
+def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int,
+                 sorted_max_pairs: int = SORTED_ALIGN_MAX_PAIRS) -> MoeAlignment:
     """``fused_moe.moe_align`` in one launch (one program: meant for decode-sized T*K, up to a few
-    thousand pairs). Rows outside [0, num_rows) are left out, as there."""
+    thousand pairs). Rows outside [0, num_rows) are left out, as there.
+
+    Up to ``sorted_max_pairs`` pairs (0: never; benchmarks/decode_moe_split.py times both) ``_align_sorted_kernel`` runs: its work does not grow with the
+    pool's rows (the looped kernel zeroes and scans all ``num_rows`` counters, and fills all P slots), and
+    pairs come out in ascending pair id within a row (deterministic). Only ``[0, num_padded)`` of
+    ``sorted_ids_P`` and the blocks below it are written then; nothing reads past them."""
     rows_M = rows_TK.reshape(-1)
     if not rows_M.is_contiguous():
         rows_M = rows_M.contiguous()
     M = rows_M.numel()
     dev = rows_M.device
     P = max_padded_pairs(M, num_rows, block_m)
-    work_2N = torch.empty((2, max(num_rows, 1)), dtype=torch.int32, device=dev)  # counts, cursor
     num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
     sorted_ids_P = torch.empty((max(P, 1),), dtype=torch.int32, device=dev)[:P]
     block_row_B = torch.empty((max(P // block_m, 1),), dtype=torch.int32, device=dev)[:P // block_m]
     with device_guard(dev):
-        _align_kernel[(1,)](rows_M, work_2N[0], work_2N[1], sorted_ids_P, block_row_B, num_padded_1,
-                            M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4)
+        if 0 < M <= min(sorted_max_pairs, SORTED_ALIGN_MAX_PAIRS):
+            MP = max(16, triton.next_power_of_2(M))
+            key_MP = torch.empty(MP, dtype=torch.int64, device=dev)
+            _align_sorted_kernel[(1,)](rows_M, key_MP, sorted_ids_P, block_row_B, num_padded_1, M, num_rows,
+                                       num_rows * MP,
+                                       BLOCK_M=block_m, MP=MP, num_warps=4 if MP <= 512 else 8)
+        else:
+            work_2N = torch.empty((2, max(num_rows, 1)), dtype=torch.int32, device=dev)  # counts, cursor
+            _align_kernel[(1,)](rows_M, work_2N[0], work_2N[1], sorted_ids_P, block_row_B, num_padded_1,
+                                M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4)
     return MoeAlignment(sorted_ids_P, block_row_B, num_padded_1, block_m)
 
 

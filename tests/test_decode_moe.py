@@ -18,6 +18,7 @@ from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, random_nvfp4  # noqa:
 from moe_offload.host_store import bank_offsets, bank_views  # noqa: E402
 from moe_offload.kernels.decode_moe import (  # noqa: E402
     DECODE_TUNING_PATH,
+    SORTED_ALIGN_MAX_PAIRS,
     decode_align,
     decode_config_for,
     decode_moe_nvfp4,
@@ -123,21 +124,32 @@ def test_decode_moe_reads_slot_rows_of_a_larger_pool_in_place():
     assert_close_to_scale(out, ref, 1e-5)  # fp32: as in the test above
 
 
-def test_one_launch_alignment_groups_pairs_like_the_three_kernel_alignment():
+@pytest.mark.parametrize("T,K,N,block_m", [
+    (13, 3, 9, 16),  # the sorted one-program alignment (T*K <= SORTED_ALIGN_MAX_PAIRS) ...
+    (64, 8, 6200, 16),  # ... over a pool of thousands of rows (what a decode step aligns over)
+    (5, 8, 40, 1),
+    (300, 8, 128, 64),  # the looped one (T*K above it)
+])
+def test_one_launch_alignment_groups_pairs_like_the_three_kernel_alignment(T, K, N, block_m):
     gen = torch.Generator().manual_seed(3)
-    rows_TK = torch.randint(0, 9, (13, 3), generator=gen).to(DEVICE)
+    rows_TK = torch.randint(0, N, (T, K), generator=gen).to(DEVICE)
     rows_TK[0, 0] = -1  # left out by both
-    rows_TK[1, 1] = 9  # outside [0, N): left out by both
-    N, block_m = 9, 16
+    rows_TK[1, 1] = N  # outside [0, N): left out by both
     got, want = decode_align(rows_TK, N, block_m), moe_align(rows_TK, N, block_m)
-    assert int(got.num_padded_1) == int(want.num_padded_1)
-    assert torch.equal(got.block_row_B, want.block_row_B)  # rows in ascending order, same padding
+    n = int(got.num_padded_1)
+    assert n == int(want.num_padded_1)
+    # rows in ascending order, same padding; only [0, num_padded) is read (the GEMM programs of later blocks exit)
+    assert torch.equal(got.block_row_B[:n // block_m], want.block_row_B[:n // block_m])
     M = rows_TK.numel()
-    for b in range(int(got.num_padded_1) // block_m):  # same pairs per block (order inside may differ)
-        g = got.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu()
-        w = want.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu()
-        assert sorted(g.tolist()) == sorted(w.tolist())
-    assert (got.sorted_ids_P[int(got.num_padded_1):] == M).all()
+    sorted_alignment = M <= SORTED_ALIGN_MAX_PAIRS
+    for b in range(n // block_m):  # same pairs per block (order inside may differ: atomics)
+        g = got.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu().tolist()
+        w = want.sorted_ids_P[b * block_m:(b + 1) * block_m].cpu().tolist()
+        assert sorted(g) == sorted(w)
+        if sorted_alignment:  # no atomics: real pairs in ascending pair id, then the sentinel M
+            assert g == sorted(g)
+    if not sorted_alignment:
+        assert (got.sorted_ids_P[n:] == M).all()
 
 
 def test_decode_moe_with_no_tokens_returns_an_empty_output():
@@ -187,6 +199,10 @@ ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss
 out["copy_v4_loads"] = len(re.findall(r"ld\.global[.a-z0-9]*\.v4\.b32", ptx))
 build(dmoe._align_kernel, {"rows_ptr": "*i64", **i32(["counts_ptr", "cursor_ptr", "sorted_ids_ptr", "block_row_ptr",
       "num_padded_ptr"], "*i32"), **i32(["M", "N", "P", "NB"], "i32")}, {"BLOCK_M": 16, "BLOCK": 1024}, num_warps=4)
+for MP, warps in ((16, 4), (512, 4), (2048, 8)):  # the sorted alignment at every size decode_align launches it
+    build(dmoe._align_sorted_kernel, {"rows_ptr": "*i64", "key_ptr": "*i64", **i32(["sorted_ids_ptr", "block_row_ptr",
+          "num_padded_ptr"], "*i32"), **i32(["M", "N"], "i32"), "last_key": "i64"}, {"BLOCK_M": 16, "MP": MP},
+          num_warps=warps)
 gemm = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_row_ptr": "*i32",
         "num_padded_ptr": "*i32", **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "M", "H", "I",
         "num_blocks_m", "stride_am"], "i32")}

@@ -1,7 +1,8 @@
 """The decode MoE layer's kernels one by one (kernels/decode_moe.py with its tuned tiles): align, gate_up, down,
 each timed alone in a CUDA graph over ``--layers`` layers of distinct weights, against each kernel's HBM floor.
 
-    python benchmarks/decode_moe_split.py [--shape qwen3-30b-a3b] [--tokens 16 64] [--layers 8] [--unaligned] [--json] [--git-sha SHA]
+    python benchmarks/decode_moe_split.py [--shape qwen3-30b-a3b] [--tokens 16 64] [--layers 8] [--unaligned]
+        [--tiles-of default "NVIDIA H200"] [--json] [--git-sha SHA]
     ncu --clock-control none -k regex:swap_kernel --launch-skip 4 --launch-count 2 --section WarpStateStats ... \\
         python benchmarks/decode_moe_split.py --ncu --tokens 64
 
@@ -28,8 +29,8 @@ from fused_moe import SHAPES, hbm_bandwidth, random_banks, random_routing, versi
 from tune_decode_moe import graph_ms  # noqa: E402
 
 
-def kernel_times(name: str, T: int, layers: int, device, pad: bool, ncu: bool) -> dict:
-    from moe_offload.kernels.decode_moe import decode_align, decode_config_for
+def kernel_times(name: str, T: int, layers: int, device, pad: bool, ncu: bool, tiles_of: str | None = None) -> dict:
+    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH, decode_align, decode_config_for, load_tuning
     from moe_offload.kernels.fused_moe import kernel_calls
 
     H, I, E, K = SHAPES[name]
@@ -39,7 +40,8 @@ def kernel_times(name: str, T: int, layers: int, device, pad: bool, ncu: bool) -
     M = T * K
     terms_MH = torch.empty(M, H, dtype=torch.bfloat16, device=device)
     weights_M = weights_TK.reshape(-1).float()
-    cfg = decode_config_for(device, H, I, M)
+    cfg = (decode_config_for(device, H, I, M) if tiles_of is None
+           else load_tuning(DECODE_TUNING_PATH).lookup(tiles_of, H, I, M))
     align = decode_align(rows_TK, E, cfg.block_m)
     calls = [kernel_calls(hidden_TH, v, align, weights_M, terms_MH, K, cfg) for v in views]
     if ncu:
@@ -62,7 +64,7 @@ def kernel_times(name: str, T: int, layers: int, device, pad: bool, ncu: bool) -
           "gate_up": graph_ms(lambda: [c[0]() for c in calls]),
           "down": graph_ms(lambda: [c[1]() for c in calls])}
     us = {k: None if t is None else 1e3 * t / layers for k, t in ms.items()}
-    return {"shape": name, "T": T, "distinct_experts": D, "rows_padded": pad, "config": cfg.to_dict(), "us_per_layer": us,
+    return {"shape": name, "T": T, "tiles_of": tiles_of or "this GPU's lookup", "distinct_experts": D, "rows_padded": pad, "config": cfg.to_dict(), "us_per_layer": us,
             "bytes": {"gate_up": D * nbytes("w13_q", "w13_s"), "down": D * nbytes("w2_q", "w2_s")}}
 
 
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--unaligned", action="store_true")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--tiles-of", nargs="+", default=[None], metavar="GPU",
+                    help="also time with the tiles the table holds for these GPU names (e.g. default \"NVIDIA H200\")")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--git-sha", help="record this commit (default: `git rev-parse HEAD`; a device copy's HEAD may be stale)")
     a = ap.parse_args(argv)
@@ -85,8 +89,8 @@ def main(argv=None) -> int:
             kernel_times(a.shape, T, 1, dev, True, True)
         return 0
     bw = hbm_bandwidth(dev)  # bytes moved per second by a copy, read + write counted (as bench decode's floor)
-    rows = [kernel_times(a.shape, T, a.layers, dev, pad, False) for T in a.tokens
-            for pad in ((True, False) if a.unaligned else (True,))]
+    rows = [kernel_times(a.shape, T, a.layers, dev, pad, False, tiles) for T in a.tokens
+            for pad in ((True, False) if a.unaligned else (True,)) for tiles in a.tiles_of]
     for r in rows:
         r["floor_us"] = {k: 1e6 * b / bw for k, b in r["bytes"].items()}
         r["x_floor"] = {k: None if r["us_per_layer"][k] is None else r["us_per_layer"][k] / r["floor_us"][k]
@@ -97,7 +101,7 @@ def main(argv=None) -> int:
         print(f"HBM {bw / 1e9:.0f} GB/s")
         for r in rows:
             u, f = r["us_per_layer"], r["floor_us"]
-            print(f"{r['shape']} T={r['T']:3d} D={r['distinct_experts']:3d} padded={r['rows_padded']!s:5}: "
+            print(f"{r['shape']} T={r['T']:3d} D={r['distinct_experts']:3d} padded={r['rows_padded']!s:5} tiles of {r['tiles_of']}: "
                   f"align {u['align']:.1f} us (looped {u['align_looped']:.1f}; over a 48-layer pool: "
                   f"{u['align_pool']:.1f}, looped {u['align_pool_looped']:.1f}), gate_up {u['gate_up']:.1f} us (floor {f['gate_up']:.1f}), "
                   f"down {u['down']:.1f} us (floor {f['down']:.1f})")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.kernels.fused_moe_tuning import device_name, shape_key
+from moe_offload.kernels.fused_moe_tuning import device_name, shape_key, tiles_key
 
 GEMV_TUNING_PATH = Path(__file__).with_name("decode_gemv_tuning.json")
 
@@ -113,10 +113,10 @@ def load_gemv_tuning(path: str | Path = GEMV_TUNING_PATH) -> dict:
 
 
 def gemv_entry(device: torch.device, hidden: int, inter: int) -> GemvShapeEntry:
-    """The tuning entry of ``device`` and shape (H, I): the device's, else "default"; the shape's, else
+    """The tuning entry of ``device`` and shape (H, I): the device's (or its ``SAME_DIE`` GPU's), else "default"; the shape's, else
     that device's "default", else the global default."""
     table = load_gemv_tuning()
-    shapes = table.get(device_name(device), table["default"])
+    shapes = table[tiles_key(device_name(device), table, "decode_gemv_tuning.json")]
     return shapes.get(shape_key(hidden, inter)) or shapes.get("default") or table["default"]["default"]
 
 

@@ -68,10 +68,12 @@ def load_dequant_tuning(path: str | Path = DEQUANT_TUNING_PATH) -> dict[str, Deq
 
 
 def dequant_tiles(device: torch.device) -> DequantTiles:
-    """Tiles for ``device``: its GPU name's entry in the tuning table, else ``default``."""
+    """Tiles for ``device``: its GPU name's entry in the tuning table (or its ``SAME_DIE`` GPU's), else ``default``."""
     table = load_dequant_tuning()
+    from moe_offload.kernels.fused_moe_tuning import tiles_key
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return table.get(name, table["default"])
+    return table[tiles_key(name, table, "dequant_tuning.json")]
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BANK_KEYS = ("w13_q", "w13_s", "w2_q", "w2_s", "gs")

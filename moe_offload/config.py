@@ -260,9 +260,9 @@ class ComputeConfig(_Strict):
                               "top-k + renorm one kernel (kernels/router.py), q/k/v one GEMM, grouped-query decode "
                               "attention without repeated K/V, each residual add inside the next norm or the MoE's "
                               "sum over K (kernels/moe_sum.py) (moe_offload/integrations/)")
-    fused_qk_rope: bool = Field(False, description="with fused_norms, on CUDA: Qwen3-MoE's q/k RMSNorms, rotary and "
+    fused_qk_rope: bool = Field(True, description="with fused_norms, on CUDA: Qwen3-MoE's q/k RMSNorms, rotary and "
                                 "KV-cache write in one kernel over the decoder's static cache (kernels/qk_norm_rope.py; "
-                                "same bits in the CPU tests). Off until it has run on a GPU (README Decisions)")
+                                "the same bits as the three kernels it replaces, on an H100 and in the CPU tests)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

@@ -278,3 +278,22 @@ def test_sass_loop_counts_the_swapped_kernel_s_k_loop_and_aligned_rows_vectorize
     assert al["loop_instructions"] > 0 and al["opcodes"].get("HMMA", 0) > 0  # the loop found is the dot loop
     assert "LDG" not in al["opcodes"] and al["opcodes"].get("LDGSTS", 0) > 0  # weights by cp.async, not plain loads
     assert un["opcodes"].get("LDG", 0) > 0 and un["loop_instructions"] > al["loop_instructions"]
+
+
+def test_a_gpu_of_a_tuned_die_borrows_its_tiles_and_an_unknown_one_gets_the_defaults(caplog):
+    from moe_offload.kernels import fused_moe_tuning as fmt
+    from moe_offload.kernels.decode_gemv_tuning import load_gemv_tuning
+    from moe_offload.kernels.nvfp4 import load_dequant_tuning
+
+    table = load_tuning(DECODE_TUNING_PATH)
+    h200 = table.lookup("NVIDIA H200", 2048, 768, 128)
+    assert table.lookup("NVIDIA H100 80GB HBM3", 2048, 768, 128) == h200  # the same GH100 die
+    assert table.lookup("NVIDIA H100 80GB HBM3", 2048, 768, 128) != table.lookup("default", 2048, 768, 128)
+    assert table.lookup("Some Future GPU", 2048, 768, 128) == table.lookup("default", 2048, 768, 128)
+    fmt._BORROWED.clear()
+    with caplog.at_level("INFO"):
+        for _ in range(3):
+            assert fmt.tiles_key("NVIDIA GH200 480GB", load_gemv_tuning(), "t.json") == "NVIDIA H200"
+    assert sum("tuning_borrowed" in r.getMessage() for r in caplog.records) == 1  # logged once per table and device
+    assert fmt.tiles_key("NVIDIA H100 PCIe", load_dequant_tuning(), "d.json") == "NVIDIA H200"
+    assert fmt.tiles_key("NVIDIA A100-SXM4-80GB", load_dequant_tuning(), "d.json") == "default"

@@ -121,7 +121,11 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     checkpoint reload), then warm it up so the hit path resolves under load, as at start-up."""
     from moe_offload.cache import OffloadMoeCache
 
-    engine.cache.close()  # the old pool and staging go before the new ones are allocated
+    # the old decoders' graphs, static KV caches and the old pool and staging go before the new ones are allocated
+    # (on an 80 GB H100 at 8505610 the decode sweep's batch-64 cell at residency 0.37 ran out of memory; the decoders
+    # of the previous residency, alive until replace_cache, were one avoidable share of it)
+    engine.drop_decoders()
+    engine.cache.close()
     free_memory()
     engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
                                          fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,

@@ -12,6 +12,7 @@ import io
 import json
 
 import pytest
+import torch
 
 from moe_offload.cli import main as cli_main
 
@@ -148,3 +149,41 @@ def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reporte
     assert staged["staged_h2d"] == staged["total"] == result["model"]["all_expert_bytes"] // 2
     assert two["ratio_to_floor"] is None and two["floor_bound"].startswith("n/a: staged")
     assert "staged (decode.path auto)" in next(out.glob("decode-*.md")).read_text()
+
+
+def test_a_cell_that_runs_out_of_device_memory_is_reported_and_the_others_still_run(tmp_path, monkeypatch, caplog):
+    """Fault injection: the batch-2 cell at residency 1 raises torch's out-of-memory error (as an 80 GB H100 did at
+    batch 64, residency 0.37). The sweep frees that batch's decoders, runs the remaining cells, writes every report
+    with the failed cell marked and exits 1, naming it."""
+    import contextlib as cl
+
+    from moe_offload.bench import decode as bench_decode
+
+    real = bench_decode.measure_cell
+
+    def measure(engine, prompts, resident, plan):
+        if len(prompts) == 2 and all(len(v) == 16 for v in resident.values()):  # batch 2, all 16 experts resident
+            engine.decoder(2)  # what the cell held when it failed: its static decoder
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
+        return real(engine, prompts, resident, plan)
+
+    monkeypatch.setattr(bench_decode, "measure_cell", measure)
+    out = tmp_path / "r"
+    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0,1", "--batch", "1,2",
+            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
+            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING"]
+    stderr = io.StringIO()
+    with cl.redirect_stdout(io.StringIO()), cl.redirect_stderr(stderr), caplog.at_level("WARNING"):
+        assert cli_main(argv) == 1
+    assert "1 cell(s) failed (residency 1 batch 2)" in stderr.getvalue()
+    assert "out of device memory" in stderr.getvalue()
+    result = json.loads(next(out.glob("decode-*.json")).read_text())
+    failed = _cell(result, 1.0, 2)
+    assert failed["error"].startswith("out of device memory (CUDA out of memory. Tried to allocate 4.00 GiB.)")
+    assert failed["ratio_to_floor"] is None and "tok_s" not in failed
+    for r, b in ((0.0, 1), (0.0, 2), (1.0, 1)):  # measured after the failure too (residency 0 runs last)
+        assert _cell(result, r, b)["tok_s"]["median"] > 0
+    assert "**failed**: out of device memory" in next(out.glob("decode-*.md")).read_text()
+    assert next(out.glob("decode-*.png")).stat().st_size > 0
+    events = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "bench_cell_failed"]
+    assert [(e["residency"], e["batch"], e["reason"]) for e in events] == [(1.0, 2, "out_of_memory")]

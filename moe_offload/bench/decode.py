@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -277,6 +279,20 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     }
 
 
+def failed_cell(engine, residency: float, batch: int, exc: BaseException) -> str:
+    """A cell that ran out of device memory: free what its batch decoders held (graphs, static KV caches), log
+    ``bench_cell_failed`` and return the error the report prints in the cell's place."""
+    engine.drop_decoders()
+    engine.cache.reset()
+    free_memory()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    error = (f"out of device memory ({first}); this batch's static KV cache and graphs do not fit beside the slot "
+             f"pool: run it with a smaller --prompt-len or --batch, or on a larger GPU")
+    log.event("bench_cell_failed", logging.WARNING, residency=residency, batch=batch, reason="out_of_memory",
+              detail=first)
+    return error
+
+
 def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict) -> list[dict]:
     """Every cell, residency-major (largest pool first, so the engine's first pool is used first)."""
     prompts = _prompts(engine.reader.geometry.vocab, plan)
@@ -288,8 +304,12 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
             use_cache(engine, cell_config(cfg, cfg.prefill.hit_copy, slots[r]))
         for B in plan.batches:
             bar.set_postfix(residency=r, batch=B)
-            cells.append({"residency": r, "batch": B, "resident_per_layer": counts[r],
-                          "slots": engine.cache.num_slots, **measure_cell(engine, prompts[:B], sets[r], plan)})
+            cell = {"residency": r, "batch": B, "resident_per_layer": counts[r], "slots": engine.cache.num_slots}
+            try:
+                cell.update(measure_cell(engine, prompts[:B], sets[r], plan))
+            except torch.OutOfMemoryError as exc:  # this cell does not fit the device: report it, run the others
+                cell["error"] = failed_cell(engine, r, B, exc)
+            cells.append(cell)
             bar.update(1)
     bar.close()
     return cells
@@ -366,4 +386,9 @@ def main(a: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2, default=str) if a.json else paths["markdown_text"])
     log.info_rank0("bench_decode_written", json=str(paths["json"]), markdown=str(paths["md"]),
                    png=str(paths["png"]) if paths["png"] else None)
+    failed = [c for c in result["cells"] if c.get("error")]
+    if failed:  # written with the failures marked; the exit status says the sweep is incomplete
+        cells = ", ".join(f"residency {c['residency']:g} batch {c['batch']}" for c in failed)
+        print(f"bench decode: {len(failed)} cell(s) failed ({cells}): {failed[0]['error']}", file=sys.stderr)
+        return 1
     return 0

@@ -38,6 +38,10 @@ def derive(result: dict) -> None:
     f["pcie_definition"] = ("bytes of the distinct missing experts a step reads (in the step, or from a lookahead "
                             "copy) / H2D bandwidth")
     for c in result["cells"]:
+        if c.get("error"):  # failed (e.g. out of device memory): nothing measured, no floor
+            c["hbm_floor_ms"] = c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
+            c["floor_bound"] = "n/a: the cell failed"
+            continue
         expert = c["routed_experts_per_step"] * m["bytes_per_expert"]
         kv = c["batch"] * m["kv_bytes_per_position"] * positions
         read = expert + m["non_expert_bytes"] + kv
@@ -74,8 +78,9 @@ def targets(result: dict) -> list[dict]:
     out = []
     for r, need in TOK_S_TARGETS:
         c = _cell(result, r, 1)
-        value = None if c is None else c["tok_s"]["median"] / depth
-        detail = "needs a batch-1 cell at this residency" if c is None else (
+        value = None if c is None or c.get("error") else c["tok_s"]["median"] / depth
+        detail = "needs a batch-1 cell at this residency" if c is None else f"the cell failed: {c['error']}" if c.get(
+            "error") else (
             f"scaled from {m['layers']} to {m['full_layers']} layers" if depth != 1 else "measured")
         out.append({"id": f"batch1_tok_s_at_residency_{r:g}", "residency": r, "batch": 1, "value": value,
                     "threshold": need, "comparison": ">=", "primary": primary, "detail": detail,
@@ -88,7 +93,8 @@ def targets(result: dict) -> list[dict]:
             value = c["ratio_to_floor"]
             out.append({"id": f"batch{B}_within_floor", "residency": r, "batch": B, "value": value,
                         "threshold": 1 / FLOOR_SPEED_MIN, "comparison": "<=", "primary": primary,
-                        "detail": f"ms/step / max(HBM, PCIe floor); {c['floor_bound']}-bound",
+                        "detail": f"the cell failed: {c['error']}" if c.get("error") else
+                        f"ms/step / max(HBM, PCIe floor); {c['floor_bound']}-bound",
                         "met": None if value is None else value <= 1 / FLOOR_SPEED_MIN})
     return out
 
@@ -126,6 +132,9 @@ def _cells_table(result: dict) -> list[str]:
             "HBM floor ms | PCIe floor ms | ×floor | graph |")
     lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 11) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
+        if c.get("error"):
+            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 8)
+            continue
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
         g = c["graph"]
@@ -208,7 +217,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 5.0))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, r in enumerate(result["settings"]["residencies"]):
-        cells = sorted((c for c in result["cells"] if abs(c["residency"] - r) < 1e-9), key=lambda c: c["batch"])
+        cells = sorted((c for c in result["cells"] if abs(c["residency"] - r) < 1e-9 and not c.get("error")),
+                       key=lambda c: c["batch"])
         x = [c["batch"] for c in cells]
         col = colors[i % len(colors)]
         ax.plot(x, [c["tok_s"]["median"] for c in cells], "o-", color=col, label=f"residency {r:g}")

@@ -136,17 +136,32 @@ def _host_ms_per_call(copier: BatchMemcpy, dev: torch.device, repeats: int = 5) 
     return statistics.median(times[1:]) * 1e3
 
 
+def tile_sources(device_name: str) -> dict[str, str]:
+    """Which entry of each kernel tile table a GPU named ``device_name`` uses: its own name, the ``SAME_DIE`` GPU
+    whose tiles it borrows, or ``default`` (untuned: run the table's tuner in benchmarks/)."""
+    from moe_offload.kernels.decode_gemv_tuning import load_gemv_tuning
+    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH
+    from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, load_tuning, tiles_key
+    from moe_offload.kernels.nvfp4 import load_dequant_tuning
+
+    tables = {"fused_moe_tuning.json": load_tuning(TUNING_PATH).devices,
+              "decode_moe_tuning.json": load_tuning(DECODE_TUNING_PATH).devices,
+              "decode_gemv_tuning.json": load_gemv_tuning(), "dequant_tuning.json": load_dequant_tuning()}
+    return {name: tiles_key(device_name, keys, name) for name, keys in tables.items()}
+
+
 def probe(device: Any = None, joined: bool = True) -> dict[str, Any]:
     """Run the probe afresh (no cache) and report it as a JSON-able dict (``moe-offload probe``).
 
     Keys: ok, reason, detail, joined, library, runtime_version, driver_version, signature, device,
-    device_name, host_ms_512_entries (median host time of one 512 x 64 KiB call, ms), torch, torch_cuda.
+    device_name, tiles (:func:`tile_sources`), host_ms_512_entries (median host time of one 512 x 64 KiB call, ms),
+    torch, torch_cuda.
     ``joined=False`` runs the race variant (:func:`_probe_unjoined`) for demonstration.
     """
     out: dict[str, Any] = {
         "ok": False, "reason": None, "detail": None, "joined": joined, "library": None,
         "runtime_version": None, "driver_version": None, "signature": None, "device": None,
-        "device_name": None, "host_ms_512_entries": None, "torch": torch.__version__,
+        "device_name": None, "tiles": None, "host_ms_512_entries": None, "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
     }
     try:
@@ -155,6 +170,7 @@ def probe(device: Any = None, joined: bool = True) -> dict[str, Any]:
                    driver_version=rt.driver_version, signature=rt.signature)
         dev = _cuda_device(device)
         out.update(device=str(dev), device_name=torch.cuda.get_device_name(dev))
+        out["tiles"] = tile_sources(out["device_name"])
         _run_probe(dev, joined=joined)
         out["host_ms_512_entries"] = _host_ms_per_call(BatchMemcpy(rt), dev)
         out["ok"] = True

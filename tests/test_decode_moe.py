@@ -299,3 +299,12 @@ def test_a_gpu_of_a_tuned_die_borrows_its_tiles_and_an_unknown_one_gets_the_defa
     assert len(borrowed) == 1 and borrowed[0]["tiles_of"] == "NVIDIA H200"  # logged once per table and device
     assert fmt.tiles_key("NVIDIA H100 PCIe", load_dequant_tuning(), "d.json") == "NVIDIA H200"
     assert fmt.tiles_key("NVIDIA A100-SXM4-80GB", load_dequant_tuning(), "d.json") == "default"
+
+
+def test_the_probe_reports_which_entry_of_each_tile_table_a_gpu_uses():
+    from moe_offload.kernels.batch_memcpy_probe import tile_sources
+
+    tables = {"fused_moe_tuning.json", "decode_moe_tuning.json", "decode_gemv_tuning.json", "dequant_tuning.json"}
+    assert tile_sources("NVIDIA H200") == dict.fromkeys(tables, "NVIDIA H200")
+    assert tile_sources("NVIDIA H100 80GB HBM3") == dict.fromkeys(tables, "NVIDIA H200")  # borrowed: same die
+    assert tile_sources("NVIDIA L40S") == dict.fromkeys(tables, "default")  # untuned

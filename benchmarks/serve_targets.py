@@ -37,7 +37,9 @@ def _residency(serve: dict) -> float:
 
 
 def _decode_cell(decode: dict, residency: float, batch: int) -> dict | None:
-    return next((c for c in decode["cells"] if abs(c["residency"] - residency) < 1e-9 and c["batch"] == batch), None)
+    """The measured cell of that residency and batch (a failed one, e.g. out of device memory, is no reference)."""
+    return next((c for c in decode["cells"] if abs(c["residency"] - residency) < 1e-9 and c["batch"] == batch
+                 and not c.get("error")), None)
 
 
 def _ttft_cell(ttft: dict | None, residency: float, prompt_len: int) -> float | None:

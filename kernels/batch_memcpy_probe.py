@@ -164,13 +164,17 @@ def probe(device: Any = None, joined: bool = True) -> dict[str, Any]:
         "device_name": None, "tiles": None, "host_ms_512_entries": None, "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
     }
+    if torch.cuda.is_available():  # which tiles the kernels use does not depend on the batch-copy path
+        try:
+            out["tiles"] = tile_sources(torch.cuda.get_device_name(_cuda_device(device)))
+        except Exception as exc:  # noqa: BLE001 - a table that does not load is reported, the probe goes on
+            out["tiles"] = {"error": f"{type(exc).__name__}: {exc}"}
     try:
         rt = _resolve_runtime()
         out.update(library=rt.library_path, runtime_version=rt.runtime_version,
                    driver_version=rt.driver_version, signature=rt.signature)
         dev = _cuda_device(device)
         out.update(device=str(dev), device_name=torch.cuda.get_device_name(dev))
-        out["tiles"] = tile_sources(out["device_name"])
         _run_probe(dev, joined=joined)
         out["host_ms_512_entries"] = _host_ms_per_call(BatchMemcpy(rt), dev)
         out["ok"] = True

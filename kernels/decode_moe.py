@@ -8,11 +8,12 @@ Why a decode variant: at decode the layer's weight bytes are small (8 experts x 
 Qwen3-30B-A3B: ~5 us of HBM time on an H200), so the number of dependent launches, not the GEMMs,
 sets the layer time. ``fused_moe_nvfp4`` enqueues 9 kernels (3 fills and 3 alignment kernels, two
 GEMMs, the sum over K); this path enqueues 4:
-1. ``_align_kernel``, ONE program: fills, per-row counts, padded prefix sum and placement of the pairs,
-   phases separated by ``tl.debug_barrier()`` (one CTA sees its own global writes after a barrier).
-   The result is the same ``MoeAlignment`` contract as ``fused_moe.moe_align``: pairs grouped by row,
-   each group padded to whole BLOCK_M blocks (order within a row follows atomics; results do not depend
-   on it, since each pair's output row is computed independently of its position).
+1. ONE alignment program: up to ``SORTED_ALIGN_MAX_PAIRS`` pairs ``_align_sorted_kernel`` (a sort by (row,
+   pair id) and a scan; pairs in ascending id within a row), above it ``_align_kernel`` (fills, per-row counts,
+   padded prefix sum and placement by atomics). Phases are separated by ``tl.debug_barrier()`` (one CTA sees
+   its own global writes after a barrier). The result is the same ``MoeAlignment`` contract as
+   ``fused_moe.moe_align``: pairs grouped by row, each group padded to whole BLOCK_M blocks (results do not
+   depend on the order within a row, since each pair's output row is computed independently of its position).
 2. ``fused_moe.gate_up_silu`` and 3. ``fused_moe.down_weighted``, with tiles from
    ``decode_moe_tuning.json`` (keyed by GPU name, shape (H, I) and M; written by
    ``benchmarks/tune_decode_moe.py``): BLOCK_M = 16 (one expert rarely gets more than a few pairs at
@@ -121,8 +122,10 @@ def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_p
     tl.store(num_padded_ptr, total)
 
 
-#: largest pair count the sorted alignment holds in registers; above it the looped ``_align_kernel`` runs
-SORTED_ALIGN_MAX_PAIRS = 2048
+#: largest pair count the sorted alignment runs at; above it the looped ``_align_kernel`` does. 512 pairs (a batch-64
+#: decode step at top-8) is the largest that has run on a GPU (8505610, an H100 with Triton 3.6); 1,024 and 2,048
+#: (routed prefills of 128-256 tokens) compile for sm_90 with 8 warps but wait for a GPU run before they are used
+SORTED_ALIGN_MAX_PAIRS = 512
 
 
 def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int,

@@ -28,8 +28,9 @@ class MoeAlignment:
     """Routed pairs grouped by bank row, padded to whole blocks (all device tensors, no host sync).
 
     ``sorted_ids_P`` int32: pair ids (t*K + k) grouped by row (rows in ascending order), each group
-    padded to ``block_m`` with the sentinel M; ``block_row_B`` int32: the bank row of each block (-1 past the end);
-    ``num_padded_1`` int32: the real padded length (blocks at or past it exit at once)."""
+    padded to ``block_m`` with the sentinel M; ``block_row_B`` int32: the bank row of each block (-1 past the end
+    from ``moe_align``; ``decode_moe.decode_align`` writes only the used blocks); ``num_padded_1`` int32: the real
+    padded length (the kernels' blocks at or past it exit before reading anything else)."""
 
     sorted_ids_P: torch.Tensor
     block_row_B: torch.Tensor

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moe_offload.cli import main as cli_main
+from moe_offload.engine import Engine
 
 STEPS, PROMPT_LEN = 3, 8
 
@@ -163,11 +164,19 @@ def test_a_cell_that_runs_out_of_device_memory_is_reported_and_the_others_still_
 
     def measure(engine, prompts, resident, plan):
         if len(prompts) == 2 and all(len(v) == 16 for v in resident.values()):  # batch 2, all 16 experts resident
-            engine.decoder(2)  # what the cell held when it failed: its static decoder
+            engine._decoders[2] = object()  # what the cell held when it failed: its static decoder (graphs, KV)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB.")
         return real(engine, prompts, resident, plan)
 
+    dropped = []
+    real_drop = Engine.drop_decoders
+
+    def drop(engine):
+        dropped.append(dict(engine._decoders))
+        real_drop(engine)
+
     monkeypatch.setattr(bench_decode, "measure_cell", measure)
+    monkeypatch.setattr(Engine, "drop_decoders", drop)
     out = tmp_path / "r"
     argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0,1", "--batch", "1,2",
             "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
@@ -187,3 +196,35 @@ def test_a_cell_that_runs_out_of_device_memory_is_reported_and_the_others_still_
     assert next(out.glob("decode-*.png")).stat().st_size > 0
     events = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "bench_cell_failed"]
     assert [(e["residency"], e["batch"], e["reason"]) for e in events] == [(1.0, 2, "out_of_memory")]
+    assert any(2 in held for held in dropped)  # the failed cell's decoder was dropped before the next cell
+
+
+@pytest.mark.parametrize("error, reported", [
+    (RuntimeError("Triton Error [CUDA]: out of memory"), True),  # a kernel module's first load, as CUDA reports it
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),  # a real fault: not a cell result
+])
+def test_only_running_out_of_device_memory_becomes_a_failed_cell(tmp_path, monkeypatch, error, reported):
+    from moe_offload.bench import decode as bench_decode
+
+    real = bench_decode.measure_cell
+
+    def measure(engine, prompts, resident, plan):
+        if len(prompts) == 2:
+            raise error
+        return real(engine, prompts, resident, plan)
+
+    monkeypatch.setattr(bench_decode, "measure_cell", measure)
+    out = tmp_path / "r"
+    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "1", "--batch", "1,2",
+            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
+            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        rc = cli_main(argv)
+    if reported:
+        assert rc == 1
+        result = json.loads(next(out.glob("decode-*.json")).read_text())
+        assert _cell(result, 1.0, 2)["error"].startswith("out of device memory (Triton Error [CUDA]: out of memory)")
+    else:  # the run stops with the error itself, and writes no report that would pass it off as a cell
+        assert rc != 0 and "illegal memory access" in stderr.getvalue()
+        assert not list(out.glob("decode-*.json"))

@@ -55,3 +55,19 @@ def test_a_level_with_a_same_run_decode_reference_is_compared_with_it_not_with_t
     # without a reference the decode file is used, and names its commit
     plain = st.compare([_load("serve-qwen3-30b-a3b-r0.37-e153b4d6bc05.json")], _load("decode-qwen3-30b-a3b-edd2da44f57a.json"))
     assert {r["decode_source"] for r in plain["rows"]} == {"edd2da44f57a"}
+
+
+def test_a_failed_bench_decode_cell_is_no_reference():
+    """A bench decode cell that ran out of device memory (its "error" in place of the figures) gives that level no
+    decode reference instead of a crash."""
+    st = _module()
+    serves = [_load(f"serve-qwen3-30b-a3b-r{r}-032db7c87464.json") for r in ("0.37", "1.0")]
+    decode = _load("decode-qwen3-30b-a3b-51a5ded.json")
+    for c in decode["cells"]:
+        if c["residency"] == 1.0 and c["batch"] == 1:
+            for k in [k for k in c if k not in ("residency", "batch")]:
+                del c[k]
+            c["error"] = "out of device memory (CUDA out of memory)"
+    rows = {(r["residency"], r["clients"]): r for r in st.compare(serves, decode)["rows"]}
+    assert rows[(1.0, 1)]["bench_decode_tok_s"] is None and rows[(1.0, 1)]["decode_ratio"] is None
+    assert rows[(0.37, 1)]["decode_ratio"] is not None  # the other cells still compare

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 
 from moe_offload import log
 from moe_offload.bench.sweep import cell_config, free_memory, pool_slots, resident_sets, use_cache
+from moe_offload.budget import is_device_oom
 from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
@@ -279,18 +280,16 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     }
 
 
-def failed_cell(engine, residency: float, batch: int, exc: BaseException) -> str:
-    """A cell that ran out of device memory: free what its batch decoders held (graphs, static KV caches), log
-    ``bench_cell_failed`` and return the error the report prints in the cell's place."""
+def failed_cell(engine, residency: float, batch: int, first: str) -> str:
+    """A cell that ran out of device memory (``first``: the error's first line): free what its batch decoders held
+    (graphs, static KV caches), log ``bench_cell_failed`` and return the error the report prints in its place."""
     engine.drop_decoders()
     engine.cache.reset()
     free_memory()
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    error = (f"out of device memory ({first}); this batch's static KV cache and graphs do not fit beside the slot "
-             f"pool: run it with a smaller --prompt-len or --batch, or on a larger GPU")
     log.event("bench_cell_failed", logging.WARNING, residency=residency, batch=batch, reason="out_of_memory",
               detail=first)
-    return error
+    return (f"out of device memory ({first}); this batch's prefill and decode do not fit beside the slot pool: run it "
+            f"with a smaller --prompt-len or --batch, or on a larger GPU")
 
 
 def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict) -> list[dict]:
@@ -305,10 +304,15 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
         for B in plan.batches:
             bar.set_postfix(residency=r, batch=B)
             cell = {"residency": r, "batch": B, "resident_per_layer": counts[r], "slots": engine.cache.num_slots}
+            failure = None
             try:
                 cell.update(measure_cell(engine, prompts[:B], sets[r], plan))
-            except torch.OutOfMemoryError as exc:  # this cell does not fit the device: report it, run the others
-                cell["error"] = failed_cell(engine, r, B, exc)
+            except Exception as exc:  # noqa: BLE001 - only running out of device memory is a reported cell
+                if not is_device_oom(exc):
+                    raise
+                failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if failure is not None:  # outside the except: its traceback no longer holds the cell's decoder
+                cell["error"] = failed_cell(engine, r, B, failure)
             cells.append(cell)
             bar.update(1)
     bar.close()

@@ -113,6 +113,9 @@ SAME_DIE = {
 }
 
 _BORROWED: set[tuple[str, str]] = set()
+#: the tuner that writes a GPU's own entry into each shipped table
+TUNERS = {"fused_moe_tuning.json": "benchmarks/tune_fused_moe.py", "decode_moe_tuning.json": "benchmarks/tune_decode_moe.py",
+          "decode_gemv_tuning.json": "benchmarks/tune_decode_gemv.py", "dequant_tuning.json": "benchmarks/tune_dequant.py"}
 
 
 def tiles_key(name: str, keys, table: str) -> str:
@@ -126,9 +129,10 @@ def tiles_key(name: str, keys, table: str) -> str:
             _BORROWED.add((table, name))
             from moe_offload import log
 
+            tuner = TUNERS.get(table, "the table's tuner in benchmarks/")
             log.event("tuning_borrowed", table=table, device=name, tiles_of=sibling,
-                      detail="no tiles measured on this GPU; using those of the same die (run the tuner in "
-                             "benchmarks/ to measure its own)")
+                      detail=f"no tiles measured on this GPU; using those of the same die ({tuner} on this GPU "
+                             "measures its own)")
         return sibling
     return "default"
 

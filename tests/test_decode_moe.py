@@ -6,6 +6,7 @@ Without CUDA the kernels run in the Triton interpreter on CPU tensors (small sha
 """
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -300,10 +301,13 @@ def test_a_gpu_of_a_tuned_die_borrows_its_tiles_and_an_unknown_one_gets_the_defa
 
     with caplog.at_level("INFO", logger=log.LOGGER_NAME):
         for _ in range(3):
-            assert fmt.tiles_key("NVIDIA GH200 480GB", load_gemv_tuning(), "t.json") == "NVIDIA H200"
+            assert fmt.tiles_key("NVIDIA GH200 480GB", load_gemv_tuning(), "decode_gemv_tuning.json") == "NVIDIA H200"
     borrowed = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "tuning_borrowed"
                 and r.event_fields["device"] == "NVIDIA GH200 480GB"]
     assert len(borrowed) == 1 and borrowed[0]["tiles_of"] == "NVIDIA H200"  # logged once per table and device
+    assert "benchmarks/tune_decode_gemv.py" in borrowed[0]["detail"]  # names the tuner that measures its own
+    root = Path(fmt.__file__).resolve().parents[1]
+    assert all((root / tuner).is_file() for tuner in fmt.TUNERS.values())
     assert fmt.tiles_key("NVIDIA H100 PCIe", load_dequant_tuning(), "d.json") == "NVIDIA H200"
     assert fmt.tiles_key("NVIDIA A100-SXM4-80GB", load_dequant_tuning(), "d.json") == "default"
 

@@ -298,3 +298,47 @@ def test_a_chunked_prompt_reports_its_chunks_and_a_chunked_floor_that_matches_th
     assert cell["bytes"]["h2d"] == 2 * all_bytes // 2  # each of the 2 chunks staged half of every layer
     assert cell["pcie_floor_chunked_s"] == pytest.approx(2 * cell["pcie_floor_s"])
     assert "chunked_definition" in result["floors"]
+
+
+def test_a_cell_that_runs_out_of_device_memory_is_listed_and_the_sweep_goes_on(tmp_path, presets, monkeypatch):
+    """Fault injection: every forward of the 32-token prompt raises CUDA's out-of-memory error (its first, untimed
+    pass included), and the timed passes of the 64-token prompt at residency 0.5 raise torch's. Those cells are
+    listed as failed, every other cell is measured, the reports are written and the run exits 1."""
+    import torch
+
+    from moe_offload.bench import sweep
+    from moe_offload.engine import Engine
+
+    real_prefill, real_measure = Engine.prefill, sweep.measure_cell
+
+    def prefill(self, input_ids, *args, **kwargs):
+        if len(input_ids) == 32:
+            raise RuntimeError("CUDA error: out of memory")
+        return real_prefill(self, input_ids, *args, **kwargs)
+
+    def measure(engine, timer, ids, resident, reps):
+        if len(ids) == 64 and all(len(v) == 8 for v in resident.values()):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real_measure(engine, timer, ids, resident, reps)
+
+    monkeypatch.setattr(Engine, "prefill", prefill)
+    monkeypatch.setattr(sweep, "measure_cell", measure)
+    out = tmp_path / "r"
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "32,64",
+            "--residency", "0,0.5,1", "--modes", "gather", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        assert cli_main(argv) == 1
+    assert "4 cell(s) failed" in stderr.getvalue()
+    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    failed = {(c["prompt_len"], c["residency"]): c["error"] for c in result["failed_cells"]}
+    assert set(failed) == {(32, 0.0), (32, 0.5), (32, 1.0), (64, 0.5)}
+    assert failed[(32, 0.0)].startswith("out of device memory (CUDA error: out of memory)")  # the first pass
+    assert failed[(32, 1.0)].startswith("out of device memory (the untimed first pass at residency 0 failed)")
+    assert failed[(64, 0.5)].startswith("out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB.)")
+    assert sorted((c["prompt_len"], c["residency"]) for c in result["cells"]) == [(64, 0.0), (64, 1.0)]
+    assert all(c["ttft_s"]["median"] > 0 for c in result["cells"])
+    assert result["floors"]["compute"]["32"] is None and result["floors"]["compute"]["64"] is not None
+    text = next(out.glob("ttft-*.md")).read_text()
+    assert "## Failed cells" in text and "| 64 | gather | 0.5 | out of device memory" in text

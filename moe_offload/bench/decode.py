@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import statistics
 import sys
@@ -43,8 +42,8 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_offload import log
-from moe_offload.bench.sweep import cell_config, free_memory, pool_slots, resident_sets, use_cache
-from moe_offload.budget import is_device_oom
+from moe_offload.bench.sweep import (cell_config, failed_cell, free_memory, oom_line, pool_slots, resident_sets,
+                                     use_cache)
 from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
@@ -280,18 +279,6 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     }
 
 
-def failed_cell(engine, residency: float, batch: int, first: str) -> str:
-    """A cell that ran out of device memory (``first``: the error's first line): free what its batch decoders held
-    (graphs, static KV caches), log ``bench_cell_failed`` and return the error the report prints in its place."""
-    engine.drop_decoders()
-    engine.cache.reset()
-    free_memory()
-    log.event("bench_cell_failed", logging.WARNING, residency=residency, batch=batch, reason="out_of_memory",
-              detail=first)
-    return (f"out of device memory ({first}); this batch's prefill and decode do not fit beside the slot pool: run it "
-            f"with a smaller --prompt-len or --batch, or on a larger GPU")
-
-
 def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict) -> list[dict]:
     """Every cell, residency-major (largest pool first, so the engine's first pool is used first)."""
     prompts = _prompts(engine.reader.geometry.vocab, plan)
@@ -308,11 +295,12 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
             try:
                 cell.update(measure_cell(engine, prompts[:B], sets[r], plan))
             except Exception as exc:  # noqa: BLE001 - only running out of device memory is a reported cell
-                if not is_device_oom(exc):
+                if (failure := oom_line(exc)) is None:
                     raise
-                failure = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if failure is not None:  # outside the except: its traceback no longer holds the cell's decoder
-                cell["error"] = failed_cell(engine, r, B, failure)
+                cell["error"] = failed_cell(engine, failure, "this batch's prefill and decode do not fit beside the "
+                                            "slot pool: run it with a smaller --prompt-len or --batch, or on a larger "
+                                            "GPU", residency=r, batch=B)
             cells.append(cell)
             bar.update(1)
     bar.close()

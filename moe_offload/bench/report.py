@@ -327,6 +327,15 @@ def _target_table(result: dict) -> list[str]:
     return lines
 
 
+def _failed_table(result: dict) -> list[str]:
+    failed = result.get("failed_cells") or []
+    if not failed:
+        return []
+    lines = ["", "## Failed cells (not measured; left out of the tables and targets above)", "",
+             "| tokens | variant | residency | error |", "| --- | --- | --- | --- |"]
+    return lines + [f"| {c['prompt_len']} | {c['variant']} | {c['residency']:g} | {c['error']} |" for c in failed]
+
+
 def markdown(result: dict) -> str:
     lines = _header(result)
     for n in result["settings"]["prompt_lens"]:
@@ -336,7 +345,7 @@ def markdown(result: dict) -> str:
     if declined:
         lines += ["", "† hit-D2D requested but declined, full-layer copies ran: "
                   + ", ".join(f"{mo} ({_reasons(result, mo)})" for mo in declined)]
-    lines += _host_table(result) + _peer_table(result) + _target_table(result)
+    lines += _host_table(result) + _peer_table(result) + _failed_table(result) + _target_table(result)
     if result["notes"]:
         lines += ["", "## Notes", ""] + [f"- {x}" for x in result["notes"]]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ each cell its routed missing experts (routed and not in the cell's resident set)
 from __future__ import annotations
 
 import gc
+import logging
 import statistics
 from typing import Callable
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from moe_offload import log
 from moe_offload.bench.timing import HostTimer
 from moe_offload.config import OffloadConfig
 from moe_offload.experts import offloaded_experts
@@ -137,6 +139,28 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
         engine.cache.resolve_hit_path()
 
 
+def oom_line(exc: BaseException) -> str | None:
+    """The first line of ``exc`` when it says the device ran out of memory (``budget.is_device_oom``), else None: a
+    bench reports such a cell in its place and runs the others; any other error stops the run."""
+    from moe_offload.budget import is_device_oom
+
+    if not is_device_oom(exc):
+        return None
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
+def failed_cell(engine, first: str, fix: str, **where) -> str:
+    """A cell that ran out of device memory (``first``: the error's first line; call it after the ``except`` block,
+    whose traceback still holds the cell's objects): drop the engine's batch decoders (graphs, static KV caches),
+    reset the cache and return cached device memory, log one ``bench_cell_failed`` event with ``where`` (the
+    cell's coordinates) and return the error a report prints for the cell, ending with ``fix``."""
+    engine.drop_decoders()
+    engine.cache.reset()
+    free_memory()
+    log.event("bench_cell_failed", logging.WARNING, **where, reason="out_of_memory", detail=first)
+    return f"out of device memory ({first}); {fix}"
+
+
 def free_memory() -> None:
     """Collect what was dropped (an engine's device pools, its pinned store) and return cached device
     memory, so that what runs next (the peers) gets it."""
@@ -202,14 +226,16 @@ def taken_path(stats: dict) -> str:
 def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], counts: dict[float, int],
           slots: dict[float, int], show_bar: bool = True, on_cell: Callable[[dict], None] | None = None) -> dict:
     """Every cell of ``plan`` on ``engine`` (built for ``plan.modes[0]`` and ``plan.paths[0]`` at the first
-    residency's pool); returns ``{"cells", "modes"}`` (``modes`` keyed by variant label). ``on_cell(cell)``
-    runs after each cell (TP: per-rank figures)."""
+    residency's pool); returns ``{"cells", "modes", "failed_cells"}`` (``modes`` keyed by variant label).
+    ``on_cell(cell)`` runs after each cell (TP: per-rank figures). Without ``on_cell`` a cell that runs out of
+    device memory goes to ``failed_cells`` (its coordinates and the error) instead of stopping the sweep; the
+    report lists it, its targets read "needs ...", and ``bench ttft`` exits 1."""
     first = plan.residencies[0]
     E, R = engine.store.num_experts, engine.store.bytes_per_expert
     sets = resident_sets(engine.store.layers, E, counts, plan.seed)
     experts = offloaded_experts(engine.model)
     timer = HostTimer(engine.model, experts)
-    cells, modes = [], {}
+    cells, modes, failed = [], {}, []
     current = (plan.modes[0], plan.paths[0], slots[first])
     bar = tqdm(total=len(plan.modes) * len(plan.paths) * len(plan.prompt_lens) * len(plan.residencies),
                desc="ttft cells", unit="cell", disable=not show_bar)
@@ -228,24 +254,41 @@ def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], count
                                          "routed_path": engine.cache.routed_path.to_dict()})
                 for n in plan.prompt_lens:
                     bar.set_postfix(variant=label, tokens=n, residency=r)
-                    if r == first:  # untimed: first pass of this shape and variant (allocator, kernel caches)
-                        engine.cache.set_residency(sets[r])
-                        recorder = RoutingRecorder(experts)
-                        try:  # eager and unpadded: every experts call runs (no graph replay) on the prompt alone
-                            engine.prefill(prompts[n], last_only=True)
-                        finally:
-                            recorder.remove()
-                        routed[n] = recorder.distinct()
-                    total, missing = routed_missing(routed[n], sets[r])
-                    cell = {"prompt_len": n, "mode": mode, "prefill_path": path, "variant": label, "residency": r,
-                            "resident_per_layer": counts[r], "resident_fraction": counts[r] / E,
-                            "slots": engine.cache.num_slots, "routed_experts": total,
-                            "routed_missing_experts": missing, "routed_missing_bytes": missing * R,
-                            **measure_cell(engine, timer, prompts[n], sets[r], plan.reps)}
+                    where = {"prompt_len": n, "mode": mode, "prefill_path": path, "variant": label, "residency": r,
+                             "resident_per_layer": counts[r], "resident_fraction": counts[r] / E,
+                             "slots": engine.cache.num_slots}
+                    failure = None
+                    try:
+                        if r == first:  # untimed: first pass of this shape and variant (allocator, kernel caches)
+                            engine.cache.set_residency(sets[r])
+                            recorder = RoutingRecorder(experts)
+                            try:  # eager and unpadded: every experts call runs (no graph replay) on the prompt alone
+                                engine.prefill(prompts[n], last_only=True)
+                            finally:
+                                recorder.remove()
+                            routed[n] = recorder.distinct()
+                        if n not in routed:  # its first pass ran out of memory: no routing to price it by
+                            failure = f"the untimed first pass at residency {first:g} failed"
+                        else:
+                            total, missing = routed_missing(routed[n], sets[r])
+                            cell = {**where, "routed_experts": total, "routed_missing_experts": missing,
+                                    "routed_missing_bytes": missing * R,
+                                    **measure_cell(engine, timer, prompts[n], sets[r], plan.reps)}
+                    except Exception as exc:  # noqa: BLE001 - only running out of device memory is a reported cell
+                        # under TP the ranks run collectives in lockstep: one rank skipping a cell would hang them
+                        if on_cell is not None or (failure := oom_line(exc)) is None:
+                            raise
+                    if failure is not None:  # outside the except: its traceback no longer holds the cell's tensors
+                        failed.append({**where, "error": failed_cell(
+                            engine, failure, "this prompt does not fit beside the slot pool: run it with a smaller "
+                            "--prompt-lens or prefill.chunk_tokens, or on a larger GPU",
+                            prompt_len=n, variant=label, residency=r)})
+                        bar.update(1)
+                        continue
                     if on_cell is not None:
                         on_cell(cell)
                     cells.append(cell)
                     bar.update(1)
     bar.close()
     timer.remove()
-    return {"cells": cells, "modes": modes}
+    return {"cells": cells, "modes": modes, "failed_cells": failed}

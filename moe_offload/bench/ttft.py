@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -348,4 +349,9 @@ def main(a: argparse.Namespace) -> int:
     paths = report.write(result, Path(a.out))
     print(json.dumps(result, indent=2, default=str) if a.json else paths["markdown_text"])
     log.info_rank0("bench_ttft_written", json=str(paths["json"]), markdown=str(paths["md"]))
+    failed = result.get("failed_cells") or []
+    if failed:  # written with the failures listed; the exit status says the sweep is incomplete
+        cells = ", ".join(f"{c['prompt_len']} tokens {c['variant']} residency {c['residency']:g}" for c in failed)
+        print(f"bench ttft: {len(failed)} cell(s) failed ({cells}): {failed[0]['error']}", file=sys.stderr)
+        return 1
     return 0

@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat, random_nvfp4  # noqa: E402
 from moe_offload.host_store import bank_offsets, bank_views  # noqa: E402
@@ -319,3 +321,34 @@ def test_the_probe_reports_which_entry_of_each_tile_table_a_gpu_uses():
     assert tile_sources("NVIDIA H200") == dict.fromkeys(tables, "NVIDIA H200")
     assert set(tile_sources("NVIDIA H100 80GB HBM3").values()) <= {"NVIDIA H200", "NVIDIA H100 80GB HBM3"}  # same die
     assert tile_sources("NVIDIA L40S") == dict.fromkeys(tables, "default")  # untuned
+
+
+@settings(max_examples=25, deadline=None)
+@given(T=st.integers(1, 64), K=st.integers(1, 8), N=st.integers(1, 7000), block_m=st.sampled_from([1, 2, 8, 16, 64]),
+       seed=st.integers(0, 2**16), invalid=st.integers(0, 3))
+def test_the_sorted_alignment_is_the_grouping_every_gemm_block_reads(T, K, N, block_m, seed, invalid):
+    """Any decode-sized routing (up to SORTED_ALIGN_MAX_PAIRS pairs, rows from a handful to a 48-layer pool, some
+    left out): each used block holds one row's pairs in ascending pair id, then the sentinel; every valid pair
+    appears exactly once; rows ascend; num_padded is the padded total."""
+    gen = torch.Generator().manual_seed(seed)
+    rows_TK = torch.randint(0, min(N, 3 * T * K), (T, K), generator=gen) * max(1, N // (3 * T * K))
+    rows_TK.view(-1)[torch.randperm(T * K, generator=gen)[:invalid]] = torch.tensor([-1, N, -7, N + 5])[:min(invalid, T * K)]
+    a = decode_align(rows_TK.to(DEVICE), N, block_m)
+    M, n = T * K, int(a.num_padded_1)
+    flat = rows_TK.view(-1).tolist()
+    want = {}
+    for p, r in enumerate(flat):
+        if 0 <= r < N:
+            want.setdefault(r, []).append(p)
+    assert n == sum(-(-len(v) // block_m) * block_m for v in want.values())
+    got_rows, seen = [], []
+    ids = a.sorted_ids_P[:n].cpu().tolist()
+    for b in range(n // block_m):
+        row = int(a.block_row_B[b])
+        block = ids[b * block_m:(b + 1) * block_m]
+        real = [p for p in block if p < M]
+        assert real and real == sorted(real) and all(p == M for p in block[len(real):])
+        assert all(flat[p] == row for p in real)
+        got_rows.append(row)
+        seen += real
+    assert got_rows == sorted(got_rows) and sorted(seen) == sorted(p for v in want.values() for p in v)

@@ -34,6 +34,13 @@ def bench(tmp_path_factory):
     return rc, stdout.getvalue(), json.loads(written[0].read_text()) if written else None, out
 
 
+def _argv(out, presets, residencies: str, batches: str, *extra: str) -> list[str]:
+    """A CPU bench decode run of the smoke shape (PROMPT_LEN-token prompts, STEPS steps, one rep) into ``out``."""
+    return ["bench", "decode", "--json", "--out", str(out), "--residency", residencies, "--batch", batches,
+            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING", *extra]
+
+
 def _cell(result, residency, batch):
     (cell,) = [c for c in result["cells"] if c["residency"] == residency and c["batch"] == batch]
     return cell
@@ -135,10 +142,8 @@ def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reporte
     the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of
     all expert bytes at residency 0.5) and, having no routed misses to floor it by, no floor ratio."""
     out = tmp_path / "r"
-    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0.5", "--batch", "1,2",
-            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
-            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING",
-            "--set", "decode.path=auto", "--set", "prefill.routed_max_tokens=1"]
+    argv = _argv(out, tmp_path / "presets", "0.5", "1,2", "--set", "decode.path=auto",
+                 "--set", "prefill.routed_max_tokens=1")
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli_main(argv) == 0
     result = json.loads(next(out.glob("decode-*.json")).read_text())
@@ -178,9 +183,7 @@ def test_a_cell_that_runs_out_of_device_memory_is_reported_and_the_others_still_
     monkeypatch.setattr(bench_decode, "measure_cell", measure)
     monkeypatch.setattr(Engine, "drop_decoders", drop)
     out = tmp_path / "r"
-    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "0,1", "--batch", "1,2",
-            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
-            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING"]
+    argv = _argv(out, tmp_path / "presets", "0,1", "1,2")
     stderr = io.StringIO()
     with cl.redirect_stdout(io.StringIO()), cl.redirect_stderr(stderr), caplog.at_level("WARNING"):
         assert cli_main(argv) == 1
@@ -215,9 +218,7 @@ def test_only_running_out_of_device_memory_becomes_a_failed_cell(tmp_path, monke
 
     monkeypatch.setattr(bench_decode, "measure_cell", measure)
     out = tmp_path / "r"
-    argv = ["bench", "decode", "--json", "--out", str(out), "--residency", "1", "--batch", "1,2",
-            "--prompt-len", str(PROMPT_LEN), "--steps", str(STEPS), "--reps", "1", "--set", "device=cpu",
-            "--set", f"model.cache_dir={tmp_path / 'presets'}", "--set", "logging.level=WARNING"]
+    argv = _argv(out, tmp_path / "presets", "1", "1,2")
     stderr = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
         rc = cli_main(argv)

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, config_for
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs, moe_align  # noqa: F401 (re-exported)
+from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
     E2M1_F16_SHIFT,
@@ -282,8 +283,6 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K
     (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the residual, the decoder layer's roundings).
     ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
-    from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
-
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K

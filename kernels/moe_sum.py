@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.nvfp4 import device_guard
+
 SUM_BLOCK = 1024  # outputs per program (H = 2048: 2 programs a token)
 
 
@@ -72,8 +74,6 @@ def sum_pairs(part_MH: torch.Tensor, topk: int, out_TH: torch.Tensor, residual_T
     """``out_TH[t] = [residual[t] +] sum_k part_MH[t*K + k]`` with the module docstring's roundings (enqueue
     only); ``part_MH`` any float dtype, rows with a unit column stride; ``residual_TH`` as ``check_residual``
     returns it. Returns ``out_TH``."""
-    from moe_offload.kernels.nvfp4 import device_guard
-
     T, H = out_TH.shape
     if T == 0 or H == 0:
         return out_TH

@@ -75,9 +75,15 @@ def is_device_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def error_line(exc: BaseException, limit: int | None = None) -> str:
+    """The first line of ``exc``'s message (at most ``limit`` characters), or its type's name when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 def oom_message(budget, plan: BudgetPlan, row_bytes: int, device: torch.device, exc: Exception) -> str:
     setting = "auto" if budget.kind == "auto" else f"{budget.kind}={budget.value:g}"
-    first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    first = error_line(exc, 300)
     return (f"cache.budget {setting}: allocating the expert cache on {device} ({plan.num_slots} slots of {row_bytes} "
             f"bytes + {plan.staging_bytes} bytes of staging and decode scratch = {plan.total_bytes} bytes) ran out of "
             f"device memory ({first}); lower cache.budget, or set cache.budget=auto (sizes the pool from free "

@@ -54,13 +54,19 @@ class OffloadedExperts(nn.Module):
         """Whether a forward of ``num_tokens`` tokens takes the routed-only (decode) path."""
         return self.cache.takes_routed_path(num_tokens)
 
+    @property
+    def adds_residual(self) -> bool:
+        """Whether a ``residual_TH`` may be passed to ``forward``: not where the experts are sharded over ranks with
+        no reduce of their own (a host reduces their partial sums; the residual would be added once per rank)."""
+        return self.reduce is not None or self.cache.store.tp_size == 1
+
     def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 residual_TH: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]``; with ``residual_TH`` (``[T, H]``, the decoder layer's residual stream) ``residual_TH + out``
         rounded as the layer's own add would be. On the decode path of one rank with the fused decode compute the
         add happens inside the MoE's last launch (``kernels/moe_sum.py``); elsewhere it is a torch add."""
         T = hidden_TH.shape[0]
-        if residual_TH is not None and self.reduce is None and self.cache.store.tp_size > 1:
+        if residual_TH is not None and not self.adds_residual:
             raise ValueError(f"layer {self.layer_idx}: a residual_TH with experts sharded over "
                              f"{self.cache.store.tp_size} ranks and no reduce would be added to a partial sum (once "
                              "per rank); add the residual after the host's own reduction")

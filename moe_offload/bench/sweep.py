@@ -142,11 +142,9 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
 def oom_line(exc: BaseException) -> str | None:
     """The first line of ``exc`` when it says the device ran out of memory (``budget.is_device_oom``), else None: a
     bench reports such a cell in its place and runs the others; any other error stops the run."""
-    from moe_offload.budget import is_device_oom
+    from moe_offload.budget import error_line, is_device_oom
 
-    if not is_device_oom(exc):
-        return None
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return error_line(exc) if is_device_oom(exc) else None
 
 
 def failed_cell(engine, first: str, fix: str, **where) -> str:

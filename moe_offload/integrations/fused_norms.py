@@ -96,8 +96,7 @@ def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
             h, normed = add_rms_norm(attn, hidden_states, _post.weight, _eps, _scale)
             mlp = _layer.mlp
             experts = getattr(mlp, "experts", None)
-            if (type(mlp).__name__ == _block and isinstance(experts, OffloadedExperts)
-                    and (experts.reduce is not None or experts.cache.store.tp_size == 1)):
+            if type(mlp).__name__ == _block and isinstance(experts, OffloadedExperts) and experts.adds_residual:
                 B, S, H = normed.shape
                 x = normed.view(-1, H)
                 _, weights, ids = mlp.gate(x)

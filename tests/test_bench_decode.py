@@ -47,9 +47,11 @@ def _cell(result, residency, batch):
 
 
 def test_the_smoke_run_exits_zero_and_prints_the_json_it_writes(bench):
-    rc, printed, written, _ = bench
+    rc, printed, written, out = bench
     assert rc == 0
     assert json.loads(printed) == written
+    assert "partial" not in written  # the complete report replaced the partial ones written after each cell
+    assert "Partial report" not in next(out.glob("decode-*.md")).read_text()
 
 
 def test_json_markdown_and_png_are_named_for_the_model_and_the_git_sha(bench):
@@ -226,6 +228,11 @@ def test_only_running_out_of_device_memory_becomes_a_failed_cell(tmp_path, monke
         assert rc == 1
         result = json.loads(next(out.glob("decode-*.json")).read_text())
         assert _cell(result, 1.0, 2)["error"].startswith("out of device memory (Triton Error [CUDA]: out of memory)")
-    else:  # the run stops with the error itself, and writes no report that would pass it off as a cell
+    else:  # the run stops with the error itself; only the partial report of the cells before it stays
         assert rc != 0 and "illegal memory access" in stderr.getvalue()
-        assert not list(out.glob("decode-*.json"))
+        result = json.loads(next(out.glob("decode-*.json")).read_text())
+        assert result["partial"] == {"cells_done": 1, "cells_planned": 2, "peers": "not run yet"}
+        assert [(c["residency"], c["batch"]) for c in result["cells"]] == [(1.0, 1)]
+        assert "error" not in result["cells"][0] and result["cells"][0]["tok_s"]["median"] > 0
+        assert "Partial report: 1 of 2 cells measured" in next(out.glob("decode-*.md")).read_text()
+        assert not list(out.glob("decode-*.png"))  # the PNG is for complete runs

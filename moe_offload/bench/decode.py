@@ -16,7 +16,9 @@ One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` 
    CUDA the step graph is captured on its 2nd step), then ``--reps`` timed ones, each after
    ``set_residency`` + ``reset``: a prefill of ``--prompt-len`` seeded random ids per sequence, then
    ``--steps`` decode steps. Per-step times are the gaps between ``on_token(0, id)`` calls (each fires
-   once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``;
+   once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``. After
+   each cell the report is rewritten with the cells so far, marked ``partial`` (no PNG): a run cut short by
+   a call's time limit or a crash keeps what it measured;
 4. peers (CUDA only; the engine is closed first): ``decode_peers.py``; then the floors, ratios and
    the decode targets (``decode_report.py``).
 
@@ -279,11 +281,13 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     }
 
 
-def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict) -> list[dict]:
-    """Every cell, residency-major (largest pool first, so the engine's first pool is used first)."""
+def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict,
+                 cells: list[dict] | None = None, on_cell=None) -> list[dict]:
+    """Every cell, residency-major (largest pool first, so the engine's first pool is used first), appended
+    to ``cells``; ``on_cell()`` runs after each one (the partial report)."""
     prompts = _prompts(engine.reader.geometry.vocab, plan)
     sets = resident_sets(engine.store.layers, engine.store.num_experts, counts, plan.seed)
-    cells = []
+    cells = [] if cells is None else cells
     bar = tqdm(total=len(plan.residencies) * len(plan.batches), desc="decode cells", unit="cell")
     for r in plan.residencies:
         if slots[r] != engine.cache.num_slots:
@@ -303,12 +307,16 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
                                             "GPU", residency=r, batch=B)
             cells.append(cell)
             bar.update(1)
+            if on_cell is not None:
+                on_cell()
     bar.close()
     return cells
 
 
 # ---------------------------------------------------------------------------------------- main
-def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
+def run(cfg: OffloadConfig, plan: Plan, notes: list[str], on_partial=None) -> dict:
+    """Measure every cell, then the peers. ``on_partial(part)`` runs after each cell with what is measured so
+    far (cells done, no peers yet), so a run cut short (a call's time limit, a crash) keeps its cells."""
     from moe_offload.bench.decode_peers import run_peers
     from moe_offload.checkpoint.reader import CheckpointReader
     from moe_offload.engine import Engine, ensure_checkpoint, resolve_device
@@ -324,9 +332,10 @@ def run(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     device = resolve_device(cfg.device)
     floors = {"h2d": measure_h2d(device), "hbm": measure_hbm(device)}
     engine = Engine.from_config(cell_config(cfg, cfg.prefill.hit_copy, slots[plan.residencies[0]]))
-    cells = sweep_decode(engine, cfg, plan, counts, slots)
     part = {"path": path, "geometry": geo, "store": engine.store.describe(), "bytes": model_bytes(engine),
-            "counts": counts, "slots": slots, "floors": floors, "cells": cells}
+            "counts": counts, "slots": slots, "floors": floors, "cells": [], "peers": {}}
+    sweep_decode(engine, cfg, plan, counts, slots, part["cells"],
+                 None if on_partial is None else lambda: on_partial(part))
     engine.close()  # the decoders' graphs and static KV caches go with it, before the peers
     del engine
     free_memory()
@@ -371,7 +380,16 @@ def main(a: argparse.Namespace) -> int:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     cfg, plan, notes = bench_config(a)
     log.configure(cfg.logging.level, cfg.logging.format)
-    part = run(cfg, plan, notes)
+    planned = len(plan.residencies) * len(plan.batches)
+
+    def partial(part: dict) -> None:  # rewritten after every cell; the complete report replaces it
+        result = assemble(a, cfg, plan, part, list(notes), started)
+        result["partial"] = {"cells_done": len(part["cells"]), "cells_planned": planned,
+                             "peers": "not run yet" if plan.peers else "none requested"}
+        decode_report.derive(result)
+        decode_report.write(result, Path(a.out), png=False)
+
+    part = run(cfg, plan, notes, partial)
     result = assemble(a, cfg, plan, part, notes, started)
     decode_report.derive(result)
     paths = decode_report.write(result, Path(a.out))

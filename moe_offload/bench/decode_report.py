@@ -124,6 +124,10 @@ def _header(result: dict) -> list[str]:
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
+    if part := result.get("partial"):
+        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells measured, peers "
+                  f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
+                  "cells with --residency / --batch.**"]
     return lines
 
 
@@ -167,7 +171,7 @@ def _cells_table(result: dict) -> list[str]:
 def _peer_table(result: dict) -> list[str]:
     lines = ["", "## Peers (transformers bf16 fully on the GPU, same prompts and steps)", ""]
     if not result["peers"]:
-        return lines + ["none requested"]
+        return lines + [result.get("partial", {}).get("peers", "none requested")]
     batches = result["settings"]["batches"]
     lines += ["| peer | " + " | ".join(f"batch {B} tok/s (ms/step)" for B in batches) + " | note |",
               "| " + " | ".join(["---"] * (len(batches) + 2)) + " |"]
@@ -242,8 +246,9 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def write(result: dict, out: Path) -> dict:
-    """Write ``decode-<label>-<sha>.{png,json,md}`` under ``out``; returns the paths and the markdown.
-    Without matplotlib the PNG is not written and a note says so (the JSON and markdown still are)."""
+def write(result: dict, out: Path, png: bool = True) -> dict:
+    """Write ``decode-<label>-<sha>.{png,json,md}`` under ``out`` (``png=False``: no PNG, for the partial
+    reports); returns the paths and the markdown. Without matplotlib the PNG is not written and a note says
+    so (the JSON and markdown still are)."""
     stem = f"decode-{result['model']['label']}-{result['git']['sha'][:12]}"
-    return write_files(result, out, stem, markdown, plot, "decode")
+    return write_files(result, out, stem, markdown, plot if png else None, "decode")

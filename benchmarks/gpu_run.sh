@@ -165,8 +165,9 @@ fi
 has profile_decode && timeout ${PROFILE_DECODE_TIMEOUT:-300} python3 benchmarks/profile_decode.py \
   --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} --set model.cache_dir=/tmp/moe-cache ${PROFILE_DECODE_ARGS:---layers 8} \
   --out "$RES" > "$RES/profile_decode.log" 2>&1
-if has decode; then
-  timeout ${DECODE_TIMEOUT:-400} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+if has decode; then  # the 16-cell grid took > 400 s on the H200 at 9710d5e (residency 0, batch 64 ran last): split it
+  # by --residency over two calls (the report is rewritten after each cell, so a timeout keeps the cells done)
+  timeout ${DECODE_TIMEOUT:-540} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${DECODE_ARGS:-} --out "$RES" --json > "$RES/decode.json" 2> "$RES/decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi

@@ -342,3 +342,38 @@ def test_a_cell_that_runs_out_of_device_memory_is_listed_and_the_sweep_goes_on(t
     assert result["floors"]["compute"]["32"] is None and result["floors"]["compute"]["64"] is not None
     text = next(out.glob("ttft-*.md")).read_text()
     assert "## Failed cells" in text and "| 64 | gather | 0.5 | out of device memory" in text
+
+
+def test_a_run_stopped_by_an_error_keeps_the_cells_before_it_in_a_partial_report(tmp_path, presets, monkeypatch):
+    """Fault injection: the timed passes at residency 0.5 raise an illegal-address error (not a cell result: the
+    run stops with it). The report rewritten after each cell holds the cells measured before it, marked partial;
+    the complete smoke run's report carries no such mark (``bench`` fixture)."""
+    from moe_offload.bench import sweep
+
+    real_measure = sweep.measure_cell
+
+    def measure(engine, timer, ids, resident, reps):
+        if all(len(v) == 8 for v in resident.values()):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real_measure(engine, timer, ids, resident, reps)
+
+    monkeypatch.setattr(sweep, "measure_cell", measure)
+    out = tmp_path / "r"
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "32",
+            "--residency", "0,0.5,1", "--modes", "gather", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        assert cli_main(argv) != 0
+    assert "illegal memory access" in stderr.getvalue()
+    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    assert result["partial"] == {"cells_done": 1, "cells_planned": 3, "peers": "not run yet"}
+    assert [(c["prompt_len"], c["residency"]) for c in result["cells"]] == [(32, 0.0)]
+    assert result["cells"][0]["ttft_s"]["median"] > 0 and not result["failed_cells"]
+    assert "Partial report: 1 of 3 cells done" in next(out.glob("ttft-*.md")).read_text()
+
+
+def test_the_complete_report_is_not_marked_partial(bench):
+    _, _, result, out = bench
+    assert "partial" not in result
+    assert "Partial report" not in next(out.glob("ttft-*.md")).read_text()

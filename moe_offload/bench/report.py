@@ -293,7 +293,7 @@ def _peer_table(result: dict) -> list[str]:
     lens = result["settings"]["prompt_lens"]
     lines = ["", "## Peers (same run, same prompts)", ""]
     if not result["peers"]:
-        return lines + ["none requested"]
+        return lines + [result.get("partial", {}).get("peers", "none requested")]
     lines += ["| peer | status | layers | " + " | ".join(f"{n} tokens ms" for n in lens) + " | note |",
               "| " + " | ".join(["---"] * (4 + len(lens))) + " |"]
     for name, p in result["peers"].items():
@@ -338,6 +338,10 @@ def _failed_table(result: dict) -> list[str]:
 
 def markdown(result: dict) -> str:
     lines = _header(result)
+    if part := result.get("partial"):
+        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done, peers "
+                  f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
+                  "cells with --prompt-lens / --residency.**"]
     for n in result["settings"]["prompt_lens"]:
         lines += _ttft_table(result, n)
     declined = [mo for mo, d in result["modes"].items()

@@ -222,18 +222,21 @@ def taken_path(stats: dict) -> str:
 
 
 def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], counts: dict[float, int],
-          slots: dict[float, int], show_bar: bool = True, on_cell: Callable[[dict], None] | None = None) -> dict:
+          slots: dict[float, int], show_bar: bool = True, on_cell: Callable[[dict], None] | None = None,
+          on_progress: Callable[[dict], None] | None = None) -> dict:
     """Every cell of ``plan`` on ``engine`` (built for ``plan.modes[0]`` and ``plan.paths[0]`` at the first
     residency's pool); returns ``{"cells", "modes", "failed_cells"}`` (``modes`` keyed by variant label).
     ``on_cell(cell)`` runs after each cell (TP: per-rank figures). Without ``on_cell`` a cell that runs out of
     device memory goes to ``failed_cells`` (its coordinates and the error) instead of stopping the sweep; the
-    report lists it, its targets read "needs ...", and ``bench ttft`` exits 1."""
+    report lists it, its targets read "needs ...", and ``bench ttft`` exits 1. ``on_progress(part)`` runs after
+    each cell, measured or failed, with the part so far (the partial report)."""
     first = plan.residencies[0]
     E, R = engine.store.num_experts, engine.store.bytes_per_expert
     sets = resident_sets(engine.store.layers, E, counts, plan.seed)
     experts = offloaded_experts(engine.model)
     timer = HostTimer(engine.model, experts)
     cells, modes, failed = [], {}, []
+    part = {"cells": cells, "modes": modes, "failed_cells": failed}
     current = (plan.modes[0], plan.paths[0], slots[first])
     bar = tqdm(total=len(plan.modes) * len(plan.paths) * len(plan.prompt_lens) * len(plan.residencies),
                desc="ttft cells", unit="cell", disable=not show_bar)
@@ -281,12 +284,13 @@ def sweep(engine, cfg: OffloadConfig, plan, prompts: dict[int, list[int]], count
                             engine, failure, "this prompt does not fit beside the slot pool: run it with a smaller "
                             "--prompt-lens or prefill.chunk_tokens, or on a larger GPU",
                             prompt_len=n, variant=label, residency=r)})
-                        bar.update(1)
-                        continue
-                    if on_cell is not None:
-                        on_cell(cell)
-                    cells.append(cell)
+                    else:
+                        if on_cell is not None:
+                            on_cell(cell)
+                        cells.append(cell)
                     bar.update(1)
+                    if on_progress is not None:
+                        on_progress(part)
     bar.close()
     timer.remove()
-    return {"cells": cells, "modes": modes, "failed_cells": failed}
+    return part

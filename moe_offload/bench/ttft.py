@@ -25,6 +25,8 @@ One run, in order (every figure lands in ``ttft-<preset>[-lN]-<sha>.json`` and `
    routed (every layer) / H2D bandwidth, compute floor = the fastest variant at residency 1 (added to
    the sweep when absent);
 5. peers (CUDA only; the engine is torn down first so they get the GPU), then the TTFT targets (``report.targets``).
+   On one device the report is rewritten after each cell with the cells so far, marked ``partial``: a run cut
+   short by a call's time limit or a crash keeps what it measured (under TP rank 0 writes once, at the end).
 
 Tensor parallelism (``--tp N`` or ``parallel.tp``): the same sweep on N ranks through
 ``moe_offload.launch.run_on_ranks`` (spawned, or one rank per process under torchrun); every rank
@@ -221,8 +223,9 @@ def prepare(cfg: OffloadConfig, plan: Plan, progress: bool = True) -> Setup:
 
 
 # ---------------------------------------------------------------------------------------- one GPU
-def run_single(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
-    """The sweep on one device, then the peers; the engine's part of the result."""
+def run_single(cfg: OffloadConfig, plan: Plan, notes: list[str], on_partial=None) -> dict:
+    """The sweep on one device, then the peers; the engine's part of the result. ``on_partial(part)`` runs
+    after each cell with the part so far (no peers yet), so a run cut short keeps its cells."""
     from moe_offload.bench.peers import run_peers
     from moe_offload.engine import Engine, resolve_device
 
@@ -231,8 +234,16 @@ def run_single(cfg: OffloadConfig, plan: Plan, notes: list[str]) -> dict:
     h2d = measure_h2d(device)
     engine = Engine.from_config(cell_config(cfg, plan.modes[0], setup.slots[plan.residencies[0]], plan.paths[0],
                                             plan.prompt_lens))
-    part = sweep(engine, cfg, plan, setup.prompts, setup.counts, setup.slots)
-    part["store"] = engine.store.describe()
+    store = engine.store.describe()
+
+    def progress(so_far: dict) -> None:
+        on_partial({"cells": list(so_far["cells"]), "modes": dict(so_far["modes"]),
+                    "failed_cells": list(so_far["failed_cells"]), "store": store, "peers": {}, "setup": setup,
+                    "h2d": h2d})
+
+    part = sweep(engine, cfg, plan, setup.prompts, setup.counts, setup.slots,
+                 on_progress=None if on_partial is None else progress)
+    part["store"] = store
     engine.cache.synchronize()
     del engine  # the last reference: the pool and the pinned store go before the peers are built
     free_memory()
@@ -341,7 +352,17 @@ def main(a: argparse.Namespace) -> int:
         from moe_offload.prompts import check_tp, model_facts
 
         check_tp(model_facts(cfg), cfg.parallel.tp, "--tp")
-    part = run_tp(cfg, plan, notes) if cfg.parallel.tp > 1 else run_single(cfg, plan, notes)
+    planned = len(plan.modes) * len(plan.paths) * len(plan.prompt_lens) * len(plan.residencies)
+
+    def partial(part: dict) -> None:  # rewritten after every cell; the complete report replaces it
+        result = assemble(a, cfg, plan, part, list(notes), started)
+        done = len(part["cells"]) + len(part["failed_cells"])
+        result["partial"] = {"cells_done": done, "cells_planned": planned,
+                             "peers": "not run yet" if plan.peers else "none requested"}
+        report.derive(result)
+        report.write(result, Path(a.out))
+
+    part = run_tp(cfg, plan, notes) if cfg.parallel.tp > 1 else run_single(cfg, plan, notes, partial)
     if part is None:  # a torchrun rank other than 0: rank 0 reports
         return 0
     result = assemble(a, cfg, plan, part, notes, started)

@@ -300,6 +300,18 @@ def test_a_chunked_prompt_reports_its_chunks_and_a_chunked_floor_that_matches_th
     assert "chunked_definition" in result["floors"]
 
 
+def _faulted_run(out, presets, prompt_lens: str) -> tuple[int, str, dict]:
+    """A CPU bench ttft run at residency 0 / 0.5 / 1 with the faults the caller patched in: (exit status, stderr,
+    the JSON report written under ``out``)."""
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", prompt_lens,
+            "--residency", "0,0.5,1", "--modes", "gather", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
+    stderr = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
+        rc = cli_main(argv)
+    return rc, stderr.getvalue(), json.loads(next(out.glob("ttft-*.json")).read_text())
+
+
 def test_a_cell_that_runs_out_of_device_memory_is_listed_and_the_sweep_goes_on(tmp_path, presets, monkeypatch):
     """Fault injection: every forward of the 32-token prompt raises CUDA's out-of-memory error (its first, untimed
     pass included), and the timed passes of the 64-token prompt at residency 0.5 raise torch's. Those cells are
@@ -324,14 +336,9 @@ def test_a_cell_that_runs_out_of_device_memory_is_listed_and_the_sweep_goes_on(t
     monkeypatch.setattr(Engine, "prefill", prefill)
     monkeypatch.setattr(sweep, "measure_cell", measure)
     out = tmp_path / "r"
-    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "32,64",
-            "--residency", "0,0.5,1", "--modes", "gather", "--set", "device=cpu",
-            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
-    stderr = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
-        assert cli_main(argv) == 1
-    assert "4 cell(s) failed" in stderr.getvalue()
-    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    rc, stderr, result = _faulted_run(out, presets, "32,64")
+    assert rc == 1
+    assert "4 cell(s) failed" in stderr
     failed = {(c["prompt_len"], c["residency"]): c["error"] for c in result["failed_cells"]}
     assert set(failed) == {(32, 0.0), (32, 0.5), (32, 1.0), (64, 0.5)}
     assert failed[(32, 0.0)].startswith("out of device memory (CUDA error: out of memory)")  # the first pass
@@ -359,14 +366,8 @@ def test_a_run_stopped_by_an_error_keeps_the_cells_before_it_in_a_partial_report
 
     monkeypatch.setattr(sweep, "measure_cell", measure)
     out = tmp_path / "r"
-    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "32",
-            "--residency", "0,0.5,1", "--modes", "gather", "--set", "device=cpu",
-            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
-    stderr = io.StringIO()
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
-        assert cli_main(argv) != 0
-    assert "illegal memory access" in stderr.getvalue()
-    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    rc, stderr, result = _faulted_run(out, presets, "32")
+    assert rc != 0 and "illegal memory access" in stderr
     assert result["partial"] == {"cells_done": 1, "cells_planned": 3, "peers": "not run yet"}
     assert [(c["prompt_len"], c["residency"]) for c in result["cells"]] == [(32, 0.0)]
     assert result["cells"][0]["ttft_s"]["median"] > 0 and not result["failed_cells"]

@@ -60,7 +60,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 # kernels/ has no __init__.py (it must not shadow the `kernels` distribution): check the editable install maps it
 python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels does not import (setuptools $(python3 -c 'import setuptools; print(setuptools.__version__)'))"; exit 1; }
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD; } > "$RES/env.txt" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD;
+  # the tree that was sent (HEAD above may be the session's base): compare with `git rev-parse <sha>^{tree}` locally
+  cp .git/index /tmp/sent-index 2>/dev/null; echo "tree $(GIT_INDEX_FILE=/tmp/sent-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/sent-index git write-tree)"; } > "$RES/env.txt" 2>&1
 if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequant_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \
     > "$RES/tune_dequant.log" 2>&1

@@ -55,13 +55,18 @@ export PYTHONUNBUFFERED=1
 RES=/tmp/res; mkdir -p "$RES"
 stages="${*:-probe ttft tests copy fused}"
 has() { [[ " $stages " == *" $1 "* ]]; }
+# cap N: N seconds, or fewer so the stage ends (and its results are tarred) 15 s before the call's limit
+# (CALL_LIMIT_S, default 600 - 10 for the start-up): a call killed at its limit brings back only what is tarred.
+cap() { local left=$(( ${CALL_LIMIT_S:-590} - SECONDS - 15 )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
 # kernels/ has no __init__.py (it must not shadow the `kernels` distribution): check the editable install maps it
 python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels does not import (setuptools $(python3 -c 'import setuptools; print(setuptools.__version__)'))"; exit 1; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,transformers,triton;print(torch.__version__,torch.version.cuda,transformers.__version__,triton.__version__)"; git rev-parse HEAD;
-  # the tree that was sent (HEAD above may be the session's base): compare with `git rev-parse <sha>^{tree}` locally
+  # the tree that was sent (HEAD above may be the session's base), untracked files that git does not ignore included:
+  # locally, `cp .git/index /tmp/i && GIT_INDEX_FILE=/tmp/i git add -A && GIT_INDEX_FILE=/tmp/i git write-tree` on the
+  # tree you sent gives the same hash (equal to `git rev-parse <sha>^{tree}` when nothing was uncommitted)
   cp .git/index /tmp/sent-index 2>/dev/null; echo "tree $(GIT_INDEX_FILE=/tmp/sent-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/sent-index git write-tree)"; } > "$RES/env.txt" 2>&1
 if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequant_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \
@@ -117,7 +122,7 @@ if has decode_split; then  # the decode MoE kernels one by one at T = 16 / 64 ag
     > "$RES/decode_moe_split.json" 2> "$RES/decode_moe_split.log"
 fi
 if has ttft; then  # builds the preset on first use into /tmp/moe-cache (event preset_built gives the time)
-  timeout ${TTFT_TIMEOUT:-500} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+  timeout $(cap ${TTFT_TIMEOUT:-500}) moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${TTFT_ARGS:-} --out "$RES" --json > "$RES/ttft.json" 2> "$RES/ttft.log"
   tar czf "$OUT/results.tgz" -C "$RES" .   # early copy: survives a later timeout
 fi
@@ -169,7 +174,7 @@ has profile_decode && timeout ${PROFILE_DECODE_TIMEOUT:-300} python3 benchmarks/
   --out "$RES" > "$RES/profile_decode.log" 2>&1
 if has decode; then  # the 16-cell grid took > 400 s on the H200 at 9710d5e (residency 0, batch 64 ran last): split it
   # by --residency over two calls (the report is rewritten after each cell, so a timeout keeps the cells done)
-  timeout ${DECODE_TIMEOUT:-540} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+  timeout $(cap ${DECODE_TIMEOUT:-540}) moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
     --set model.cache_dir=/tmp/moe-cache ${DECODE_ARGS:-} --out "$RES" --json > "$RES/decode.json" 2> "$RES/decode.log"
   tar czf "$OUT/results.tgz" -C "$RES" .
 fi

@@ -220,7 +220,10 @@ def test_only_running_out_of_device_memory_becomes_a_failed_cell(tmp_path, monke
 
     monkeypatch.setattr(bench_decode, "measure_cell", measure)
     out = tmp_path / "r"
-    argv = _argv(out, tmp_path / "presets", "1", "1,2")
+    argv = _argv(out, tmp_path / "presets", "1", "1,2", "--git-sha", "feedbeef")
+    out.mkdir()
+    stale = out / "decode-tiny-qwen3-moe-feedbeef.png"  # an earlier complete run's plot under the same name
+    stale.write_bytes(b"png")
     stderr = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(stderr):
         rc = cli_main(argv)
@@ -231,8 +234,32 @@ def test_only_running_out_of_device_memory_becomes_a_failed_cell(tmp_path, monke
     else:  # the run stops with the error itself; only the partial report of the cells before it stays
         assert rc != 0 and "illegal memory access" in stderr.getvalue()
         result = json.loads(next(out.glob("decode-*.json")).read_text())
-        assert result["partial"] == {"cells_done": 1, "cells_planned": 2, "peers": "not run yet"}
+        assert result["partial"] == {"cells_done": 1, "cells_planned": 2, "peers": "skipped: the device is cpu"}
         assert [(c["residency"], c["batch"]) for c in result["cells"]] == [(1.0, 1)]
         assert "error" not in result["cells"][0] and result["cells"][0]["tok_s"]["median"] > 0
-        assert "Partial report: 1 of 2 cells measured" in next(out.glob("decode-*.md")).read_text()
-        assert not list(out.glob("decode-*.png"))  # the PNG is for complete runs
+        assert "Partial report: 1 of 2 cells done" in next(out.glob("decode-*.md")).read_text()
+        assert not list(out.glob("decode-*.png"))  # the PNG is for complete runs; the stale one is gone
+
+
+def test_an_error_in_a_partial_report_is_logged_and_the_cells_still_run(tmp_path, monkeypatch, caplog):
+    """Fault injection: every partial report raises while it is derived. Each failure is one
+    ``bench_decode_partial_failed`` event, every cell is still measured and the complete report is written."""
+    from moe_offload import log
+    from moe_offload.bench import decode_report
+
+    real = decode_report.derive
+
+    def derive(result):
+        if result.get("partial"):
+            raise KeyError("a field a partial report lacks")
+        real(result)
+
+    monkeypatch.setattr(decode_report, "derive", derive)
+    out = tmp_path / "r"
+    with contextlib.redirect_stdout(io.StringIO()), caplog.at_level("WARNING", logger=log.LOGGER_NAME):
+        assert cli_main(_argv(out, tmp_path / "presets", "1", "1,2")) == 0
+    result = json.loads(next(out.glob("decode-*.json")).read_text())
+    assert "partial" not in result and len(result["cells"]) == 2
+    events = [r.event_fields for r in caplog.records
+              if getattr(r, "event_fields", {}).get("event") == "bench_decode_partial_failed"]
+    assert len(events) == 2 and "KeyError" in events[0]["reason"]

@@ -368,7 +368,7 @@ def test_a_run_stopped_by_an_error_keeps_the_cells_before_it_in_a_partial_report
     out = tmp_path / "r"
     rc, stderr, result = _faulted_run(out, presets, "32")
     assert rc != 0 and "illegal memory access" in stderr
-    assert result["partial"] == {"cells_done": 1, "cells_planned": 3, "peers": "not run yet"}
+    assert result["partial"] == {"cells_done": 1, "cells_planned": 3, "peers": "skipped: the device is cpu"}
     assert [(c["prompt_len"], c["residency"]) for c in result["cells"]] == [(32, 0.0)]
     assert result["cells"][0]["ttft_s"]["median"] > 0 and not result["failed_cells"]
     assert "Partial report: 1 of 3 cells done" in next(out.glob("ttft-*.md")).read_text()
@@ -378,3 +378,19 @@ def test_the_complete_report_is_not_marked_partial(bench):
     _, _, result, out = bench
     assert "partial" not in result
     assert "Partial report" not in next(out.glob("ttft-*.md")).read_text()
+
+
+def test_routed_cells_of_a_hit_mode_and_off_give_the_hit_speedup_target_no_value_and_no_crash(tmp_path, presets):
+    """A routed prompt has no staged hit fraction (None): the hit-D2D target says it needs a staged cell, where
+    the report used to divide by it and raise a TypeError (at the end of the run, or after two cells once the
+    report is rewritten after every cell)."""
+    out = tmp_path / "r"
+    argv = ["bench", "ttft", "--json", "--out", str(out), "--reps", "1", "--prompt-lens", "16", "--residency", "0.5",
+            "--modes", "gather,off", "--prefill-path", "routed", "--set", "device=cpu",
+            "--set", f"model.cache_dir={presets}", "--set", "logging.level=WARNING"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli_main(argv) == 0
+    result = json.loads(next(out.glob("ttft-*.json")).read_text())
+    assert "partial" not in result and len(result["cells"]) == 4  # gather and off at 0.5 and 1
+    (t,) = [t for t in result["targets"] if t["id"] == "hit_d2d_speedup_vs_off" and t.get("residency") == 0.5]
+    assert t["value"] is None and t["met"] is None

@@ -375,7 +375,8 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
 
 
 def main(a: argparse.Namespace) -> int:
-    from moe_offload.bench import decode_report
+    from moe_offload.bench import decode_report, env
+    from moe_offload.engine import resolve_device
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     cfg, plan, notes = bench_config(a)
@@ -383,11 +384,13 @@ def main(a: argparse.Namespace) -> int:
     planned = len(plan.residencies) * len(plan.batches)
 
     def partial(part: dict) -> None:  # rewritten after every cell; the complete report replaces it
-        result = assemble(a, cfg, plan, part, list(notes), started)
-        result["partial"] = {"cells_done": len(part["cells"]), "cells_planned": planned,
-                             "peers": "not run yet" if plan.peers else "none requested"}
-        decode_report.derive(result)
-        decode_report.write(result, Path(a.out), png=False)
+        def write() -> None:
+            result = assemble(a, cfg, plan, part, list(notes), started)
+            result["partial"] = env.partial_mark(len(part["cells"]), planned, plan.peers, resolve_device(cfg.device))
+            decode_report.derive(result)
+            decode_report.write(result, Path(a.out), png=False)
+
+        env.write_partial("decode", write)
 
     part = run(cfg, plan, notes, partial)
     result = assemble(a, cfg, plan, part, notes, started)

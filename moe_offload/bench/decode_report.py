@@ -125,7 +125,8 @@ def _header(result: dict) -> list[str]:
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
     if part := result.get("partial"):
-        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells measured, peers "
+        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done (failed ones "
+                  "included), peers "
                   f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
                   "cells with --residency / --batch.**"]
     return lines

@@ -94,6 +94,22 @@ def on_cuda(result: dict) -> bool:
     return result.get("device", {}).get("type") == "cuda"
 
 
+def partial_mark(done: int, planned: int, peers: tuple, device: torch.device) -> dict:
+    """The ``partial`` entry of a report rewritten after each cell (``cells_done`` counts failed cells too)."""
+    why = "none requested" if not peers else "skipped: the device is cpu" if device.type == "cpu" else "not run yet"
+    return {"cells_done": done, "cells_planned": planned, "peers": why}
+
+
+def write_partial(kind: str, write) -> None:
+    """Run ``write()`` (a partial report); an error in it is logged once per call as ``bench_<kind>_partial_failed``
+    and does not stop the measurements (the complete report is still written at the end)."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - a report is never worth the run's remaining cells
+        log.event(f"bench_{kind}_partial_failed", logging.WARNING, reason=f"{type(exc).__name__}: {exc}"[:300],
+                  fix="the complete report is written at the end; report this error")
+
+
 def write_files(result: dict, out: Path, stem: str, markdown, plot=None, kind: str = "bench") -> dict:
     """Write ``<stem>.json`` and ``.md`` (and ``.png`` when ``plot`` is given) under ``out``; returns the
     paths and the markdown text. Without matplotlib the PNG is skipped, noted in ``result["notes"]`` and
@@ -110,6 +126,8 @@ def write_files(result: dict, out: Path, stem: str, markdown, plot=None, kind: s
             result["notes"].append(f"PNG not written: {exc} (pip install matplotlib)")
             log.event(f"bench_{kind}_png_skipped", logging.WARNING, reason=str(exc), fix="pip install matplotlib")
         paths["png"] = png
+    elif result.get("partial"):
+        (out / f"{stem}.png").unlink(missing_ok=True)  # an earlier complete run's plot is not this run's
     text = markdown(result)
     paths = {"json": out / f"{stem}.json", "md": out / f"{stem}.md", **paths, "markdown_text": text}
     _replace(paths["json"], json.dumps(result, indent=2, default=str) + "\n")

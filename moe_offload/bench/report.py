@@ -161,6 +161,11 @@ def targets(result: dict) -> list[dict]:
                                        f"needs modes {mode} (hit path working) and off at residency {r}", mode,
                                        residency=r))
                     continue
+                if on["hit_fraction"] is None:  # a routed-path cell: no staged hit fraction to set the ideal by
+                    out.append(_target("hit_d2d_speedup_vs_off", n, None, HIT_SPEEDUP_OF_IDEAL_MIN, ">=",
+                                       "needs a staged cell: the routed path reads hits in place and has no staged "
+                                       "hit fraction", mode, residency=r))
+                    continue
                 speedup = off["ttft_s"]["median"] / on["ttft_s"]["median"]
                 ideal = 1.0 / (1.0 - on["hit_fraction"])
                 out.append(_target("hit_d2d_speedup_vs_off", n, speedup / ideal, HIT_SPEEDUP_OF_IDEAL_MIN, ">=",
@@ -339,7 +344,8 @@ def _failed_table(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     lines = _header(result)
     if part := result.get("partial"):
-        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done, peers "
+        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done (failed ones "
+                  "included), peers "
                   f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
                   "cells with --prompt-lens / --residency.**"]
     for n in result["settings"]["prompt_lens"]:

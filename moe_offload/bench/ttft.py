@@ -337,7 +337,8 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
 
 
 def main(a: argparse.Namespace) -> int:
-    from moe_offload.bench import report
+    from moe_offload.bench import env, report
+    from moe_offload.engine import resolve_device
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     cfg = bench_config(a)
@@ -355,12 +356,14 @@ def main(a: argparse.Namespace) -> int:
     planned = len(plan.modes) * len(plan.paths) * len(plan.prompt_lens) * len(plan.residencies)
 
     def partial(part: dict) -> None:  # rewritten after every cell; the complete report replaces it
-        result = assemble(a, cfg, plan, part, list(notes), started)
-        done = len(part["cells"]) + len(part["failed_cells"])
-        result["partial"] = {"cells_done": done, "cells_planned": planned,
-                             "peers": "not run yet" if plan.peers else "none requested"}
-        report.derive(result)
-        report.write(result, Path(a.out))
+        def write() -> None:
+            result = assemble(a, cfg, plan, part, list(notes), started)
+            done = len(part["cells"]) + len(part["failed_cells"])
+            result["partial"] = env.partial_mark(done, planned, plan.peers, resolve_device(cfg.device))
+            report.derive(result)
+            report.write(result, Path(a.out))
+
+        env.write_partial("ttft", write)
 
     part = run_tp(cfg, plan, notes) if cfg.parallel.tp > 1 else run_single(cfg, plan, notes, partial)
     if part is None:  # a torchrun rank other than 0: rank 0 reports

@@ -153,6 +153,7 @@ class TuningTable:
             raise ValueError(f"{source}: the tuning table needs devices['default']['default'] (the fallback entry)")
         self.devices = devices
         self.source = source
+        self.file = Path(source).name  # the table's name in ``tuning_borrowed`` events
 
     @classmethod
     def from_json(cls, data: dict, source: str = "<memory>") -> "TuningTable":
@@ -183,7 +184,7 @@ class TuningTable:
         }
 
     def lookup(self, device_name: str, hidden: int, inter: int, pairs: int) -> FusedMoeConfig:
-        shapes = self.devices[tiles_key(device_name, self.devices, Path(self.source).name)]
+        shapes = self.devices[tiles_key(device_name, self.devices, self.file)]
         buckets = shapes.get(shape_key(hidden, inter)) or shapes.get("default") or self.devices["default"]["default"]
         for m, cfg in buckets.items():
             if pairs <= m:

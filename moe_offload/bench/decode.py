@@ -281,13 +281,12 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     }
 
 
-def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict,
-                 cells: list[dict] | None = None, on_cell=None) -> list[dict]:
+def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: dict, cells: list[dict],
+                 on_progress=None) -> list[dict]:
     """Every cell, residency-major (largest pool first, so the engine's first pool is used first), appended
-    to ``cells``; ``on_cell()`` runs after each one (the partial report)."""
+    to ``cells``; ``on_progress()`` runs after each one (the partial report)."""
     prompts = _prompts(engine.reader.geometry.vocab, plan)
     sets = resident_sets(engine.store.layers, engine.store.num_experts, counts, plan.seed)
-    cells = [] if cells is None else cells
     bar = tqdm(total=len(plan.residencies) * len(plan.batches), desc="decode cells", unit="cell")
     for r in plan.residencies:
         if slots[r] != engine.cache.num_slots:
@@ -307,8 +306,8 @@ def sweep_decode(engine, cfg: OffloadConfig, plan: Plan, counts: dict, slots: di
                                             "GPU", residency=r, batch=B)
             cells.append(cell)
             bar.update(1)
-            if on_cell is not None:
-                on_cell()
+            if on_progress is not None:
+                on_progress()
     bar.close()
     return cells
 

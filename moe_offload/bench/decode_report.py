@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_offload.bench.env import on_cuda, write_files
+from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, write_files
 
 CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not HBM or PCIe floors"
 TOK_S_TARGETS = ((1.0, 150.0), (0.37, 120.0))  # batch 1: (residency, tok/s at least)
@@ -124,12 +124,7 @@ def _header(result: dict) -> list[str]:
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
-    if part := result.get("partial"):
-        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done (failed ones "
-                  "included), peers "
-                  f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
-                  "cells with --residency / --batch.**"]
-    return lines
+    return lines + partial_lines(result, "--residency / --batch")
 
 
 def _cells_table(result: dict) -> list[str]:
@@ -172,7 +167,7 @@ def _cells_table(result: dict) -> list[str]:
 def _peer_table(result: dict) -> list[str]:
     lines = ["", "## Peers (transformers bf16 fully on the GPU, same prompts and steps)", ""]
     if not result["peers"]:
-        return lines + [result.get("partial", {}).get("peers", "none requested")]
+        return lines + [no_peers_line(result)]
     batches = result["settings"]["batches"]
     lines += ["| peer | " + " | ".join(f"batch {B} tok/s (ms/step)" for B in batches) + " | note |",
               "| " + " | ".join(["---"] * (len(batches) + 2)) + " |"]

@@ -100,6 +100,21 @@ def partial_mark(done: int, planned: int, peers: tuple, device: torch.device) ->
     return {"cells_done": done, "cells_planned": planned, "peers": why}
 
 
+def partial_lines(result: dict, rerun: str) -> list[str]:
+    """The markdown notice of a partial report (none for a complete one); ``rerun``: the options that select cells."""
+    part = result.get("partial")
+    if not part:
+        return []
+    return ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done (failed ones included), "
+            f"peers {part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
+            f"cells with {rerun}.**"]
+
+
+def no_peers_line(result: dict) -> str:
+    """What a report's peer table says when it has no peers: why, for a partial report."""
+    return result.get("partial", {}).get("peers", "none requested")
+
+
 def write_partial(kind: str, write) -> None:
     """Run ``write()`` (a partial report); an error in it is logged once per call as ``bench_<kind>_partial_failed``
     and does not stop the measurements (the complete report is still written at the end)."""

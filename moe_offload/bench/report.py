@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moe_offload.bench.env import on_cuda, write_files
+from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, write_files
 
 FULL_LAYER = "full_layer_copy"
 TARGET_PROMPT_LEN = 1024  # the TTFT targets are stated for a 1024-token prompt; other lengths are reported too
@@ -298,7 +298,7 @@ def _peer_table(result: dict) -> list[str]:
     lens = result["settings"]["prompt_lens"]
     lines = ["", "## Peers (same run, same prompts)", ""]
     if not result["peers"]:
-        return lines + [result.get("partial", {}).get("peers", "none requested")]
+        return lines + [no_peers_line(result)]
     lines += ["| peer | status | layers | " + " | ".join(f"{n} tokens ms" for n in lens) + " | note |",
               "| " + " | ".join(["---"] * (4 + len(lens))) + " |"]
     for name, p in result["peers"].items():
@@ -342,12 +342,7 @@ def _failed_table(result: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    lines = _header(result)
-    if part := result.get("partial"):
-        lines += ["", f"**Partial report: {part['cells_done']} of {part['cells_planned']} cells done (failed ones "
-                  "included), peers "
-                  f"{part['peers']}. The run stopped before the rest (a time limit or a crash): rerun the missing "
-                  "cells with --prompt-lens / --residency.**"]
+    lines = _header(result) + partial_lines(result, "--prompt-lens / --residency")
     for n in result["settings"]["prompt_lens"]:
         lines += _ttft_table(result, n)
     declined = [mo for mo, d in result["modes"].items()

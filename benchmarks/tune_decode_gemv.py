@@ -51,20 +51,22 @@ def space(s: dict):
         yield GemvTiles(block_n=bn, block_k=bk, num_warps=w)
 
 
-def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start, spaces) -> tuple[object, float, float]:
-    """-> (best GemvConfig, its us per layer, the starting config's us per layer)."""
+def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start, spaces) -> tuple[object, float, float, dict]:
+    """-> (best GemvConfig, its us per layer, the starting config's us per layer, the same two with the portable
+    weight conversion where this GPU runs the PTX one: ``{"start": us, "best": us}``, else ``{}``)."""
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
     from moe_offload.kernels.decode_gemv_tuning import GemvConfig
+    from moe_offload.kernels.nvfp4 import ptx_conversion
 
     dev = layers_views[0]["w13_q"].device
     L = len(layers_views)
     rows_TK, weights_TK = random_routing(T, E, K, dev)
     hidden_TH = torch.randn(T, H, device=dev).bfloat16()
 
-    def timed(cfg):
+    def timed(cfg, ptx=None):
         def fn():
             for views in layers_views:
-                decode_gemv_nvfp4(hidden_TH, rows_TK, weights_TK, views, config=cfg)
+                decode_gemv_nvfp4(hidden_TH, rows_TK, weights_TK, views, config=cfg, ptx=ptx)
         ms = graph_ms(fn)
         return None if ms is None else ms * 1e3 / L
 
@@ -88,7 +90,8 @@ def tune(layers_views: list[dict], H: int, I: int, E: int, K: int, T: int, start
             us = timed(cfg)
             if us is not None and us < best_us:
                 best, best_us = cfg, us
-    return best, best_us, base
+    portable = {"start": timed(start, ptx=False), "best": timed(best, ptx=False)} if ptx_conversion(dev) else {}
+    return best, best_us, base, portable
 
 
 def main(argv=None) -> int:
@@ -120,20 +123,27 @@ def main(argv=None) -> int:
             if T * K > entry.gemv_max_pairs:  # "auto" never picks this kernel there
                 continue
             start = gemv_config_for(device, H, I, T * K)
-            best, us, base = tune(layers_views, H, I, E, K, T, start, SPACES[args.space])
+            best, us, base, portable = tune(layers_views, H, I, E, K, T, start, SPACES[args.space])
             buckets[str(T * K)] = best.to_dict()
             report["cells"].append({"shape": shape, "T": T, "pairs": T * K, "us_per_layer": us,
-                                    "start_us_per_layer": base, "config": best.to_dict()})
+                                    "start_us_per_layer": base, "config": best.to_dict(),
+                                    "portable_conversion_us_per_layer": portable})
             print(f"  T={T}: {base:.1f} -> {us:.1f} us per layer with {best.to_dict()}", flush=True)
-        data["devices"].setdefault(name, {})[shape_key(H, I)] = {
-            "gemv_max_pairs": entry.gemv_max_pairs,
-            "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0])))}
+            if portable:
+                start_us, best_us = (f"{v:.1f}" if v is not None else "failed" for v in portable.values())
+                print(f"  T={T} portable weight conversion (ptx=False): start {start_us}, best {best_us} us per layer",
+                      flush=True)
+            # written after every T: a run cut short by its timeout keeps what it measured (at fb04647 the T = 1
+            # result, 49.3 -> 36.5 us per layer, was printed but never written: the table was written per shape)
+            data["devices"].setdefault(name, {})[shape_key(H, I)] = {
+                "gemv_max_pairs": entry.gemv_max_pairs,
+                "buckets": dict(sorted(buckets.items(), key=lambda kv: int(kv[0])))}
+            args.out.write_text(json.dumps(data, indent=1) + "\n")
+            load_gemv_tuning.cache_clear()
+            load_gemv_tuning(args.out)  # what we wrote must load
+            print(f"wrote {shape} T={T} to {args.out}", flush=True)
         del layers_views
         torch.cuda.empty_cache()
-        args.out.write_text(json.dumps(data, indent=1) + "\n")
-        load_gemv_tuning.cache_clear()
-        load_gemv_tuning(args.out)  # what we wrote must load
-        print(f"wrote {shape} to {args.out}", flush=True)
     if args.report:
         args.report.mkdir(parents=True, exist_ok=True)
         (args.report / "tune_decode_gemv.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -51,7 +51,15 @@ from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call
 from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs
-from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_guard, e2m1_to_f32
+from moe_offload.kernels.nvfp4 import (
+    BYTES_PER_SCALE,
+    E2M1_F16_SHIFT,
+    device_guard,
+    e2m1_halves_bf16,
+    e2m1_to_f32,
+    ptx_conversion,
+    ptx_scale,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,16 +67,46 @@ from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, device_gu
 
 
 @triton.jit
-def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask):
-    """Even/odd K columns (fp32, ``code * block_scale``, exact) of the ``[R, BK/2]`` bytes at ``q_ptrs``;
-    ``s_ptrs`` address the ``[R, BK/16]`` block scales, one per 8 bytes, broadcast here (one load per
-    scale rather than one per byte)."""
-    packed = tl.load(q_ptrs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32) * E2M1_F16_SHIFT
+def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
+    """Even/odd K columns (fp32, ``code * block_scale``, times 2^-14 with PTX; exact) of the ``[R, BK/2]`` bytes at
+    ``q_ptrs``; ``s_ptrs`` address the ``[R, BK/16]`` block scales, one per 8 bytes, broadcast here (one load per
+    scale rather than one per byte). PTX (CUDA sm_90+): ``nvfp4.e2m1_halves_bf16`` on 32-bit registers (~2.25
+    instructions a weight) and a bf16 -> fp32 widening, in place of ``e2m1_to_f32``'s per-code integer ops,
+    fp16 -> fp32 conversion and fp32 multiply; its values carry 2^-14, which the callers' final multiply by
+    ``_unshift(PTX)`` removes (powers of two: the sums and the result keep the same bits)."""
+    packed = tl.load(q_ptrs, mask=mask, other=0)
+    scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
     R: tl.constexpr = scale.shape[0]
     S: tl.constexpr = scale.shape[1]
-    scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-    return e2m1_to_f32(packed & 15) * scale, e2m1_to_f32(packed >> 4) * scale
+    if PTX:
+        s_bf16 = ptx_scale(scale)
+        s_bf16 = tl.reshape(tl.broadcast_to(s_bf16[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        lo_bf16, hi_bf16 = e2m1_halves_bf16(packed, s_bf16)
+        lo = lo_bf16.to(tl.float32)
+        hi = hi_bf16.to(tl.float32)
+    else:
+        s_f32 = scale.to(tl.float32) * E2M1_F16_SHIFT
+        s_f32 = tl.reshape(tl.broadcast_to(s_f32[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        codes = packed.to(tl.int32)
+        lo = e2m1_to_f32(codes & 15) * s_f32
+        hi = e2m1_to_f32(codes >> 4) * s_f32
+    return lo, hi
+
+
+@triton.jit
+def _unshift(PTX: tl.constexpr):
+    """What a sum of ``_nvfp4_halves`` products is multiplied by to remove the PTX form's 2^-14 (exact)."""
+    if PTX:
+        return 16384.0
+    return 1.0
+
+
+@triton.jit
+def _fma2(acc, x_even, lo, x_odd, hi):
+    """``acc + x_even * lo + x_odd * hi`` as two dependent multiply-adds (two FFMA per weight pair on the GPU,
+    where ``acc + (x_even * lo + x_odd * hi)`` compiled to a multiply, a multiply-add and an add)."""
+    acc = acc + x_even * lo
+    return acc + x_odd * hi
 
 
 @triton.jit
@@ -82,7 +120,7 @@ def _k_columns_left(offs_kb, k_left, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gate_up_one_pair(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_kb, offs_sb, H, I,
-                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr):
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_X: tl.constexpr, PTX: tl.constexpr):
     """(gate, up) ``[1, BN]`` sums over K (before the globals) for one token's x row.
 
     Interleaved x (``xe_ptr`` the row, ``xo_ptr`` unused): x's even and odd columns are ``[BK/2]`` vectors
@@ -103,10 +141,10 @@ def _gate_up_one_pair(xe_ptr, xo_ptr, q_ptrs, s_ptrs, up_q, up_s, offs_n, offs_k
         else:
             x_even = tl.load(xe_ptr + k0 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             x_odd = tl.load(xe_ptr + k0 + 1 + 2 * offs_kb, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
-        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
-        acc_g += x_even * g_lo + x_odd * g_hi
-        acc_u += x_even * u_lo + x_odd * u_hi
+        g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask, PTX)
+        u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask, PTX)
+        acc_g = _fma2(acc_g, x_even, g_lo, x_odd, g_hi)
+        acc_u = _fma2(acc_u, x_even, u_lo, x_odd, u_hi)
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
     return tl.sum(acc_g, axis=1)[None, :], tl.sum(acc_u, axis=1)[None, :]
@@ -124,7 +162,7 @@ def _gate_up_kernel(
     M, N, H, I, TOPK,
     x_odd_off,  # SPLIT_X: x is [2, T, H/2] (even columns, then odd), stride_xt = H/2; this is T * H/2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    SPLIT_X: tl.constexpr, SPLIT_ACT: tl.constexpr,
+    SPLIT_X: tl.constexpr, SPLIT_ACT: tl.constexpr, PTX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -159,7 +197,7 @@ def _gate_up_kernel(
     if BLOCK_M == 1:  # [BN, BK/2] accumulators: x broadcast along rows, no 3-D layout conversions
         xe_ptr = x_ptr + (pid_m // TOPK).to(tl.int64) * stride_xt
         gate, up = _gate_up_one_pair(xe_ptr, xe_ptr + x_odd_off, q_ptrs, s_ptrs, up_q, up_s,
-                                     offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K, SPLIT_X)
+                                     offs_n, offs_kb, offs_sb, H, I, BLOCK_K, EVEN_K, SPLIT_X, PTX)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
@@ -172,16 +210,16 @@ def _gate_up_kernel(
                 x_mask = x_mask & (offs_n[None, :, None] >= 0)
             x_even = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
             x_odd_cols = tl.load(x_ptrs + x_odd, mask=x_mask, other=0.0).to(tl.float32)
-            g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
-            u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask)
-            acc_g += x_even * g_lo[None, :, :] + x_odd_cols * g_hi[None, :, :]
-            acc_u += x_even * u_lo[None, :, :] + x_odd_cols * u_hi[None, :, :]
+            g_lo, g_hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask, PTX)
+            u_lo, u_hi = _nvfp4_halves(q_ptrs + up_q, s_ptrs + up_s, w_mask, s_mask, PTX)
+            acc_g = _fma2(acc_g, x_even, g_lo[None, :, :], x_odd_cols, g_hi[None, :, :])
+            acc_u = _fma2(acc_u, x_even, u_lo[None, :, :], x_odd_cols, u_hi[None, :, :])
             q_ptrs += BLOCK_K // 2
             s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
             x_ptrs += x_step
         gate, up = tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2)
-    gate = gate * tl.load(g_ptr + row * stride_gn)
-    up = up * tl.load(g_ptr + row * stride_gn + 1)
+    gate = gate * (tl.load(g_ptr + row * stride_gn) * _unshift(PTX))
+    up = up * (tl.load(g_ptr + row * stride_gn + 1) * _unshift(PTX))
     act = gate / (1.0 + tl.exp(-gate)) * up
     if SPLIT_ACT:  # [M, 2, I/2]: even columns, then odd (what _down_pair_kernel loads contiguously)
         act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + ((offs_n % 2) * (I // 2) + offs_n // 2)[None, :]
@@ -201,6 +239,7 @@ def _down_sum_kernel(
     res_ptr, stride_rt,  # [T, H] residual added to the output (RESIDUAL only)
     N, H, I, TOPK,
     KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RESIDUAL: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
@@ -227,14 +266,14 @@ def _down_sum_kernel(
         s_ok = _k_columns_left(offs_sb * BYTES_PER_SCALE, I - k0, EVEN_K)[None, :]
         a_even = tl.load(a_ptrs, mask=ok[:, None] & k_ok, other=0.0)
         a_odd = tl.load(a_ptrs + 1, mask=ok[:, None] & k_ok, other=0.0)
-        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, rows_ok[:, None] & k_ok, rows_ok[:, None] & s_ok)
-        acc += a_even * lo + a_odd * hi
+        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, rows_ok[:, None] & k_ok, rows_ok[:, None] & s_ok, PTX)
+        acc = _fma2(acc, a_even, lo, a_odd, hi)
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
         a_ptrs += BLOCK_K
 
     route_w = tl.load(w_ptr + pair, mask=ok, other=0.0).to(tl.float32)  # the router's dtype, exact in fp32
-    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w
+    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w * _unshift(PTX)
     y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * scale, (KP, BLOCK_N)), axis=0)  # fixed-order sum over pairs
     offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs_y, offs_y < H, y, RESIDUAL)
@@ -249,7 +288,7 @@ def _down_pair_kernel(
     rows_ptr, w_ptr,  # [M] bank rows, [M] routing weights (any float dtype; used in fp32)
     part_ptr,  # [M, H] f32: each pair's weighted down projection
     N, H, I,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -275,11 +314,11 @@ def _down_pair_kernel(
         s_mask = (offs_n[:, None] < H) & _k_columns_left(offs_sb * BYTES_PER_SCALE, I - k0, EVEN_K)[None, :]
         a_even = tl.load(a_ptr + k0 // 2 + a_offs, mask=k_ok[None, :], other=0.0)
         a_odd = tl.load(a_ptr + I // 2 + k0 // 2 + a_offs, mask=k_ok[None, :], other=0.0)
-        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask)
-        acc += a_even * lo + a_odd * hi
+        lo, hi = _nvfp4_halves(q_ptrs, s_ptrs, w_mask, s_mask, PTX)
+        acc = _fma2(acc, a_even, lo, a_odd, hi)
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
-    scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32)
+    scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32) * _unshift(PTX)
     tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
 
 
@@ -297,6 +336,7 @@ def decode_gemv_nvfp4(
     out_dtype: torch.dtype | None = None,
     config: GemvConfig | None = None,
     residual_TH: torch.Tensor | None = None,
+    ptx: bool | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for few tokens per expert; no host sync, no bf16 weight copy.
 
@@ -311,6 +351,9 @@ def decode_gemv_nvfp4(
         config: tiles; default ``gemv_config_for(device, H, I, T*K)``.
         residual_TH: ``[T, H]`` in ``out_dtype`` (optional): returns ``residual_TH + y`` rounded as the decoder
             layer's add (``moe_sum.py``), in the same launches.
+        ptx: convert the weights with ``nvfp4.e2m1_halves_bf16`` (same bits, fewer instructions); default
+            ``nvfp4.ptx_conversion(device)`` (CUDA sm_90+). False keeps the portable conversion (the GPU tests
+            compare the two).
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
@@ -326,6 +369,9 @@ def decode_gemv_nvfp4(
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config
+    ptx = ptx_conversion(dev) if ptx is None else bool(ptx)
+    if ptx and not ptx_conversion(dev):
+        raise ValueError(f"ptx=True needs a CUDA device of compute capability 9.0 or newer, got {dev}")
     if (config.block_m == 1 or config.down_per_pair) and M > 65535:
         raise ValueError(f"T*K={M} pairs: with block_m=1 or down_per_pair the grid holds at most 65535; use "
                          "block_m > 1 and the all-pairs down kernel")
@@ -356,7 +402,7 @@ def decode_gemv_nvfp4(
             rows_M, *align_args, act_MI,
             M, N, H, I, K, x_odd_off,
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
-            SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, num_warps=gu.num_warps,
+            SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, PTX=ptx, num_warps=gu.num_warps,
         )
         if config.down_per_pair:
             part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)
@@ -367,7 +413,7 @@ def decode_gemv_nvfp4(
                 gs, gs.stride(0),
                 rows_M, weights_M, part_MH,
                 N, H, I,
-                BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
+                BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, PTX=ptx,
                 num_warps=dn.num_warps,
             )
             return sum_pairs(part_MH, K, out_TH, residual_TH)
@@ -381,6 +427,6 @@ def decode_gemv_nvfp4(
             *((out_TH, 0) if residual_TH is None else (residual_TH, residual_TH.stride(0))),
             N, H, I, K,
             KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
-            RESIDUAL=residual_TH is not None, num_warps=dn.num_warps,
+            RESIDUAL=residual_TH is not None, PTX=ptx, num_warps=dn.num_warps,
         )
     return out_TH

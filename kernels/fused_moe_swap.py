@@ -32,35 +32,15 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
-from moe_offload.kernels.nvfp4 import BYTES_PER_SCALE, E2M1_F16_SHIFT, SCALE_BLOCK, device_guard, e2m1_to_f32
-
-
-# E2M1 codes -> bf16 in PTX, 4 bytes (8 codes) per call: each byte's low and high nibble are placed into a bf16
-# bit pattern (sign -> bit 15, the 3 magnitude bits -> bits 6-8: exponent field e, top mantissa bit m) whose
-# value is E2M1 * 2^-126 (the code 0.5 lands on a bf16 subnormal), then multiplied by its block scale times
-# 2^112 (``_weight_rows_tile``): E2M1 * scale * 2^-14, exact (<= 6 significant bits, in the normal range).
-# $0-$1: the low-nibble values of elements 0-1 and 2-3, $2-$3: the high-nibble ones, $4-$5: the four
-# elements' scales, $6: the four bytes. prmt puts bytes 0-1 (2-3) into the two 16-bit lanes of t0 (t1).
-# Low nibble (bits 0-3 of a lane): (t << 6 | t << 12) & 0x81C081C0, one lop3 (0xA8 = (a | b) & c): t << 6
-# has nothing at bits 15/31 and t << 12 nothing at bits 6-8/22-24, so the OR needs no mask of its own.
-# High nibble (bits 4-7): x = t & 0x00F000F0, then x * 0x104 = x << 2 | x << 8 (the two copies do not
-# overlap, so no carry), & 0x81C081C0. 3 instructions per register plus the multiply, 18 per 8 codes.
-def _nibble_pair_ptx(out: int, lanes: str, high: bool, scale: int) -> str:
-    """PTX of one output register: the two codes of ``lanes`` (bytes in 16-bit lanes), the low or high nibble,
-    as bf16 bit patterns times the scales in register ``$scale``."""
-    if high:
-        bits = f"and.b32 u, {lanes}, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
-    else:
-        bits = f"shl.b32 u, {lanes}, 6;\nshl.b32 v, {lanes}, 12;\nlop3.b32 u, u, v, 0x81C081C0, 0xA8;\n"
-    return bits + f"mul.rn.bf16x2 ${out}, u, ${scale};\n"
-
-
-_E2M1_TO_BF16_SCALED = tl.constexpr(
-    "{\n.reg .b32 t0, t1, u, v;\nprmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
-    + "".join(_nibble_pair_ptx(out, lanes, high, scale)
-              for out, high in ((0, False), (2, True))
-              for out, lanes, scale in ((out, "t0", 4), (out + 1, "t1", 5)))
-    + "}\n")
+from moe_offload.kernels.nvfp4 import (
+    BYTES_PER_SCALE,
+    E2M1_F16_SHIFT,
+    SCALE_BLOCK,
+    device_guard,
+    e2m1_halves_bf16,
+    e2m1_to_f32,
+    ptx_scale,
+)
 
 
 @triton.jit
@@ -72,7 +52,7 @@ def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
     bf16 and fp16 dots get ``code * scale * 2^-14`` (``_acc_shift`` undoes it on the accumulator): an E2M1
     value (<= 2 significant bits, lowest 2^-1) times an E4M3 scale (<= 4 bits, lowest 2^-9) times 2^-14 has
     <= 6 significant bits, is a multiple of 2^-24 (fp16's subnormal step) and is below 6 * 448 * 2^-14, so
-    both formats hold it exactly. bf16 (CUDA only): ``_E2M1_TO_BF16_SCALED``, 2.25 instructions per
+    both formats hold it exactly. bf16 (CUDA only): ``nvfp4.e2m1_halves_bf16``, 2.25 instructions per
     weight on 32-bit registers; fp16: 16-bit integer ops and one fp16 multiply per weight. fp32 dots (the
     CPU interpreter, fp32 models): ``nvfp4.e2m1_to_f32`` in fp32 with the shift in the scale."""
     packed = tl.load(q_ptrs, mask=w_mask, other=0)
@@ -86,10 +66,9 @@ def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
         lo = e2m1_to_f32(packed & 15) * scale
         hi = e2m1_to_f32(packed >> 4) * scale
     elif DOT_DTYPE == tl.bfloat16:
-        scale = (scale.to(tl.float32) * 5.192296858534828e33).to(tl.bfloat16)  # * 2^112: exact
+        scale = ptx_scale(scale)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-        lo, hi = tl.inline_asm_elementwise(_E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [scale, packed],
-                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        lo, hi = e2m1_halves_bf16(packed, scale)
     else:
         scale = scale.to(tl.float16)
         scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))

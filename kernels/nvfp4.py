@@ -97,6 +97,65 @@ SCALE_BLOCK = tl.constexpr(BLOCK)
 BYTES_PER_SCALE = tl.constexpr(BLOCK // 2)
 
 
+# E2M1 codes -> bf16 in PTX, 4 bytes (8 codes) per call: each byte's low and high nibble are placed into a bf16
+# bit pattern (sign -> bit 15, the 3 magnitude bits -> bits 6-8: exponent field e, top mantissa bit m) whose
+# value is E2M1 * 2^-126 (the code 0.5 lands on a bf16 subnormal), then multiplied by its block scale times
+# 2^112 (``ptx_scale``): E2M1 * scale * 2^-14, exact (<= 6 significant bits, in the normal range).
+# $0-$1: the low-nibble values of elements 0-1 and 2-3, $2-$3: the high-nibble ones, $4-$5: the four
+# elements' scales, $6: the four bytes. prmt puts bytes 0-1 (2-3) into the two 16-bit lanes of t0 (t1).
+# Low nibble (bits 0-3 of a lane): (t << 6 | t << 12) & 0x81C081C0, one lop3 (0xA8 = (a | b) & c): t << 6
+# has nothing at bits 15/31 and t << 12 nothing at bits 6-8/22-24, so the OR needs no mask of its own.
+# High nibble (bits 4-7): x = t & 0x00F000F0, then x * 0x104 = x << 2 | x << 8 (the two copies do not
+# overlap, so no carry), & 0x81C081C0. 3 instructions per register plus the multiply, 18 per 8 codes.
+def _nibble_pair_ptx(out: int, lanes: str, high: bool, scale: int) -> str:
+    """PTX of one output register: the two codes of ``lanes`` (bytes in 16-bit lanes), the low or high nibble,
+    as bf16 bit patterns times the scales in register ``$scale``."""
+    if high:
+        bits = f"and.b32 u, {lanes}, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
+    else:
+        bits = f"shl.b32 u, {lanes}, 6;\nshl.b32 v, {lanes}, 12;\nlop3.b32 u, u, v, 0x81C081C0, 0xA8;\n"
+    return bits + f"mul.rn.bf16x2 ${out}, u, ${scale};\n"
+
+
+E2M1_TO_BF16_SCALED = tl.constexpr(
+    "{\n.reg .b32 t0, t1, u, v;\nprmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
+    + "".join(_nibble_pair_ptx(out, lanes, high, scale)
+              for out, high in ((0, False), (2, True))
+              for out, lanes, scale in ((out, "t0", 4), (out + 1, "t1", 5)))
+    + "}\n")
+
+#: ``ptx_scale`` multiplies block scales by this (2^112, exact) for ``e2m1_halves_bf16``.
+PTX_SCALE_SHIFT = tl.constexpr(5.192296858534828e33)
+
+
+@triton.jit
+def ptx_scale(scale):
+    """E4M3 (or fp32) block scales -> the bf16 operand of ``e2m1_halves_bf16``: scale * 2^112 (exact)."""
+    return (scale.to(tl.float32) * PTX_SCALE_SHIFT).to(tl.bfloat16)
+
+
+@triton.jit
+def e2m1_halves_bf16(packed, scale):
+    """``(lo, hi)`` bf16 = ``code * block_scale * 2^-14`` (exact) of the uint8 bytes ``packed``: lo the low nibbles
+    (even K columns), hi the high ones; ``scale`` the bf16 ``ptx_scale`` of each byte's block scale (broadcast by
+    the caller to ``packed``'s shape). CUDA on sm_90 or newer only (PTX ``mul.rn.bf16x2``; see ``ptx_conversion``)."""
+    return tl.inline_asm_elementwise(E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [scale, packed],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def ptx_conversion(device: torch.device) -> bool:
+    """Whether ``e2m1_halves_bf16`` runs on ``device``: CUDA with compute capability 9.0 or newer (``mul.rn.bf16x2``);
+    never under the Triton interpreter (CPU tensors)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
 @triton.jit
 def _dequant_nvfp4_kernel(
     q_ptr, stride_qn, stride_qr,  # packed [N, R, C/2] u8, columns contiguous

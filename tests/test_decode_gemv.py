@@ -214,8 +214,11 @@ from triton.backends.compiler import GPUTarget
 from moe_offload.kernels import decode_gemv as g
 from moe_offload.kernels import decode_gemv_tuning as gt
 
+PTX = True  # the weight conversion on sm_90 (nvfp4.ptx_conversion)
+
 def v4_loads(fn, sig, consts, div16, num_warps):
     names = fn.arg_names
+    consts = {"PTX": PTX, **consts} if "PTX" in names else consts
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
@@ -242,6 +245,7 @@ out = {"gate_up": v4_loads(g._gate_up_kernel, gate_up_sig,
 def loop_of(fn, sig, consts, div, num_warps):
     """The PTX of the K loop of ``fn`` compiled for sm_90."""
     names = fn.arg_names
+    consts = {"PTX": PTX, **consts} if "PTX" in names else consts
     src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
                     constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div if n in names})

@@ -569,12 +569,12 @@ def _run_ptx_b32(asm: str, operands: dict[int, "np.ndarray"]) -> dict[int, "np.n
 
 
 def test_the_swapped_kernels_ptx_decodes_every_code_with_every_scale_exactly():
-    """``_E2M1_TO_BF16_SCALED`` (the bf16 weight conversion of the decode/prefill swapped kernels) gives
+    """``nvfp4.E2M1_TO_BF16_SCALED`` (the bf16 weight conversion of the swapped kernels and the decode GEMV) gives
     code * scale * 2^-14 exactly for every byte in every byte position of a word (random neighbours: the bit
     tricks must not let one byte's bits reach another's lane) and every finite E4M3 scale, subnormals and 0 included."""
     import numpy as np
 
-    from moe_offload.kernels.fused_moe_swap import _E2M1_TO_BF16_SCALED
+    from moe_offload.kernels.nvfp4 import E2M1_TO_BF16_SCALED
     from moe_offload.formats.nvfp4 import E2M1_VALUES
 
     rng = np.random.default_rng(0)
@@ -588,7 +588,7 @@ def test_the_swapped_kernels_ptx_decodes_every_code_with_every_scale_exactly():
     scale_idx[: e4m3.numel(), 0] = np.arange(e4m3.numel())  # every scale at least once
     scales = e4m3.float()[torch.from_numpy(scale_idx)]  # [n, 4]
     sbits = (scales * 2.0**112).to(torch.bfloat16).view(torch.int16).int().numpy() & 0xFFFF  # exact
-    regs = _run_ptx_b32(_E2M1_TO_BF16_SCALED.value, {4: sbits[:, 0] | (sbits[:, 1] << 16),
+    regs = _run_ptx_b32(E2M1_TO_BF16_SCALED.value, {4: sbits[:, 0] | (sbits[:, 1] << 16),
                                                       5: sbits[:, 2] | (sbits[:, 3] << 16), 6: words})
     values = torch.tensor(E2M1_VALUES, dtype=torch.float64)
     for out, (nibble_shift, first) in {0: (0, 0), 1: (0, 2), 2: (4, 0), 3: (4, 2)}.items():

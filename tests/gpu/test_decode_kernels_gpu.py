@@ -191,10 +191,12 @@ def test_decode_moe_matches_the_dequantized_reference_on_the_gpu(pinned_host_row
 @pytest.mark.parametrize("variant", ["split_x", "down_per_pair", "both", "grouped_split_x"])
 def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(pinned_host_rows, variant):
     """The tuner's choices (kernels/decode_gemv.py: split_x, down_per_pair) compiled for this GPU: close to the
-    dequantized reference, split_x bitwise equal to interleaved x, and a captured call replays its eager bits."""
+    dequantized reference, split_x bitwise equal to interleaved x, the PTX weight conversion (sm_90+) bitwise
+    equal to the portable one, and a captured call replays its eager bits."""
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
     from moe_offload.kernels.decode_gemv_tuning import GemvConfig, GemvTiles
     from moe_offload.kernels.fused_moe import moe_reference
+    from moe_offload.kernels.nvfp4 import ptx_conversion
 
     host_ER, specs = pinned_host_rows
     views = bank_views(specs, bank_offsets(specs), host_ER.cuda())
@@ -216,6 +218,8 @@ def test_decode_gemv_variants_match_the_reference_and_replay_bitwise_in_a_graph(
         torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2 * scale)
         if split and not per_pair:
             assert torch.equal(out, decode_gemv_nvfp4(hidden, rows, weights, views, config=base))
+        if ptx_conversion(hidden.device):  # the PTX weight conversion (the default here) gives the portable one's bits
+            assert torch.equal(out, decode_gemv_nvfp4(hidden, rows, weights, views, config=cfg, ptx=False))
         graph = torch.cuda.CUDAGraph()
         decode_gemv_nvfp4(hidden, rows, weights, views, config=cfg)  # compiled and warm before the capture
         with torch.cuda.graph(graph):

@@ -12,7 +12,7 @@ Launches (nothing is read back to the host; grids come from T, K, N, H, I only: 
 0. only when BM > 1: ``decode_moe.decode_align`` (one program) groups the pairs by row into blocks
    of BM, so an expert's weight tile is read once for all its tokens (loop over them in registers).
 0b. only with ``split_x``: x's even and odd columns copied into two contiguous rows per token (torch), so
-   kernel 1 loads them in the weight tile's layout (compiled for sm_90 at the H200's tiles its interleaved
+   kernel 1 loads them in the weight tile's layout (compiled for sm_90 at 4 x 512 tiles its interleaved
    x loads go through shared memory with 4 barriers per K step for one pair a program, 8 for grouped
    pairs; these need none). Which is faster is data.
 1. ``_gate_up_kernel``, program = (BM pairs of one row, BLOCK_N of the I outputs): loads

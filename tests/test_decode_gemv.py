@@ -259,13 +259,14 @@ def stats(loop):
 # the per-pair down at 8 x 256 tiles (8 weight bytes a thread): split activations loaded in the weight tile's layout
 out["down_pair"] = stats(loop_of(g._down_pair_kernel, {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32"},
                                  {"BLOCK_N": 8, "BLOCK_K": 256, "EVEN_K": True}, div16 + ["act_ptr"], 4))
-# split x at the H200's T = 1 gate_up tiles: the K loop's barriers (shared-memory layout conversions) and x loads
-h200 = gt.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(8).gate_up
+# split x at 4 x 512 gate_up tiles, 4 warps (the H200's T = 1 tiles until 6395f5e; its T = 1 bucket now holds 16 x 512
+# tiles with interleaved x, where split x would take barriers too): the K loop's barriers and x loads
+x_tiles = gt.GemvTiles(4, 512, 4)
 for split in (False, True):
-    consts = {"BLOCK_M": 1, "BLOCK_N": h200.block_n, "BLOCK_K": h200.block_k, "EVEN_K": True, "SPLIT_X": split,
+    consts = {"BLOCK_M": 1, "BLOCK_N": x_tiles.block_n, "BLOCK_K": x_tiles.block_k, "EVEN_K": True, "SPLIT_X": split,
               "SPLIT_ACT": split}
     out["split" if split else "interleaved"] = stats(loop_of(g._gate_up_kernel, gate_up_sig, consts,
-                                                             div16 + ["x_ptr", "stride_xt", "x_odd_off"], h200.num_warps))
+                                                             div16 + ["x_ptr", "stride_xt", "x_odd_off"], x_tiles.num_warps))
 # and at the H200's grouped tiles (bucket 1024: block_m 4)
 grp = gt.load_gemv_tuning()["NVIDIA H200"]["H2048_I768"].config(1024)
 for split in (False, True):

@@ -70,7 +70,7 @@ from moe_offload.kernels.nvfp4 import (
 def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
     """Even/odd K columns (fp32, ``code * block_scale``, times 2^-14 with PTX; exact) of the ``[R, BK/2]`` bytes at
     ``q_ptrs``; ``s_ptrs`` address the ``[R, BK/16]`` block scales, one per 8 bytes, broadcast here (one load per
-    scale rather than one per byte). PTX (CUDA sm_90+): ``nvfp4.e2m1_halves_bf16`` on 32-bit registers (~2.25
+    scale rather than one per byte). PTX (CUDA sm_80+): ``nvfp4.e2m1_halves_bf16`` on 32-bit registers (~2.25
     instructions a weight) and a bf16 -> fp32 widening, in place of ``e2m1_to_f32``'s per-code integer ops,
     fp16 -> fp32 conversion and fp32 multiply; its values carry 2^-14, which the callers' final multiply by
     ``_unshift(PTX)`` removes (powers of two: the sums and the result keep the same bits)."""
@@ -352,7 +352,7 @@ def decode_gemv_nvfp4(
         residual_TH: ``[T, H]`` in ``out_dtype`` (optional): returns ``residual_TH + y`` rounded as the decoder
             layer's add (``moe_sum.py``), in the same launches.
         ptx: convert the weights with ``nvfp4.e2m1_halves_bf16`` (same bits, fewer instructions); default
-            ``nvfp4.ptx_conversion(device)`` (CUDA sm_90+). False keeps the portable conversion (the GPU tests
+            ``nvfp4.ptx_conversion(device)`` (CUDA sm_80+). False keeps the portable conversion (the GPU tests
             compare the two).
 
     Returns:
@@ -371,7 +371,7 @@ def decode_gemv_nvfp4(
     config = gemv_config_for(dev, H, I, M) if config is None else config
     ptx = ptx_conversion(dev) if ptx is None else bool(ptx)
     if ptx and not ptx_conversion(dev):
-        raise ValueError(f"ptx=True needs a CUDA device of compute capability 9.0 or newer, got {dev}")
+        raise ValueError(f"ptx=True needs a CUDA device of compute capability 8.0 or newer, got {dev}")
     if (config.block_m == 1 or config.down_per_pair) and M > 65535:
         raise ValueError(f"T*K={M} pairs: with block_m=1 or down_per_pair the grid holds at most 65535; use "
                          "block_m > 1 and the all-pairs down kernel")

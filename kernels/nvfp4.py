@@ -114,11 +114,14 @@ def _nibble_pair_ptx(out: int, lanes: str, high: bool, scale: int) -> str:
         bits = f"and.b32 u, {lanes}, 0x00F000F0;\nmul.lo.u32 u, u, 0x104;\nand.b32 u, u, 0x81C081C0;\n"
     else:
         bits = f"shl.b32 u, {lanes}, 6;\nshl.b32 v, {lanes}, 12;\nlop3.b32 u, u, v, 0x81C081C0, 0xA8;\n"
-    return bits + f"mul.rn.bf16x2 ${out}, u, ${scale};\n"
+    return bits + f"fma.rn.bf16x2 ${out}, u, ${scale}, z;\n"
 
 
+# The multiply is ``fma.rn.bf16x2`` with a -0.0 addend (register z): the same bits as ``mul.rn.bf16x2`` (x + -0 = x
+# for every x, +0 included, with one rounding), and it assembles from sm_80 on, where mul.bf16x2 needs sm_90 (with
+# it, ptxas refused the swapped kernels for sm_89, Ada GPUs such as the RTX 6000 Ada and L40S).
 E2M1_TO_BF16_SCALED = tl.constexpr(
-    "{\n.reg .b32 t0, t1, u, v;\nprmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
+    "{\n.reg .b32 t0, t1, u, v, z;\nmov.b32 z, 0x80008000;\nprmt.b32 t0, $6, 0, 0x4140;\nprmt.b32 t1, $6, 0, 0x4342;\n"
     + "".join(_nibble_pair_ptx(out, lanes, high, scale)
               for out, high in ((0, False), (2, True))
               for out, lanes, scale in ((out, "t0", 4), (out + 1, "t1", 5)))
@@ -138,7 +141,7 @@ def ptx_scale(scale):
 def e2m1_halves_bf16(packed, scale):
     """``(lo, hi)`` bf16 = ``code * block_scale * 2^-14`` (exact) of the uint8 bytes ``packed``: lo the low nibbles
     (even K columns), hi the high ones; ``scale`` the bf16 ``ptx_scale`` of each byte's block scale (broadcast by
-    the caller to ``packed``'s shape). CUDA on sm_90 or newer only (PTX ``mul.rn.bf16x2``; see ``ptx_conversion``)."""
+    the caller to ``packed``'s shape). CUDA on sm_80 or newer only (PTX ``fma.rn.bf16x2``; see ``ptx_conversion``)."""
     return tl.inline_asm_elementwise(E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [scale, packed],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
@@ -149,11 +152,11 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def ptx_conversion(device: torch.device) -> bool:
-    """Whether ``e2m1_halves_bf16`` runs on ``device``: CUDA with compute capability 9.0 or newer (``mul.rn.bf16x2``);
+    """Whether ``e2m1_halves_bf16`` runs on ``device``: CUDA with compute capability 8.0 or newer (``fma.rn.bf16x2``);
     never under the Triton interpreter (CPU tensors)."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
 
 
 @triton.jit

@@ -520,8 +520,8 @@ def test_random_nvfp4_is_seeded_uniform_and_valid():
 
 
 def _run_ptx_b32(asm: str, operands: dict[int, "np.ndarray"]) -> dict[int, "np.ndarray"]:
-    """Interpret the few 32-bit PTX instructions ``fused_moe_swap``'s conversion uses (prmt, shl, and, mul.lo,
-    lop3, mul.rn.bf16x2) over arrays of register values; ``operands`` maps $n to input arrays, outputs come
+    """Interpret the few 32-bit PTX instructions ``nvfp4.E2M1_TO_BF16_SCALED`` uses (mov, prmt, shl, and, mul.lo,
+    lop3, fma.rn.bf16x2 with a -0.0 addend) over arrays of register values; ``operands`` maps $n to input arrays, outputs come
     back under their $n. Enough to check the bit tricks on CPU; the GPU tests check the compiled kernel."""
     import numpy as np
 
@@ -563,6 +563,11 @@ def _run_ptx_b32(asm: str, operands: dict[int, "np.ndarray"]) -> dict[int, "np.n
             regs[d] = out
         elif op == "mul.rn.bf16x2":
             regs[d] = bf16_mul(val(src[0]), val(src[1]))
+        elif op == "fma.rn.bf16x2":  # only as a multiply: the addend must be -0.0 in both lanes
+            assert np.all(val(src[2]) == np.uint32(0x80008000)), "fma.rn.bf16x2 interpreted with a -0.0 addend only"
+            regs[d] = bf16_mul(val(src[0]), val(src[1]))
+        elif op == "mov.b32":
+            regs[d] = np.broadcast_to(val(src[0]), next(iter(operands.values())).shape).astype(np.uint32)
         else:
             raise AssertionError(f"uninterpreted PTX op {op}")
     return {int(k[1:]): v for k, v in regs.items() if k.startswith("$")}
@@ -599,3 +604,47 @@ def test_the_swapped_kernels_ptx_decodes_every_code_with_every_scale_exactly():
             code = torch.from_numpy(((words >> (8 * elem + nibble_shift)) & 15).astype(np.int64))
             want = values[code] * scales[:, elem].double() * 2.0**-14
             assert torch.equal(got, want), f"${out} lane {lane}"
+
+
+_COMPILE_ADA = r'''
+import json
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_offload.kernels import decode_gemv as g
+from moe_offload.kernels import fused_moe_swap as fs
+
+def compile_for(fn, sig, consts, cap):
+    names = fn.arg_names
+    src = ASTSource(fn=fn, signature={n: sig.get(n, "constexpr") for n in names},
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4}).asm["ptx"]
+
+i32 = dict.fromkeys
+gemm = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "sorted_ids_ptr": "*i32", "block_row_ptr": "*i32",
+        "num_padded_ptr": "*i32", **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "M", "H", "I",
+                                         "num_blocks_m", "stride_am", "stride_xt", "TOPK", "stride_om"], "i32")}
+tiles = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "GROUP_M": 1, "EVEN_K": True, "DOT_DTYPE": tl.bfloat16,
+         "INPUT_PRECISION": "tf32"}
+gemv = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32", "rows_ptr": "*i64", "act_ptr": "*fp32", "w_ptr": "*bf16",
+        "part_ptr": "*fp32", **i32(["stride_qn", "stride_qr", "stride_sn", "stride_sr", "stride_gn", "N", "H", "I"], "i32")}
+out = {}
+for cap in (89, 90):
+    ptx = [compile_for(fs._gate_up_swap_kernel, {**gemm, "x_ptr": "*bf16", "act_ptr": "*bf16"}, {**tiles, "ACT_BLOCK_K": 128}, cap),
+           compile_for(fs._down_swap_kernel, {**gemm, "act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16"}, tiles, cap),
+           compile_for(g._down_pair_kernel, gemv, {"BLOCK_N": 8, "BLOCK_K": 256, "EVEN_K": True, "PTX": True}, cap)]
+    out[cap] = [p.count("fma.rn.bf16x2") for p in ptx]
+print(json.dumps(out))
+'''
+
+
+def test_the_ptx_weight_conversion_compiles_for_ada_and_hopper(compiled_without_interpreter):
+    """The swapped fused-MoE kernels and the decode GEMV, with ``nvfp4.E2M1_TO_BF16_SCALED``, compiled by Triton's own
+    ptxas for sm_89 (Ada: RTX 6000 Ada, L40S) and sm_90 (H100/H200), no GPU needed. With ``mul.rn.bf16x2`` (sm_90+
+    only) ptxas refused sm_89; ``fma.rn.bf16x2`` with a -0.0 addend assembles from sm_80 on."""
+    import json
+
+    counts = json.loads(compiled_without_interpreter(_COMPILE_ADA))
+    for cap in ("89", "90"):
+        assert all(n > 0 for n in counts[cap]), counts  # every kernel compiled with the conversion's multiplies

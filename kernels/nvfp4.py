@@ -151,6 +151,24 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+#: the lowest compute capability whose Triton supports fp8e4nv, the type every NVFP4 kernel loads E4M3 block scales as
+NVFP4_KERNELS_MIN_CAPABILITY = (8, 9)
+
+
+def nvfp4_kernels_supported(device: torch.device) -> tuple[bool, str]:
+    """``(ok, why_not)``: whether the NVFP4 Triton kernels (dequant, fused MoE, decode) compile for ``device``. They
+    load E4M3 scales as ``fp8e4nv``, which Triton supports from sm_89 (Ada, Hopper, Blackwell); on an A100 (sm_80)
+    the first compile would fail. Off CUDA (the Triton interpreter) always ``(True, "")``."""
+    if device.type != "cuda":
+        return True, ""
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if cap >= NVFP4_KERNELS_MIN_CAPABILITY:
+        return True, ""
+    need = ".".join(map(str, NVFP4_KERNELS_MIN_CAPABILITY))
+    return False, (f"the NVFP4 Triton kernels load E4M3 scales as fp8e4nv, which Triton supports from compute "
+                   f"capability {need}; this GPU is {cap[0]}.{cap[1]}")
+
+
 def ptx_conversion(device: torch.device) -> bool:
     """Whether ``e2m1_halves_bf16`` runs on ``device``: CUDA with compute capability 8.0 or newer (``fma.rn.bf16x2``);
     never under the Triton interpreter (CPU tensors)."""

@@ -21,7 +21,7 @@ from moe_offload import log
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.checkpoint.reader import CheckpointReader, detect_format
 from moe_offload.config import ModelConfig, OffloadConfig
-from moe_offload.compute import make_compute, prefill_compute
+from moe_offload.compute import make_compute, nvfp4_kernels_usable, prefill_compute
 from moe_offload.compute.decode import DecodeCompute
 from moe_offload.experts import OffloadedExperts, offloaded_experts
 from moe_offload.formats import get_format
@@ -117,10 +117,12 @@ class Engine:
         reader = CheckpointReader(path)
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
-        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
-                                fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
-                                observe_routing=True, lookahead=cfg.decode.lookahead)
         fmt = get_format(fmt_name)
+        fused_decode = cfg.compute.backend != "torch" and (device.type != "cuda" or not fmt.is_quantized
+                                                          or nvfp4_kernels_usable(fmt, device))
+        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
+                                fused_decode=fused_decode, decode_path=cfg.decode.path,
+                                observe_routing=True, lookahead=cfg.decode.lookahead)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
         decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch",

@@ -27,6 +27,10 @@ class DecodeCompute:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
         self.kernel = kernel
+        if fused and fmt.is_quantized and device.type == "cuda":
+            from moe_offload.compute import nvfp4_kernels_usable
+
+            fused = nvfp4_kernels_usable(fmt, device)
         self.fused = fused and fmt.is_quantized and device.type == "cuda"
         self.name = "triton_decode" if self.fused else f"{inner.name}+row_gather"
         if self.fused:

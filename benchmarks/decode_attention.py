@@ -74,9 +74,12 @@ def sweep_grid() -> list[AttnConfig]:
     """The launch choices ``--sweep`` times (kernels/decode_attention.py ``AttnConfig``)."""
     # cf9c69a's sweep (with the branch loop and targets 256-1024): the bounded loop won at 4-64 rows; 971877e's
     # (direct on/off, stages 2/3, targets 4-256): direct won at 64 rows, 3 stages never lost by more than 2 %,
-    # a target of 4 always lost, and 9 two-tile splits beat 18 one-tile ones at 1 row (min_split_tiles)
-    return [AttnConfig(block=bl, warps=w, stages=3, target_programs=tp, bound=True, direct=dr, min_split_tiles=mt)
-            for dr in (False, True) for bl in (32, 64) for w in (4, 8) for tp in (16, 64, 256) for mt in (1, 2)]
+    # a target of 4 always lost, and 9 two-tile splits beat 18 one-tile ones at 1 row (min_split_tiles); the combine
+    # split over D (combine_block_d, same bits) is timed at 32 columns a program and at one program per (row, head)
+    return [AttnConfig(block=bl, warps=w, stages=3, target_programs=tp, bound=True, direct=dr, min_split_tiles=mt,
+                       combine_block_d=cb)
+            for dr in (False, True) for bl in (32, 64) for w in (4, 8) for tp in (16, 64, 256) for mt in (1, 2)
+            for cb in ((32,) if dr else (32, 128))]
 
 
 def _sweep_cell(B: int, reps: int, hbm_gbs: float) -> dict:

@@ -141,22 +141,26 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_in, l_in, acc_in, out_ptr, sob, soh, sog,
                         Hkv, G, D, SP,
-                        GP: tl.constexpr, DP: tl.constexpr):
+                        GP: tl.constexpr, DP: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Program (row x KV head, BLOCK_D columns of D): the SP partials merged. Every program recomputes the
+        (tiny) max and sum over the splits, so each output element is the same arithmetic whatever BLOCK_D is;
+        only the real G query rows of a partial's accumulator are read (padding rows are never stored)."""
         bh = tl.program_id(0)
         b = (bh // Hkv).to(tl.int64)
         h = (bh % Hkv).to(tl.int64)
         offs_g = tl.arange(0, GP)
-        offs_d = tl.arange(0, DP)
+        offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         m_all = tl.full((GP,), _MASKED, tl.float32)
         for sp in range(0, SP):
             m_all = tl.maximum(m_all, tl.load(m_in + (bh * SP + sp) * GP + offs_g))
         l_all = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, DP), tl.float32)
+        acc = tl.zeros((GP, BLOCK_D), tl.float32)
         for sp in range(0, SP):
             row = bh * SP + sp
             w = tl.exp(tl.load(m_in + row * GP + offs_g) - m_all)
             l_all += w * tl.load(l_in + row * GP + offs_g)
-            acc += w[:, None] * tl.load(acc_in + (row * GP + offs_g[:, None]) * DP + offs_d[None, :])
+            acc += w[:, None] * tl.load(acc_in + (row * GP + offs_g[:, None]) * DP + offs_d[None, :],
+                                        mask=offs_g[:, None] < G, other=0.0)
         out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
         tl.store(out_ptr + b * sob + h * soh + offs_g[:, None] * sog + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(offs_g[:, None] < G) & (offs_d[None, :] < D))
@@ -169,7 +173,11 @@ class AttnConfig:
     ``splits_for`` aims at; ``bound``: bound each split's loop by one read of its mask (a branch-free loop)
     instead of skipping hidden tiles with a branch per tile; ``direct``: with one split, the partial kernel
     writes the output itself (one launch, no combine; same bits); ``min_split_tiles``: at most tiles //
-    min_split_tiles splits (the last split may hold fewer tiles than the others).
+    min_split_tiles splits (the last split may hold fewer tiles than the others); ``combine_block_d``: D columns per
+    ``_combine_kernel`` program (same bits at any value). The combine had one program per (row, KV head): at batch 1
+    four programs, each merging 8 splits of 16 x 128 fp32 in series, 6.5 us per layer in the H100 profile at 10cd002
+    (``profile-decode-l8-r1.0-b1-10cd002-h100``) for ~0.3 MB; 32 columns give 4 x 4 programs, and the padding rows of
+    the query group are no longer read. Not re-timed on a GPU yet.
 
     The defaults are the H200 sweep's (``decode_attention_sweep-971877e-*``, 1,100 of 1,152 positions visible):
     ``direct`` took 44.2 -> 42.6 us per layer at 64 rows (one split there at any target) and changed nothing
@@ -182,6 +190,7 @@ class AttnConfig:
     bound: bool = True
     direct: bool = True
     min_split_tiles: int = 2
+    combine_block_d: int = 32
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
@@ -190,6 +199,8 @@ class AttnConfig:
                 or self.min_split_tiles < 1):
             raise ValueError(f"invalid {self}: warps a power of two <= 16, stages, target_programs and "
                              f"min_split_tiles >= 1")
+        if self.combine_block_d < 16 or self.combine_block_d & (self.combine_block_d - 1):
+            raise ValueError(f"AttnConfig.combine_block_d={self.combine_block_d}: must be a power of two >= 16")
 
 
 DEFAULT_CONFIG = AttnConfig()
@@ -277,6 +288,8 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        MAXT=triton.next_power_of_2(per_split // block) if cfg.bound and kind else 1,
                                        DIRECT=direct, num_warps=cfg.warps, num_stages=cfg.stages)
         if not direct:
-            _combine_kernel[(B * Hkv,)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
-                                        Hkv, G, D, sp, GP=GP, DP=DP, num_warps=4)
+            block_d = min(DP, cfg.combine_block_d)
+            _combine_kernel[(B * Hkv, DP // block_d)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1),
+                                                      out.stride(2), Hkv, G, D, sp, GP=GP, DP=DP, BLOCK_D=block_d,
+                                                      num_warps=4 if block_d * GP >= 2048 else 2)
     return out

@@ -146,7 +146,7 @@ def test_split_count_keeps_whole_tiles_and_enough_programs():
 
 def test_bad_launch_choices_are_named():
     for bad in ({"block": 48}, {"block": 8}, {"warps": 3}, {"stages": 0}, {"target_programs": 0},
-                {"min_split_tiles": 0}):
+                {"min_split_tiles": 0}, {"combine_block_d": 8}, {"combine_block_d": 48}):
         with pytest.raises(ValueError, match="AttnConfig|invalid"):
             AttnConfig(**bad)
 
@@ -246,7 +246,7 @@ for kind, mask in ((1, "*u8"), (2, "*bf16"), (0, "*bf16")):
         out[f"partial_{kind}_{'bound' if bound else 'branch'}{'_direct' if direct else ''}_mma"] = \
             len(re.findall(r"mma|wgmma", ptx)) > 0
 build(da._combine_kernel, {**i32(["m_in", "l_in", "acc_in"], "*fp32"), "out_ptr": "*bf16",
-                           **i32(["sob", "soh", "sog", "Hkv", "G", "D", "SP"], "i32")}, {"GP": 16, "DP": 128})
+                           **i32(["sob", "soh", "sog", "Hkv", "G", "D", "SP"], "i32")}, {"GP": 16, "DP": 128, "BLOCK_D": 32})
 print(json.dumps(out))
 '''
 
@@ -268,3 +268,14 @@ def test_one_split_written_directly_equals_the_combined_one_bit_for_bit(mask_kin
     q, k, v, mask = _case(3, 2, 4, 2 * BLOCK_S + 5, 32, torch.float32, mask_kind, seed=21)
     combined = decode_attention(q, k, v, mask, 0.2, 1, AttnConfig(direct=False))
     assert torch.equal(decode_attention(q, k, v, mask, 0.2, 1, AttnConfig(direct=True)), combined)
+
+
+@pytest.mark.parametrize("D,G", [(128, 8), (32, 3), (16, 16)])
+def test_the_combine_split_over_d_gives_the_same_bits(D, G):
+    """``combine_block_d``: each combine program merges the splits for its D columns with the same arithmetic, so
+    16 columns a program, 32 (the default) and all of D in one give identical outputs (and padding query rows,
+    no longer read, change nothing)."""
+    q, k, v, mask = _case(2, 2, G, 3 * BLOCK_S + 9, D, torch.float32, "bool", seed=4)
+    outs = [decode_attention(q, k, v, mask, 0.3, 4, AttnConfig(direct=False, combine_block_d=bd)) for bd in (16, 32, 128)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    torch.testing.assert_close(outs[0].float(), _sdpa(q, k, v, mask, 0.3), rtol=1e-5, atol=1e-5)

@@ -56,9 +56,8 @@ from moe_offload.kernels.nvfp4 import (
     E2M1_F16_SHIFT,
     device_guard,
     e2m1_halves_bf16,
-    e2m1_to_f32,
+    e2m1_halves_f32,
     ptx_conversion,
-    ptx_scale,
 )
 
 
@@ -76,20 +75,12 @@ def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
     ``_unshift(PTX)`` removes (powers of two: the sums and the result keep the same bits)."""
     packed = tl.load(q_ptrs, mask=mask, other=0)
     scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    R: tl.constexpr = scale.shape[0]
-    S: tl.constexpr = scale.shape[1]
     if PTX:
-        s_bf16 = ptx_scale(scale)
-        s_bf16 = tl.reshape(tl.broadcast_to(s_bf16[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-        lo_bf16, hi_bf16 = e2m1_halves_bf16(packed, s_bf16)
+        lo_bf16, hi_bf16 = e2m1_halves_bf16(packed, scale)
         lo = lo_bf16.to(tl.float32)
         hi = hi_bf16.to(tl.float32)
     else:
-        s_f32 = scale.to(tl.float32) * E2M1_F16_SHIFT
-        s_f32 = tl.reshape(tl.broadcast_to(s_f32[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-        codes = packed.to(tl.int32)
-        lo = e2m1_to_f32(codes & 15) * s_f32
-        hi = e2m1_to_f32(codes >> 4) * s_f32
+        lo, hi = e2m1_halves_f32(packed, scale)
     return lo, hi
 
 
@@ -97,7 +88,7 @@ def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
 def _unshift(PTX: tl.constexpr):
     """What a sum of ``_nvfp4_halves`` products is multiplied by to remove the PTX form's 2^-14 (exact)."""
     if PTX:
-        return 16384.0
+        return E2M1_F16_SHIFT
     return 1.0
 
 

@@ -33,13 +33,12 @@ import triton.language as tl
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import (
-    BYTES_PER_SCALE,
     E2M1_F16_SHIFT,
     SCALE_BLOCK,
     device_guard,
     e2m1_halves_bf16,
-    e2m1_to_f32,
-    ptx_scale,
+    e2m1_halves_f32,
+    per_byte,
 )
 
 
@@ -54,24 +53,15 @@ def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
     <= 6 significant bits, is a multiple of 2^-24 (fp16's subnormal step) and is below 6 * 448 * 2^-14, so
     both formats hold it exactly. bf16 (CUDA only): ``nvfp4.e2m1_halves_bf16``, 2.25 instructions per
     weight on 32-bit registers; fp16: 16-bit integer ops and one fp16 multiply per weight. fp32 dots (the
-    CPU interpreter, fp32 models): ``nvfp4.e2m1_to_f32`` in fp32 with the shift in the scale."""
+    CPU interpreter, fp32 models): ``nvfp4.e2m1_halves_f32``."""
     packed = tl.load(q_ptrs, mask=w_mask, other=0)
     scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
-    R: tl.constexpr = scale.shape[0]
-    S: tl.constexpr = scale.shape[1]
     if DOT_DTYPE == tl.float32:
-        scale = scale.to(tl.float32) * E2M1_F16_SHIFT
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
-        packed = packed.to(tl.int32)
-        lo = e2m1_to_f32(packed & 15) * scale
-        hi = e2m1_to_f32(packed >> 4) * scale
+        lo, hi = e2m1_halves_f32(packed, scale)
     elif DOT_DTYPE == tl.bfloat16:
-        scale = ptx_scale(scale)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
         lo, hi = e2m1_halves_bf16(packed, scale)
     else:
-        scale = scale.to(tl.float16)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+        scale = per_byte(scale.to(tl.float16))
         packed = packed.to(tl.int16)
         lo = (((packed & 8) << 12) | ((packed & 7) << 9)).to(tl.float16, bitcast=True) * scale
         hi = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True) * scale
@@ -83,7 +73,7 @@ def _acc_shift(DOT_DTYPE: tl.constexpr):
     """What the accumulator is multiplied by to undo ``_weight_rows_tile``'s 2^-14 (a power of two: exact)."""
     if DOT_DTYPE == tl.float32:
         return 1.0
-    return 16384.0
+    return E2M1_F16_SHIFT
 
 
 @triton.jit

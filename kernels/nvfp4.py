@@ -133,16 +133,36 @@ PTX_SCALE_SHIFT = tl.constexpr(5.192296858534828e33)
 
 @triton.jit
 def ptx_scale(scale):
-    """E4M3 (or fp32) block scales -> the bf16 operand of ``e2m1_halves_bf16``: scale * 2^112 (exact)."""
+    """E4M3 (or fp32) block scales -> the bf16 operand of ``E2M1_TO_BF16_SCALED``: scale * 2^112 (exact)."""
     return (scale.to(tl.float32) * PTX_SCALE_SHIFT).to(tl.bfloat16)
 
 
 @triton.jit
+def per_byte(scale):
+    """``[R, S]`` block scales -> ``[R, S * BYTES_PER_SCALE]``: each repeated (in registers) for the 8 packed bytes
+    it covers, the shape of the weight tile it scales."""
+    R: tl.constexpr = scale.shape[0]
+    S: tl.constexpr = scale.shape[1]
+    return tl.reshape(tl.broadcast_to(scale[:, :, None], (R, S, BYTES_PER_SCALE)), (R, S * BYTES_PER_SCALE))
+
+
+@triton.jit
+def e2m1_halves_f32(packed, scale):
+    """``(lo, hi)`` fp32 = ``code * block_scale`` (exact) of the uint8 bytes ``packed`` ``[R, C]``: lo the low
+    nibbles (even K columns), hi the high ones; ``scale`` the ``[R, C / 8]`` block scales. Portable (the
+    interpreter, any GPU): per-code integer ops, an fp16 -> fp32 conversion and an fp32 multiply."""
+    s = per_byte(scale.to(tl.float32) * E2M1_F16_SHIFT)
+    codes = packed.to(tl.int32)
+    return e2m1_to_f32(codes & 15) * s, e2m1_to_f32(codes >> 4) * s
+
+
+@triton.jit
 def e2m1_halves_bf16(packed, scale):
-    """``(lo, hi)`` bf16 = ``code * block_scale * 2^-14`` (exact) of the uint8 bytes ``packed``: lo the low nibbles
-    (even K columns), hi the high ones; ``scale`` the bf16 ``ptx_scale`` of each byte's block scale (broadcast by
-    the caller to ``packed``'s shape). CUDA on sm_80 or newer only (PTX ``fma.rn.bf16x2``; see ``ptx_conversion``)."""
-    return tl.inline_asm_elementwise(E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [scale, packed],
+    """``(lo, hi)`` bf16 = ``code * block_scale * 2^-14`` (exact) of the uint8 bytes ``packed`` ``[R, C]``: lo the
+    low nibbles (even K columns), hi the high ones; ``scale`` the ``[R, C / 8]`` block scales. ~2.25 instructions a
+    weight on 32-bit registers (``E2M1_TO_BF16_SCALED``); CUDA on sm_80 or newer only (PTX ``fma.rn.bf16x2``; see
+    ``ptx_conversion``)."""
+    return tl.inline_asm_elementwise(E2M1_TO_BF16_SCALED, "=r,=r,=r,=r,r,r,r", [per_byte(ptx_scale(scale)), packed],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 

@@ -461,7 +461,7 @@ k = triton.compile(src, target=GPUTarget("cuda", 90, 128), options={"num_warps":
 dots = [l for l in k.asm["ttgir"].splitlines() if "warp_group_dot " in l]
 print(json.dumps({"wgmma": len(dots),
                   "weights_in_registers": sum("dot_op<{opIdx = 0" in l for l in dots),
-                  "ptx_bf16x2_scale_muls": len(re.findall(r"mul\.rn\.bf16x2", k.asm["ptx"]))}))
+                  "ptx_bf16x2_scale_muls": len(re.findall(r"fma\.rn\.bf16x2", k.asm["ptx"]))}))
 '''
 
 

@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from moe_offload.kernels.decode_miss import (  # noqa: E402
     MissCopyConfig,
@@ -191,3 +193,47 @@ def test_copy_words_follow_the_alignment_of_every_row_start(B, word, vec):
     dtype, got_word, got_vec = _word_layout(host, pool)
     # 16-byte rows give 4 int32 per vector (one 16-byte load), 4-byte rows single words, odd rows bytes
     assert (got_word, got_vec) == (word, vec) and dtype == (torch.int32 if word == 4 else torch.uint8)
+
+
+def _plan_both(slot_of_E, ids, E, scratch_base, n_stats, pf_row_E):
+    """The plan of the register kernel and of the workspace kernel, each from the same counters and record."""
+    from moe_offload.kernels.decode_miss import plan_misses
+
+    T, K = ids.shape
+    host = torch.zeros((E, 4), dtype=torch.uint8, device=DEVICE)
+    pool = torch.zeros((scratch_base + min(T * K, E), 4), dtype=torch.uint8, device=DEVICE)
+    out = []
+    for registers in (True, False):
+        stats = None
+        if n_stats:
+            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
+                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        plan = plan_misses(slot_of_E, ids, host, pool, scratch_base, stats, pf_row_E, registers=registers)
+        count = int(plan.num_missing_1)
+        out.append((plan.rows_TK, plan.miss_experts_X[:count], count, stats))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(T=st.integers(1, 70), K=st.integers(1, 10), E=st.integers(1, 300), seed=st.integers(0, 2**16),
+       resident=st.floats(0, 1), n_stats=st.sampled_from([0, 3, 4, 5]), lookahead=st.booleans(),
+       outside=st.booleans())
+def test_the_register_plan_gives_the_workspace_plans_rows_copies_and_counts(T, K, E, seed, resident, n_stats,
+                                                                            lookahead, outside):
+    """``_plan_regs_kernel`` (the default up to 4,096 experts) against ``_plan_kernel`` on any decode-sized routing:
+    duplicates, ids outside the layer, any residency, with and without the lookahead's row map and counters
+    (pairs > the register tile's chunk, so its loops run several times)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T, K), generator=gen)
+    if outside:
+        ids[0, 0] = E + 3
+        ids[-1, -1] = -1
+    slot_of_E = torch.where(torch.rand(E, generator=gen) < resident, torch.randperm(E, generator=gen), -1).int()
+    pf_row_E = None
+    if lookahead and n_stats in (0, 5):  # the row map needs 5 counters when counting
+        pf_row_E = torch.where((slot_of_E < 0) & (torch.rand(E, generator=gen) < 0.5), 1000 + torch.arange(E), -1).int()
+        pf_row_E = pf_row_E.to(DEVICE)
+    regs, work = _plan_both(slot_of_E.to(DEVICE), ids.to(DEVICE), E, E + 5, n_stats, pf_row_E)
+    assert torch.equal(regs[0], work[0]) and regs[2] == work[2] and torch.equal(regs[1], work[1])
+    if n_stats:
+        assert torch.equal(regs[3][0], work[3][0]) and torch.equal(regs[3][1], work[3][1])

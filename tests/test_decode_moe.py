@@ -197,6 +197,10 @@ out = {}
 build(dm._plan_kernel, {**i32(["slot_ptr", "need_ptr", "scratch_of_ptr", "miss_ptr", "count_ptr", "rows_ptr",
       "record_ptr", "pf_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")},
       {"BLOCK": 1024, "STATS": 5, "PF": False, "DENSE": False}, num_warps=4)
+for EB, MC, stats, pf in ((128, 8, 5, True), (128, 32, 4, False), (512, 8, 0, False), (4096, 1, 3, False)):
+    build(dm._plan_regs_kernel, {**i32(["slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "pf_ptr"], "*i32"),
+          "ids_ptr": "*i64", "stats_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")},
+          {"EB": EB, "MC": MC, "STATS": stats, "PF": pf}, num_warps=4)
 ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),
             **i32(["row_words", "src_stride_v", "dst_stride_v", "scratch_base", "chunks"], "i32")},
             {"BLOCK": 4096, "VEC": 4}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, num_warps=4)

@@ -69,3 +69,13 @@ def test_captured_call_replays_bitwise_and_reads_the_mask_at_replay(config):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, decode_attention(q, k, v, mask, 0.1, config=cfg))
+
+
+@pytest.mark.parametrize("B", [1, 16])
+def test_the_combine_split_over_d_gives_the_same_bits_on_the_gpu(B):
+    """``AttnConfig.combine_block_d``: 16 and 32 columns a combine program (32 the default) and one program per
+    (row, KV head) give identical bf16 outputs at decode shapes (4 KV heads x 8 query heads, D 128)."""
+    q, k, v, keep = _inputs(B, 4, 8, 1152, 128, seed=11 + B)
+    outs = [decode_attention(q, k, v, keep, 128 ** -0.5, config=AttnConfig(direct=False, combine_block_d=bd))
+            for bd in (16, 32, 128)]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -83,6 +83,34 @@ class MissPlan:
 
 
 @triton.jit
+def _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, CHUNK: tl.constexpr, PF: tl.constexpr):
+    """Pairs ``m0 .. m0 + CHUNK - 1``: ``(offs_m, ids, valid, slot, pf)``; ids int64 (-1 past M), valid = inside M
+    and the layer, slot int32 (0 where not valid), pf int32 the lookahead row of a missing expert (PF), else -1."""
+    offs_m = m0 + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+    valid = (offs_m < M) & (ids >= 0) & (ids < E)
+    slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
+    if PF:
+        pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1).to(tl.int32)
+    else:
+        pf = tl.full((CHUNK,), -1, tl.int32)
+    return offs_m, ids, valid, slot, pf
+
+
+@triton.jit
+def _add_counts(stats_ptr, n_pairs, n_missed, n_copied, n_routed, n_pf, STATS: tl.constexpr):
+    """Adds the step's counts to the first STATS (3 to 5) int64 counters at ``stats_ptr``."""
+    if STATS > 0:
+        tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
+        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
+        tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + n_copied)
+    if STATS >= 4:
+        tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_routed)
+    if STATS >= 5:
+        tl.store(stats_ptr + 4, tl.load(stats_ptr + 4) + n_pf)
+
+
+@triton.jit
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
                  stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
                  PF: tl.constexpr, DENSE: tl.constexpr):
@@ -139,14 +167,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         n_pairs = tl.full((), 0, tl.int64)
         n_missed = tl.full((), 0, tl.int64)
         for m0 in range(0, M, BLOCK):
-            offs_m = m0 + tl.arange(0, BLOCK)
-            ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
-            valid = (offs_m < M) & (ids >= 0) & (ids < E)
-            slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
-            if PF:
-                pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1).to(tl.int32)
-            else:
-                pf = tl.full((BLOCK,), -1, tl.int32)
+            offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, BLOCK, PF)
             scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0) & (pf < 0), other=0, volatile=True)
             row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
             tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
@@ -154,14 +175,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
                 n_pairs += tl.sum(valid.to(tl.int64), 0)
                 n_missed += tl.sum((valid & (slot < 0)).to(tl.int64), 0)
                 tl.store(record_ptr + offs_m, ids.to(tl.int32), mask=offs_m < M)
-        if STATS > 0:
-            tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
-            tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
-            tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
-        if STATS >= 4:
-            tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + n_routed)
-        if STATS >= 5:
-            tl.store(stats_ptr + 4, tl.load(stats_ptr + 4) + n_pf)
+        _add_counts(stats_ptr, n_pairs, n_missed, total.to(tl.int64), n_routed, n_pf, STATS)
 
 
 @triton.jit
@@ -180,15 +194,9 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
     n_pairs = tl.full((), 0, tl.int64)
     n_missed = tl.full((), 0, tl.int64)
     for m0 in range(0, M, MC):
-        offs_m = m0 + tl.arange(0, MC)
-        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
-        valid = (offs_m < M) & (ids >= 0) & (ids < E)
-        slot = tl.load(slot_ptr + ids, mask=valid, other=0)
+        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF)
         missed = valid & (slot < 0)
-        if PF:
-            from_pf = missed & (tl.load(pf_ptr + ids, mask=missed, other=-1) >= 0)
-        else:
-            from_pf = missed & (ids < 0)  # none
+        from_pf = missed & (pf >= 0)
         match = (ids[:, None] == offs_e[None, :]) & valid[:, None]
         routed_e = tl.maximum(routed_e, tl.max(match.to(tl.int32), axis=0))
         copy_e = tl.maximum(copy_e, tl.max((match & (missed & ~from_pf)[:, None]).to(tl.int32), axis=0))
@@ -202,26 +210,13 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
     tl.store(miss_ptr + scratch_e, offs_e.to(tl.int32), mask=copy_e > 0)
     tl.store(count_ptr, total)
     for m0 in range(0, M, MC):
-        offs_m = m0 + tl.arange(0, MC)
-        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
-        valid = (offs_m < M) & (ids >= 0) & (ids < E)
-        slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
-        if PF:
-            pf = tl.load(pf_ptr + ids, mask=valid & (slot < 0), other=-1).to(tl.int32)
-        else:
-            pf = tl.full((MC,), -1, tl.int32)
+        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF)
         match = (ids[:, None] == offs_e[None, :]) & valid[:, None]
         scratch = tl.sum(tl.where(match, scratch_e[None, :], 0), axis=1)
         row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
         tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
-    if STATS > 0:
-        tl.store(stats_ptr, tl.load(stats_ptr) + n_pairs)
-        tl.store(stats_ptr + 1, tl.load(stats_ptr + 1) + n_missed)
-        tl.store(stats_ptr + 2, tl.load(stats_ptr + 2) + total.to(tl.int64))
-    if STATS >= 4:
-        tl.store(stats_ptr + 3, tl.load(stats_ptr + 3) + tl.sum(routed_e.to(tl.int64), 0))
-    if STATS >= 5:
-        tl.store(stats_ptr + 4, tl.load(stats_ptr + 4) + tl.sum(pf_e.to(tl.int64), 0))
+    _add_counts(stats_ptr, n_pairs, n_missed, total.to(tl.int64), tl.sum(routed_e.to(tl.int64), 0),
+                tl.sum(pf_e.to(tl.int64), 0), STATS)
 
 
 #: the register plan's match matrix holds at most this many elements ([MC pairs, EB experts]); experts past it

@@ -263,3 +263,13 @@ def test_an_error_in_a_partial_report_is_logged_and_the_cells_still_run(tmp_path
     events = [r.event_fields for r in caplog.records
               if getattr(r, "event_fields", {}).get("event") == "bench_decode_partial_failed"]
     assert len(events) == 2 and "KeyError" in events[0]["reason"]
+
+
+def test_a_git_sha_given_on_the_command_line_names_the_files_whole():
+    """A ``--git-sha`` label (e.g. ``6395f5e-ptx-tuned``) is kept whole in file names and headers (it was cut to 12
+    characters, ``6395f5e-ptx-``, like a SHA git reports), with characters unsafe in a file name replaced."""
+    from moe_offload.bench.env import short_sha
+
+    assert short_sha({"sha": "6395f5e-ptx-tuned", "dirty": None, "source": "--git-sha"}) == "6395f5e-ptx-tuned"
+    assert short_sha({"sha": "a/b c", "dirty": None, "source": "--git-sha"}) == "a-b-c"
+    assert short_sha({"sha": "0123456789abcdef0123", "dirty": False, "source": "git"}) == "0123456789ab"

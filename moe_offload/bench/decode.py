@@ -106,7 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
                    "(default %(default)s)")
-    p.add_argument("--git-sha", help="record this commit when the tree has no .git (e.g. a copied checkout)")
+    p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
+                   "no .git or a copy reports another; file names carry it whole")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
 
 

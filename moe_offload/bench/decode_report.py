@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, write_files
+from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, short_sha, write_files
 
 CPU_NOTE = "targets apply on CUDA: this run has no GPU, so its floors are not HBM or PCIe floors"
 TOK_S_TARGETS = ((1.0, 150.0), (0.37, 120.0))  # batch 1: (residency, tok/s at least)
@@ -108,7 +108,7 @@ def _header(result: dict) -> list[str]:
     m, s, f, v, git = result["model"], result["settings"], result["floors"], result["versions"], result["git"]
     lines = [
         f"# Decode: {m['label']} ({m['layers']} layers, {m['format']}) on {result['device']['name']}", "",
-        f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
+        f"git {short_sha(git)}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
         f"{v['transformers']} · triton {v['triton']} · CUDA runtime {v['cuda_runtime']} · {result['created']}", "",
         f"Prompt {s['prompt_len']} tokens per sequence (seeded random ids), then {s['steps']} greedy decode steps; "
         f"{s['reps']} timed runs per cell after one untimed; "
@@ -234,7 +234,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("batch (sequences decoded together)")
     ax.set_ylabel("decode tok/s (all sequences)")
     m = result["model"]
-    ax.set_title(f"decode {m['label']} · {result['device']['name']} · {result['git']['sha'][:12]}", fontsize=9)
+    ax.set_title(f"decode {m['label']} · {result['device']['name']} · {short_sha(result['git'])}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -246,5 +246,5 @@ def write(result: dict, out: Path, png: bool = True) -> dict:
     """Write ``decode-<label>-<sha>.{png,json,md}`` under ``out`` (``png=False``: no PNG, for the partial
     reports); returns the paths and the markdown. Without matplotlib the PNG is not written and a note says
     so (the JSON and markdown still are)."""
-    stem = f"decode-{result['model']['label']}-{result['git']['sha'][:12]}"
+    stem = f"decode-{result['model']['label']}-{short_sha(result['git'])}"
     return write_files(result, out, stem, markdown, plot if png else None, "decode")

@@ -7,6 +7,7 @@ import json
 import os
 import logging
 import platform
+import re
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -33,6 +34,15 @@ def git_info(override: str | None) -> dict:
         return {"sha": "unknown", "dirty": None, "source": "no git repository here; pass --git-sha"}
     dirty = _git(root, "status", "--porcelain", "--untracked-files=no")
     return {"sha": sha, "dirty": bool(dirty), "source": "git"}
+
+
+def short_sha(git: dict) -> str:
+    """The commit as file names and headers show it: 12 characters of a SHA git reported, or a ``--git-sha`` value
+    whole (a label such as ``6395f5e-ptx-tuned`` must not be cut to ``6395f5e-ptx-``), characters other than
+    letters, digits, ``.``, ``_`` and ``-`` replaced by ``-``."""
+    if git.get("source") == "--git-sha":
+        return re.sub(r"[^A-Za-z0-9._-]", "-", str(git["sha"]))
+    return str(git["sha"])[:12]
 
 
 def _version(dist: str) -> str | None:

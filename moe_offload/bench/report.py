@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, write_files
+from moe_offload.bench.env import no_peers_line, on_cuda, partial_lines, short_sha, write_files
 
 FULL_LAYER = "full_layer_copy"
 TARGET_PROMPT_LEN = 1024  # the TTFT targets are stated for a 1024-token prompt; other lengths are reported too
@@ -194,7 +194,7 @@ def _header(result: dict) -> list[str]:
     lines = [
         f"# TTFT: {m['label']} ({m['layers']} layers, {m['format']}) on {result['device']['name']}",
         "",
-        f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {env['torch']} · transformers "
+        f"git {short_sha(git)}{' (dirty)' if git['dirty'] else ''} · torch {env['torch']} · transformers "
         f"{env['transformers']} · accelerate {env['accelerate']} · triton {env['triton']} · CUDA runtime "
         f"{env['cuda_runtime']} · {result['created']}",
         "",
@@ -363,4 +363,4 @@ def _reasons(result: dict, mode: str) -> str:
 
 def write(result: dict, out: Path) -> dict:
     """Write ``ttft-<label>-<sha>.json`` and ``.md`` under ``out``; returns their paths and the markdown."""
-    return write_files(result, out, f"ttft-{result['model']['label']}-{result['git']['sha'][:12]}", markdown)
+    return write_files(result, out, f"ttft-{result['model']['label']}-{short_sha(result['git'])}", markdown)

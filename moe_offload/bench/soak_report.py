@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from moe_offload import log
-from moe_offload.bench.env import write_files
+from moe_offload.bench.env import short_sha, write_files
 from moe_offload.bench.soak import WARMUP_FRACTION
 
 MIB = 2**20
@@ -156,7 +156,7 @@ def markdown(result: dict) -> str:
     ref_s = " + ".join(f"{x['seconds']:.1f}" for x in refs)
     lines = [
         f"# Soak: {m['label']} ({m['moe_layers']} MoE layers, {m['format']}) on {result['device']['name']}", "",
-        f"git {git['sha'][:12]}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
+        f"git {short_sha(git)}{' (dirty)' if git['dirty'] else ''} · torch {v['torch']} · transformers "
         f"{v['transformers']} · triton {v['triton']} · CUDA runtime {v['cuda_runtime']} · {result['created']}", "",
         *([f"**PARTIAL**: written while residency {result['partial']['residency']:g} was running, "
            f"{result['partial']['seconds']:g} s into it ({result['partial']['written']}); the run had not ended.", ""]
@@ -235,7 +235,7 @@ def plot(result: dict, path: Path) -> None:
     for ax in axes[1]:
         ax.set_xlabel("minutes since the residency's start (dashed: warmup end)")
     m = result["model"]
-    fig.suptitle(f"soak {m['label']} · {result['device']['name']} · {result['git']['sha'][:12]} · "
+    fig.suptitle(f"soak {m['label']} · {result['device']['name']} · {short_sha(result['git'])} · "
                  f"{'passed' if result['passed'] else 'FAILED'}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -276,5 +276,5 @@ def write(result: dict, out: Path, png: bool = True) -> dict:
     # named for the planned residencies: a partial report (fewer runs so far) and the whole one share a name
     planned = result.get("settings", {}).get("residencies") or [r["residency"] for r in result["runs"]]
     res = "+".join(f"{r:g}" for r in planned)
-    stem = f"soak-{result['model']['label']}-r{res}-{result['git']['sha'][:12]}"
+    stem = f"soak-{result['model']['label']}-r{res}-{short_sha(result['git'])}"
     return write_files(result, out, stem, markdown, plot if png else None, "soak")

@@ -130,7 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "torchrun); the expert intermediate size must split into multiples of the format's block")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for the JSON and markdown (default %(default)s)")
-    p.add_argument("--git-sha", help="record this commit when the tree has no .git (e.g. a copied checkout)")
+    p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
+                   "no .git or a copy reports another; file names carry it whole")
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
 
 

@@ -154,14 +154,15 @@ def probe(device: Any = None, joined: bool = True) -> dict[str, Any]:
     """Run the probe afresh (no cache) and report it as a JSON-able dict (``moe-offload probe``).
 
     Keys: ok, reason, detail, joined, library, runtime_version, driver_version, signature, device,
-    device_name, tiles (:func:`tile_sources`), host_ms_512_entries (median host time of one 512 x 64 KiB call, ms),
+    device_name, tiles (:func:`tile_sources`), nvfp4 (``nvfp4.nvfp4_kernel_report``: whether the NVFP4 kernels run
+    on this GPU; CUDA only), host_ms_512_entries (median host time of one 512 x 64 KiB call, ms),
     torch, torch_cuda.
     ``joined=False`` runs the race variant (:func:`_probe_unjoined`) for demonstration.
     """
     out: dict[str, Any] = {
         "ok": False, "reason": None, "detail": None, "joined": joined, "library": None,
         "runtime_version": None, "driver_version": None, "signature": None, "device": None,
-        "device_name": None, "tiles": None, "host_ms_512_entries": None, "torch": torch.__version__,
+        "device_name": None, "tiles": None, "nvfp4": None, "host_ms_512_entries": None, "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
     }
     if torch.cuda.is_available():  # which tiles the kernels use does not depend on the batch-copy path
@@ -169,6 +170,9 @@ def probe(device: Any = None, joined: bool = True) -> dict[str, Any]:
             out["tiles"] = tile_sources(torch.cuda.get_device_name(_cuda_device(device)))
         except Exception as exc:  # noqa: BLE001 - a table that does not load is reported, the probe goes on
             out["tiles"] = {"error": f"{type(exc).__name__}: {exc}"}
+        from moe_offload.kernels.nvfp4 import nvfp4_kernel_report
+
+        out["nvfp4"] = nvfp4_kernel_report(_cuda_device(device))
     try:
         rt = _resolve_runtime()
         out.update(library=rt.library_path, runtime_version=rt.runtime_version,

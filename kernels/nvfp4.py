@@ -189,6 +189,16 @@ def nvfp4_kernels_supported(device: torch.device) -> tuple[bool, str]:
                    f"capability {need}; this GPU is {cap[0]}.{cap[1]}")
 
 
+def nvfp4_kernel_report(device: torch.device) -> dict:
+    """What ``moe-offload probe`` reports about the NVFP4 kernels on ``device`` (a CUDA device): its compute
+    capability, whether the NVFP4 Triton kernels run there (else the torch dequantization fallback, and why), and
+    whether the weight conversion takes the PTX form."""
+    ok, why = nvfp4_kernels_supported(device)
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return {"capability": f"{cap[0]}.{cap[1]}", "kernels": ok, "fallback": None if ok else "torch dequantize + grouped_mm",
+            "reason": why or None, "ptx_weight_conversion": ok and ptx_conversion(device)}
+
+
 def ptx_conversion(device: torch.device) -> bool:
     """Whether ``e2m1_halves_bf16`` runs on ``device``: CUDA with compute capability 8.0 or newer (``fma.rn.bf16x2``);
     never under the Triton interpreter (CPU tensors)."""

@@ -73,3 +73,17 @@ def test_a_hopper_gpu_keeps_the_kernels_and_logs_nothing(monkeypatch, caplog):
         compute = make_compute(OffloadConfig(), FMT, _store(), GPU, torch.bfloat16)
     assert isinstance(compute, AutoNvfp4Compute)
     assert not [r for r in caplog.records if r.getMessage() == "nvfp4_kernels_unavailable"]
+
+
+def test_probe_reports_whether_the_nvfp4_kernels_run_on_the_gpu(monkeypatch):
+    """``moe-offload probe``'s ``nvfp4`` entry (``nvfp4_kernel_report``): an A100 falls back (and why), an H100 runs
+    the kernels with the PTX weight conversion."""
+    from moe_offload.kernels.nvfp4 import nvfp4_kernel_report
+
+    monkeypatch.setattr(kernels_nvfp4, "_capability", lambda index: (8, 0))
+    a100 = nvfp4_kernel_report(GPU)
+    assert a100["capability"] == "8.0" and not a100["kernels"] and not a100["ptx_weight_conversion"]
+    assert a100["fallback"] == "torch dequantize + grouped_mm" and "fp8e4nv" in a100["reason"]
+    monkeypatch.setattr(kernels_nvfp4, "_capability", lambda index: (9, 0))
+    assert nvfp4_kernel_report(GPU) == {"capability": "9.0", "kernels": True, "fallback": None, "reason": None,
+                                        "ptx_weight_conversion": True}

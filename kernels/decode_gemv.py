@@ -53,11 +53,11 @@ from moe_offload.kernels.fused_moe import check_call
 from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
-    E2M1_F16_SHIFT,
     device_guard,
     e2m1_halves_bf16,
     e2m1_halves_f32,
     ptx_conversion,
+    unshift,
 )
 
 
@@ -72,7 +72,7 @@ def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
     scale rather than one per byte). PTX (CUDA sm_80+): ``nvfp4.e2m1_halves_bf16`` on 32-bit registers (~2.25
     instructions a weight) and a bf16 -> fp32 widening, in place of ``e2m1_to_f32``'s per-code integer ops,
     fp16 -> fp32 conversion and fp32 multiply; its values carry 2^-14, which the callers' final multiply by
-    ``_unshift(PTX)`` removes (powers of two: the sums and the result keep the same bits)."""
+    ``unshift(PTX)`` removes (powers of two: the sums and the result keep the same bits)."""
     packed = tl.load(q_ptrs, mask=mask, other=0)
     scale = tl.load(s_ptrs, mask=s_mask, other=0.0)
     if PTX:
@@ -82,14 +82,6 @@ def _nvfp4_halves(q_ptrs, s_ptrs, mask, s_mask, PTX: tl.constexpr):
     else:
         lo, hi = e2m1_halves_f32(packed, scale)
     return lo, hi
-
-
-@triton.jit
-def _unshift(PTX: tl.constexpr):
-    """What a sum of ``_nvfp4_halves`` products is multiplied by to remove the PTX form's 2^-14 (exact)."""
-    if PTX:
-        return E2M1_F16_SHIFT
-    return 1.0
 
 
 @triton.jit
@@ -209,8 +201,8 @@ def _gate_up_kernel(
             s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
             x_ptrs += x_step
         gate, up = tl.sum(acc_g, axis=2), tl.sum(acc_u, axis=2)
-    gate = gate * (tl.load(g_ptr + row * stride_gn) * _unshift(PTX))
-    up = up * (tl.load(g_ptr + row * stride_gn + 1) * _unshift(PTX))
+    gate = gate * (tl.load(g_ptr + row * stride_gn) * unshift(PTX))
+    up = up * (tl.load(g_ptr + row * stride_gn + 1) * unshift(PTX))
     act = gate / (1.0 + tl.exp(-gate)) * up
     if SPLIT_ACT:  # [M, 2, I/2]: even columns, then odd (what _down_pair_kernel loads contiguously)
         act_ptrs = act_ptr + pair.to(tl.int64)[:, None] * I + ((offs_n % 2) * (I // 2) + offs_n // 2)[None, :]
@@ -264,7 +256,7 @@ def _down_sum_kernel(
         a_ptrs += BLOCK_K
 
     route_w = tl.load(w_ptr + pair, mask=ok, other=0.0).to(tl.float32)  # the router's dtype, exact in fp32
-    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w * _unshift(PTX)
+    scale = tl.load(g_ptr + row * stride_gn + 2, mask=ok, other=0.0) * route_w * unshift(PTX)
     y = tl.sum(tl.reshape(tl.sum(acc, axis=1) * scale, (KP, BLOCK_N)), axis=0)  # fixed-order sum over pairs
     offs_y = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs_y, offs_y < H, y, RESIDUAL)
@@ -309,7 +301,7 @@ def _down_pair_kernel(
         acc = _fma2(acc, a_even, lo, a_odd, hi)
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
-    scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32) * _unshift(PTX)
+    scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32) * unshift(PTX)
     tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
 
 
@@ -360,8 +352,9 @@ def decode_gemv_nvfp4(
     if T > 65535:
         raise ValueError(f"T={T} tokens: the grid's second axis holds at most 65535 (this kernel is for decode)")
     config = gemv_config_for(dev, H, I, M) if config is None else config
-    ptx = ptx_conversion(dev) if ptx is None else bool(ptx)
-    if ptx and not ptx_conversion(dev):
+    supported = ptx_conversion(dev)
+    ptx = supported if ptx is None else bool(ptx)
+    if ptx and not supported:
         raise ValueError(f"ptx=True needs a CUDA device of compute capability 8.0 or newer, got {dev}")
     if (config.block_m == 1 or config.down_per_pair) and M > 65535:
         raise ValueError(f"T*K={M} pairs: with block_m=1 or down_per_pair the grid holds at most 65535; use "

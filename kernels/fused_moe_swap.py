@@ -33,12 +33,12 @@ import triton.language as tl
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import (
-    E2M1_F16_SHIFT,
     SCALE_BLOCK,
     device_guard,
     e2m1_halves_bf16,
     e2m1_halves_f32,
     per_byte,
+    unshift,
 )
 
 
@@ -48,7 +48,7 @@ def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
     (``[BLOCK_N rows, BLOCK_K/2 bytes]``, contiguous along dim 1): lo holds the even K columns, hi the odd
     ones. ``s_ptrs`` address ``[BLOCK_N, BLOCK_K/16]`` scales, one per 8 bytes, broadcast here.
 
-    bf16 and fp16 dots get ``code * scale * 2^-14`` (``_acc_shift`` undoes it on the accumulator): an E2M1
+    bf16 and fp16 dots get ``code * scale * 2^-14`` (``nvfp4.unshift`` undoes it on the accumulator): an E2M1
     value (<= 2 significant bits, lowest 2^-1) times an E4M3 scale (<= 4 bits, lowest 2^-9) times 2^-14 has
     <= 6 significant bits, is a multiple of 2^-24 (fp16's subnormal step) and is below 6 * 448 * 2^-14, so
     both formats hold it exactly. bf16 (CUDA only): ``nvfp4.e2m1_halves_bf16``, 2.25 instructions per
@@ -66,14 +66,6 @@ def _weight_rows_tile(q_ptrs, s_ptrs, w_mask, s_mask, DOT_DTYPE: tl.constexpr):
         lo = (((packed & 8) << 12) | ((packed & 7) << 9)).to(tl.float16, bitcast=True) * scale
         hi = (((packed & 0x80) << 8) | ((packed & 0x70) << 5)).to(tl.float16, bitcast=True) * scale
     return lo.to(DOT_DTYPE), hi.to(DOT_DTYPE)
-
-
-@triton.jit
-def _acc_shift(DOT_DTYPE: tl.constexpr):
-    """What the accumulator is multiplied by to undo ``_weight_rows_tile``'s 2^-14 (a power of two: exact)."""
-    if DOT_DTYPE == tl.float32:
-        return 1.0
-    return E2M1_F16_SHIFT
 
 
 @triton.jit
@@ -140,8 +132,8 @@ def _gate_up_swap_kernel(
         q_ptrs += BLOCK_K // 2
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
-    gate = acc_gate * tl.load(g_ptr + row * stride_gn) * _acc_shift(DOT_DTYPE)
-    up = acc_up * tl.load(g_ptr + row * stride_gn + 1) * _acc_shift(DOT_DTYPE)
+    gate = acc_gate * tl.load(g_ptr + row * stride_gn) * unshift(DOT_DTYPE != tl.float32)
+    up = acc_up * tl.load(g_ptr + row * stride_gn + 1) * unshift(DOT_DTYPE != tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
     # column n of the activation goes where the down kernel's split layout reads it
     j = offs_n % ACT_BLOCK_K
@@ -188,7 +180,7 @@ def _down_swap_kernel(
         s_ptrs += BLOCK_K // SCALE_BLOCK
 
     route_w = tl.load(w_ptr + pair64, mask=valid_m, other=0.0).to(tl.float32)
-    out = acc * tl.load(g_ptr + row * stride_gn + 2) * _acc_shift(DOT_DTYPE) * route_w[None, :]
+    out = acc * tl.load(g_ptr + row * stride_gn + 2) * unshift(DOT_DTYPE != tl.float32) * route_w[None, :]
     out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
 

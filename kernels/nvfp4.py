@@ -157,6 +157,15 @@ def e2m1_halves_f32(packed, scale):
 
 
 @triton.jit
+def unshift(SHIFTED: tl.constexpr):
+    """What a sum of products of ``e2m1_halves_bf16`` values (or of the fp16 form's, also times 2^-14) is
+    multiplied by to remove their 2^-14: ``E2M1_F16_SHIFT`` when SHIFTED, else 1 (powers of two: the bits stay)."""
+    if SHIFTED:
+        return E2M1_F16_SHIFT
+    return 1.0
+
+
+@triton.jit
 def e2m1_halves_bf16(packed, scale):
     """``(lo, hi)`` bf16 = ``code * block_scale * 2^-14`` (exact) of the uint8 bytes ``packed`` ``[R, C]``: lo the
     low nibbles (even K columns), hi the high ones; ``scale`` the ``[R, C / 8]`` block scales. ~2.25 instructions a
@@ -171,6 +180,11 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def _device_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA ``device`` (the current one when it has no index), cached per index."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 #: the lowest compute capability whose Triton supports fp8e4nv, the type every NVFP4 kernel loads E4M3 block scales as
 NVFP4_KERNELS_MIN_CAPABILITY = (8, 9)
 
@@ -181,7 +195,7 @@ def nvfp4_kernels_supported(device: torch.device) -> tuple[bool, str]:
     the first compile would fail. Off CUDA (the Triton interpreter) always ``(True, "")``."""
     if device.type != "cuda":
         return True, ""
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = _device_capability(device)
     if cap >= NVFP4_KERNELS_MIN_CAPABILITY:
         return True, ""
     need = ".".join(map(str, NVFP4_KERNELS_MIN_CAPABILITY))
@@ -194,7 +208,7 @@ def nvfp4_kernel_report(device: torch.device) -> dict:
     capability, whether the NVFP4 Triton kernels run there (else the torch dequantization fallback, and why), and
     whether the weight conversion takes the PTX form."""
     ok, why = nvfp4_kernels_supported(device)
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    cap = _device_capability(device)
     return {"capability": f"{cap[0]}.{cap[1]}", "kernels": ok, "fallback": None if ok else "torch dequantize + grouped_mm",
             "reason": why or None, "ptx_weight_conversion": ok and ptx_conversion(device)}
 
@@ -204,7 +218,7 @@ def ptx_conversion(device: torch.device) -> bool:
     never under the Triton interpreter (CPU tensors)."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (8, 0)
+    return _device_capability(device) >= (8, 0)
 
 
 @triton.jit

@@ -44,6 +44,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moe_offload import log
+from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.sweep import (cell_config, failed_cell, free_memory, oom_line, pool_slots, resident_sets,
                                      use_cache)
 from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d
@@ -106,8 +107,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
                    "(default %(default)s)")
-    p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
-                   "no .git or a copy reports another; file names carry it whole")
+    add_git_sha_argument(p)
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
 
 

@@ -36,6 +36,12 @@ def git_info(override: str | None) -> dict:
     return {"sha": sha, "dirty": bool(dirty), "source": "git"}
 
 
+def add_git_sha_argument(p) -> None:
+    """The benches' ``--git-sha`` option (``git_info``'s override; ``short_sha`` names the files with it)."""
+    p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
+                   "no .git or a copy reports another; file names carry it whole")
+
+
 def short_sha(git: dict) -> str:
     """The commit as file names and headers show it: 12 characters of a SHA git reported, or a ``--git-sha`` value
     whole (a label such as ``6395f5e-ptx-tuned`` must not be cut to ``6395f5e-ptx-``), characters other than

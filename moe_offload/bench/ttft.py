@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from moe_offload import log
+from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.sweep import MODES, PATHS, cell_config, free_memory, pool_slots, sweep
 from moe_offload.bench.timing import measure_h2d
 from moe_offload.config import FORMATS, PRESETS, ROUTED_MAX_TOKENS_LIMIT, OffloadConfig, load_config
@@ -130,8 +131,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "torchrun); the expert intermediate size must split into multiples of the format's block")
     p.add_argument("--out", default="benchmarks/results",
                    help="directory for the JSON and markdown (default %(default)s)")
-    p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
-                   "no .git or a copy reports another; file names carry it whole")
+    add_git_sha_argument(p)
     p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
 
 

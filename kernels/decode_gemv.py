@@ -49,7 +49,8 @@ import triton.language as tl
 
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
-from moe_offload.kernels.fused_moe import check_call
+from moe_offload.kernels.fused_moe import check_call, given_alignment
+from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
@@ -320,6 +321,7 @@ def decode_gemv_nvfp4(
     config: GemvConfig | None = None,
     residual_TH: torch.Tensor | None = None,
     ptx: bool | None = None,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for few tokens per expert; no host sync, no bf16 weight copy.
 
@@ -337,6 +339,8 @@ def decode_gemv_nvfp4(
         ptx: convert the weights with ``nvfp4.e2m1_halves_bf16`` (same bits, fewer instructions); default
             ``nvfp4.ptx_conversion(device)`` (CUDA sm_80+). False keeps the portable conversion (the GPU tests
             compare the two).
+        alignment: with ``config.block_m`` > 1, ``rows_TK`` already grouped in such blocks (as
+            ``decode_moe.decode_moe_nvfp4``); unused at block_m 1.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
@@ -370,7 +374,7 @@ def decode_gemv_nvfp4(
     if config.block_m == 1:
         align_args, num_blocks = (rows_M, rows_M, rows_M), M  # unused by the kernel when BLOCK_M == 1
     else:
-        align = decode_align(rows_TK, N, config.block_m)
+        align = given_alignment(alignment, config.block_m, "the GEMV's tiles") or decode_align(rows_TK, N, config.block_m)
         align_args = (align.sorted_ids_P, align.block_row_B, align.num_padded_1)
         num_blocks = align.sorted_ids_P.numel() // config.block_m
     x, x_odd_off = hidden_TH, 0

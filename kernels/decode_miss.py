@@ -42,6 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels.decode_moe import (
+    SORTED_ALIGN_MAX_PAIRS,
+    _align_sorted,
+    alignment_buffers,
+    decode_align,
+    sorted_align_launch,
+)
+from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
 
 _PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
@@ -75,11 +83,13 @@ class MissPlan:
     ``rows_TK`` int32 pool row of every pair (``>= scratch_base`` where the pair missed, -1 for an id
     outside [0, E)); ``miss_experts_X`` int32 the distinct missing experts in ascending id (entries
     past the count are undefined); ``num_missing_1`` int32 their count (copy it to pinned host memory
-    non-blockingly for stats)."""
+    non-blockingly for stats); ``alignment``: the rows grouped for the tile kernels when asked for
+    (``align_block_m``; ``decode_moe.decode_align``'s result), else None."""
 
     rows_TK: torch.Tensor
     miss_experts_X: torch.Tensor
     num_missing_1: torch.Tensor
+    alignment: MoeAlignment | None = None
 
 
 @triton.jit
@@ -179,14 +189,9 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
 
 
 @triton.jit
-def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
-                      M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
-                      PF: tl.constexpr):
-    """``_plan_kernel``'s non-DENSE result, bit for bit, with the per-expert marks kept in registers (``[EB]``
-    vectors, EB >= E) instead of an [E] workspace in global memory: no barriers and no store -> load round trips,
-    one gather of the slot table (and of the lookahead map with PF). Pairs are taken MC at a time as an
-    ``[MC, EB]`` match matrix (``ids[m] == e``): a max over pairs marks the experts, a sum picks each pair's
-    scratch index. Same arguments and STATS/PF meaning as ``_plan_kernel``."""
+def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
+               M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr):
+    """The body of ``_plan_regs_kernel`` (and of ``_plan_align_kernel``'s first phase)."""
     offs_e = tl.arange(0, EB)
     routed_e = tl.zeros((EB,), tl.int32)  # experts a valid pair routes to
     copy_e = tl.zeros((EB,), tl.int32)  # missing experts copied by this step (ascending id -> scratch index)
@@ -217,6 +222,33 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
         tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
     _add_counts(stats_ptr, n_pairs, n_missed, total.to(tl.int64), tl.sum(routed_e.to(tl.int64), 0),
                 tl.sum(pf_e.to(tl.int64), 0), STATS)
+
+
+@triton.jit
+def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
+                      M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
+                      PF: tl.constexpr):
+    """``_plan_kernel``'s non-DENSE result, bit for bit, with the per-expert marks kept in registers (``[EB]``
+    vectors, EB >= E) instead of an [E] workspace in global memory: no barriers and no store -> load round trips,
+    one gather of the slot table (and of the lookahead map with PF). Pairs are taken MC at a time as an
+    ``[MC, EB]`` match matrix (``ids[m] == e``): a max over pairs marks the experts, a sum picks each pair's
+    scratch index. Same arguments and STATS/PF meaning as ``_plan_kernel``."""
+    _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr, M, E, scratch_base,
+               EB, MC, STATS, PF)
+
+
+@triton.jit
+def _plan_align_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+                       key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+                       M, E, scratch_base, N, last_key, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
+                       BLOCK_M: tl.constexpr, MP: tl.constexpr):
+    """One program, two phases: ``_plan_regs_kernel`` (no lookahead row map), then, after a barrier (one CTA sees
+    its own global writes after it), ``decode_moe._align_sorted_kernel`` over the rows it just wrote: the plan and
+    the tile kernels' alignment of a decode step in one launch instead of two, with the same outputs."""
+    _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E, scratch_base,
+               EB, MC, STATS, False)
+    tl.debug_barrier()
+    _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, True)
 
 
 #: the register plan's match matrix holds at most this many elements ([MC pairs, EB experts]); experts past it
@@ -302,10 +334,13 @@ def _check_stats(stats, T: int, K: int, dev, need: int = 3) -> None:
 
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
                 pool_rows_NR: torch.Tensor, scratch_base: int, stats=None, pf_row_E: torch.Tensor | None = None,
-                registers: bool = True) -> MissPlan:
+                registers: bool = True, align_block_m: int | None = None) -> MissPlan:
     """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
     Arguments as for :func:`serve_misses`; ``registers`` False forces the workspace plan (``_plan_kernel``; the
-    tests compare the two), else ``_plan_regs_kernel`` up to ``PLAN_REGS_ELEMENTS`` experts."""
+    tests compare the two), else ``_plan_regs_kernel`` up to ``PLAN_REGS_ELEMENTS`` experts. ``align_block_m``:
+    also group the rows into blocks of that many pairs for the tile kernels (``MissPlan.alignment``, over the pool's
+    rows): in the plan's own launch (``_plan_align_kernel``) where the register plan and the sorted alignment both
+    apply and there is no lookahead row map, else by ``decode_moe.decode_align`` after it."""
     _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
     dev = pool_rows_NR.device
     if pf_row_E is not None:
@@ -325,9 +360,20 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     n_stats = min(counts_3.shape[0], 5) if stats is not None else 0
     pf_arg = slot_of_E if pf_row_E is None else pf_row_E
     EB = max(16, triton.next_power_of_2(E))
+    regs = registers and EB <= PLAN_REGS_ELEMENTS
+    MC = max(1, min(triton.next_power_of_2(max(M, 1)), PLAN_REGS_ELEMENTS // EB))
+    N = pool_rows_NR.shape[0]
+    if align_block_m is not None and regs and pf_row_E is None and 0 < M <= SORTED_ALIGN_MAX_PAIRS:
+        alignment = alignment_buffers(M, N, align_block_m, dev)
+        key_MP, MP, warps = sorted_align_launch(M, dev)
+        with device_guard(dev):
+            _plan_align_kernel[(1,)](slot_of_E, ids_M, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
+                                     key_MP, alignment.sorted_ids_P, alignment.block_row_B, alignment.num_padded_1,
+                                     M, E, scratch_base, N, N * MP, EB=EB, MC=MC, STATS=n_stats,
+                                     BLOCK_M=align_block_m, MP=MP, num_warps=warps)
+        return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     with device_guard(dev):
-        if registers and EB <= PLAN_REGS_ELEMENTS:
-            MC = max(1, min(triton.next_power_of_2(max(M, 1)), PLAN_REGS_ELEMENTS // EB))
+        if regs:
             _plan_regs_kernel[(1,)](slot_of_E, ids_M, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
                                     pf_arg, M, E, scratch_base, EB=EB, MC=MC, STATS=n_stats,
                                     PF=pf_row_E is not None, num_warps=4)
@@ -336,7 +382,8 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
             _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
                                counts_3, record_MK, pf_arg, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=n_stats,
                                PF=pf_row_E is not None, DENSE=False, num_warps=4)
-    return MissPlan(rows_TK, miss_experts_X, num_missing_1)
+    alignment = None if align_block_m is None else decode_align(rows_TK, N, align_block_m)
+    return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
 
 
 def prefetch_misses(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
@@ -466,9 +513,20 @@ def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_E
         for ids outside [0, E). Without ``pf_row_E``, ``rows_TK >= scratch_base`` is the step's miss mask. Ids
         are not range-checked on the host (that would sync).
     """
-    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, stats, pf_row_E)
+    return serve_misses_plan(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, config, stats,
+                             pf_row_E).rows_TK
+
+
+def serve_misses_plan(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
+                      pool_rows_NR: torch.Tensor, scratch_base: int, config: MissCopyConfig | None = None,
+                      stats=None, pf_row_E: torch.Tensor | None = None, align_block_m: int | None = None) -> MissPlan:
+    """:func:`serve_misses` returning the whole :class:`MissPlan`; with ``align_block_m`` its ``alignment`` holds the
+    rows grouped for the tile kernels over all of ``pool_rows_NR``'s rows (see :func:`plan_misses`): pass it to
+    ``decode_moe.decode_moe_nvfp4`` so that the alignment runs in the plan's launch."""
+    plan = plan_misses(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base, stats, pf_row_E,
+                       align_block_m=align_block_m)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
-    return plan.rows_TK
+    return plan
 
 
 def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,

@@ -91,15 +91,12 @@ def _max_combine(a, b):
 
 
 @triton.jit
-def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
-                         BLOCK_M: tl.constexpr, MP: tl.constexpr):
-    """One program, every pair in registers (M <= MP): sort the pairs by (row, pair id), then each pair's
-    padded position is its sorted position plus the padding of the groups before it. Loops over nothing
-    of size N or P; writes only the used slots [0, num_padded) (the GEMM programs of blocks at or past
-    ``num_padded`` exit before reading). ``key_ptr[MP]`` int64 is a workspace (the neighbour of a sorted
-    element is read back through it); ``last_key`` = N * MP, above every valid key (row * MP + pair id)."""
+def _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
+                  BLOCK_M: tl.constexpr, MP: tl.constexpr, ROWS_VOLATILE: tl.constexpr):
+    """The body of ``_align_sorted_kernel``; ROWS_VOLATILE: the rows were written by this program (before a
+    barrier), so they are loaded past any cached copy (``decode_miss._plan_align_kernel``)."""
     offs = tl.arange(0, MP)
-    rows = tl.load(rows_ptr + offs, mask=offs < M, other=-1).to(tl.int64)
+    rows = tl.load(rows_ptr + offs, mask=offs < M, other=-1, volatile=ROWS_VOLATILE).to(tl.int64)
     ok = (offs < M) & (rows >= 0) & (rows < N)
     key = tl.sort(tl.where(ok, rows * MP + offs, last_key + offs))  # left-out pairs sort last
     tl.store(key_ptr + offs, key)
@@ -122,6 +119,17 @@ def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_p
     tl.store(num_padded_ptr, total)
 
 
+@triton.jit
+def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
+                         BLOCK_M: tl.constexpr, MP: tl.constexpr):
+    """One program, every pair in registers (M <= MP): sort the pairs by (row, pair id), then each pair's
+    padded position is its sorted position plus the padding of the groups before it. Loops over nothing
+    of size N or P; writes only the used slots [0, num_padded) (the GEMM programs of blocks at or past
+    ``num_padded`` exit before reading). ``key_ptr[MP]`` int64 is a workspace (the neighbour of a sorted
+    element is read back through it); ``last_key`` = N * MP, above every valid key (row * MP + pair id)."""
+    _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, False)
+
+
 #: largest pair count the sorted alignment runs at; above it the looped ``_align_kernel`` does. 512 pairs (a batch-64
 #: decode step at top-8) is the largest that has run on a GPU (8505610, an H100 with Triton 3.6); 1,024 and 2,048
 #: (routed prefills of 128-256 tokens) compile for sm_90 with 8 warps but wait for a GPU run before they are used
@@ -142,22 +150,35 @@ def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int,
         rows_M = rows_M.contiguous()
     M = rows_M.numel()
     dev = rows_M.device
-    P = max_padded_pairs(M, num_rows, block_m)
-    num_padded_1 = torch.empty(1, dtype=torch.int32, device=dev)
-    sorted_ids_P = torch.empty((max(P, 1),), dtype=torch.int32, device=dev)[:P]
-    block_row_B = torch.empty((max(P // block_m, 1),), dtype=torch.int32, device=dev)[:P // block_m]
+    alignment = alignment_buffers(M, num_rows, block_m, dev)
+    sorted_ids_P, block_row_B, num_padded_1 = alignment.sorted_ids_P, alignment.block_row_B, alignment.num_padded_1
+    P = sorted_ids_P.numel()
     with device_guard(dev):
         if 0 < M <= min(sorted_max_pairs, SORTED_ALIGN_MAX_PAIRS):
-            MP = max(16, triton.next_power_of_2(M))
-            key_MP = torch.empty(MP, dtype=torch.int64, device=dev)
+            key_MP, MP, warps = sorted_align_launch(M, dev)
             _align_sorted_kernel[(1,)](rows_M, key_MP, sorted_ids_P, block_row_B, num_padded_1, M, num_rows,
-                                       num_rows * MP,
-                                       BLOCK_M=block_m, MP=MP, num_warps=4 if MP <= 512 else 8)
+                                       num_rows * MP, BLOCK_M=block_m, MP=MP, num_warps=warps)
         else:
             work_2N = torch.empty((2, max(num_rows, 1)), dtype=torch.int32, device=dev)  # counts, cursor
             _align_kernel[(1,)](rows_M, work_2N[0], work_2N[1], sorted_ids_P, block_row_B, num_padded_1,
                                 M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4)
-    return MoeAlignment(sorted_ids_P, block_row_B, num_padded_1, block_m)
+    return alignment
+
+
+def alignment_buffers(M: int, num_rows: int, block_m: int, dev) -> MoeAlignment:
+    """The (unwritten) outputs of an alignment of M pairs over ``num_rows`` rows: ``sorted_ids_P`` and ``block_row_B``
+    at their host-known bound P (``moe_align.max_padded_pairs``), ``num_padded_1``."""
+    P = max_padded_pairs(M, num_rows, block_m)
+    return MoeAlignment(torch.empty((max(P, 1),), dtype=torch.int32, device=dev)[:P],
+                        torch.empty((max(P // block_m, 1),), dtype=torch.int32, device=dev)[:P // block_m],
+                        torch.empty(1, dtype=torch.int32, device=dev), block_m)
+
+
+def sorted_align_launch(M: int, dev) -> tuple[torch.Tensor, int, int]:
+    """``(key workspace [MP] int64, MP, num_warps)`` of the sorted alignment of M pairs (M <= SORTED_ALIGN_MAX_PAIRS
+    on a GPU)."""
+    MP = max(16, triton.next_power_of_2(M))
+    return torch.empty(MP, dtype=torch.int64, device=dev), MP, 4 if MP <= 512 else 8
 
 
 def decode_moe_nvfp4(
@@ -168,6 +189,7 @@ def decode_moe_nvfp4(
     out_dtype: torch.dtype | None = None,
     config: FusedMoeConfig | None = None,
     residual_TH: torch.Tensor | None = None,
+    alignment: MoeAlignment | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
 
@@ -182,9 +204,11 @@ def decode_moe_nvfp4(
         config: tiles; default ``decode_config_for(device, H, I, T*K)``.
         residual_TH: ``[T, H]`` in ``out_dtype`` (optional): returns ``residual_TH + y`` with the decoder layer's
             roundings, added by the sum over K (``moe_sum.py``; no launch of its own).
+        alignment: ``rows_TK`` already grouped in blocks of ``config.block_m`` over the N rows (e.g. by the miss
+            plan's launch, ``decode_miss.serve_misses_plan``); default: ``decode_align`` here.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
-                     residual_TH)
+                     residual_TH, alignment)

@@ -278,11 +278,12 @@ def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, i
 
 
 def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align,
-              residual_TH=None) -> torch.Tensor:
+              residual_TH=None, alignment: MoeAlignment | None = None) -> torch.Tensor:
     """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
-    alignment (``align(rows_TK, N, block_m)``), the gate_up and down kernels, the fixed-order sum over K
-    (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the residual, the decoder layer's roundings).
-    ``default_config(device, H, I, pairs)`` gives the tiles when ``config`` is None."""
+    alignment (``align(rows_TK, N, block_m)``, or ``alignment`` when the caller made it already), the gate_up
+    and down kernels, the fixed-order sum over K (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the
+    residual, the decoder layer's roundings). ``default_config(device, H, I, pairs)`` gives the tiles when
+    ``config`` is None."""
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
@@ -294,7 +295,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
         config = default_config(dev, H, I, M)
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
-    alignment = align(rows_TK, N, config.block_m)
+    alignment = given_alignment(alignment, config.block_m, "the tiles") or align(rows_TK, N, config.block_m)
     weights_M = weights_TK.reshape(-1).contiguous()  # read in its own dtype, fp32 in the kernel: no cast launch
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
@@ -304,6 +305,15 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     if K == 1 and residual_TH is None:
         return terms_MH
     return sum_pairs(terms_MH, K, torch.empty((T, H), dtype=out_dtype, device=dev), residual_TH)
+
+
+def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> MoeAlignment | None:
+    """``alignment`` (a caller's, e.g. ``decode_miss.serve_misses_plan``'s), checked to be in blocks of the
+    ``block_m`` pairs ``who`` run on; None when not given."""
+    if alignment is not None and alignment.block_m != block_m:
+        raise ValueError(f"the given alignment groups pairs in blocks of {alignment.block_m}, but {who} run blocks of "
+                         f"{block_m}; align with the kernel's config.block_m")
+    return alignment
 
 
 def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig):

@@ -298,6 +298,13 @@ class OffloadMoeCache:
         layer's MoE input, from which the lookahead (when on) predicts the next MoE layer."""
         return self.decode.rows(layer, ids_TK, hidden_TH)
 
+    def decode_plan(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None,
+                    align_block_m: int | None = None):
+        """``(rows_TK, alignment)``: ``decode_rows``, and with ``align_block_m`` the rows grouped in blocks of that many
+        pairs for the decode tile kernels, made in the miss plan's launch (None where that does not apply: the
+        compute aligns them itself)."""
+        return self.decode.plan(layer, ids_TK, hidden_TH, align_block_m)
+
     def decode_views(self) -> dict[str, torch.Tensor]:
         """Bank views ``[S + X, ...]`` of the pool (slots and scratch rows) that ``decode_rows`` index."""
         return self.pool.views()

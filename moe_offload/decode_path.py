@@ -86,6 +86,13 @@ class DecodeResidency:
         copy). ``hidden_TH``: the layer's MoE input; with lookahead on, the next MoE layer's routing is
         predicted from it and its misses prefetched (after this layer's own prefetch is joined and its own
         misses are enqueued)."""
+        return self.plan(layer, ids_TK, hidden_TH)[0]
+
+    def plan(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None,
+             align_block_m: int | None = None):
+        """``(rows_TK, alignment)``: as ``rows``; with ``align_block_m`` (CUDA) ``alignment`` groups the rows in blocks
+        of that many pairs for the tile kernels, made in the miss plan's own launch where it can be
+        (``decode_miss.plan_misses``), else None."""
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
         if T > self.max_tokens:
@@ -94,23 +101,26 @@ class DecodeResidency:
         table_E = self.pool.table_LE[lp]
         pf_E = self.lookahead.take(lp) if self.lookahead is not None else None
         if self.device.type == "cuda":
-            from moe_offload.kernels.decode_miss import serve_misses
+            from moe_offload.kernels.decode_miss import serve_misses_plan
 
             # the plan kernel also counts the step and records its ids (no launch of its own)
-            rows_TK = serve_misses(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
-                                   stats=(self.counts_LC[lp], self._record_dev[lp]), pf_row_E=pf_E)
+            plan = serve_misses_plan(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
+                                     stats=(self.counts_LC[lp], self._record_dev[lp]), pf_row_E=pf_E,
+                                     align_block_m=align_block_m)
+            rows_TK, alignment = plan.rows_TK, plan.alignment
         else:
             from moe_offload.kernels.decode_miss import count_step_reference, serve_misses_reference
 
             rows_TK = serve_misses_reference(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR,
                                              self.scratch_base, pf_E)
             count_step_reference(ids_TK, table_E, pf_E, self.counts_LC[lp], self._record_dev[lp])
+            alignment = None
         if self.lookahead is not None and hidden_TH is not None and lp + 1 < len(self.store.layers):
             # after this layer's own misses are enqueued: its copy, on the critical path, goes first; the
             # prefetch overlaps this layer's expert compute and the next layer's attention
             self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
         self._record_T[lp] = T
-        return rows_TK
+        return rows_TK, alignment
 
     def step_enqueued(self, tokens: int | None = None) -> None:
         """The step's last layer is enqueued: its routing record is complete once this event is.

@@ -89,9 +89,15 @@ class OffloadedExperts(nn.Module):
             topk_ids_TK = topk_ids_TK.index_select(0, src_T)  # their sequence's last real row (prefill_graph.py)
         if eager and self.layer_idx == layers[0]:
             cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
-        rows_TK = cache.decode_rows(self.layer_idx, topk_ids_TK, hidden_TH)
-        args = (hidden_TH, rows_TK, topk_w_TK, cache.decode_views(), cache.decode_num_rows)
-        out = self.decode_compute(*args) if residual_TH is None else self.decode_compute(*args, residual_TH=residual_TH)
+        views = cache.decode_views()
+        fused = isinstance(self.decode_compute, DecodeCompute)
+        block_m = self.decode_compute.align_block_m(hidden_TH, topk_ids_TK.shape[1], views) if fused else None
+        # the plan of the misses also groups the rows for the tile kernels, in its own launch
+        rows_TK, alignment = cache.decode_plan(self.layer_idx, topk_ids_TK, hidden_TH, block_m)
+        args = (hidden_TH, rows_TK, topk_w_TK, views, cache.decode_num_rows)
+        kw = {"alignment": alignment} if fused else {}
+        out = self.decode_compute(*args, **kw) if residual_TH is None else self.decode_compute(
+            *args, residual_TH=residual_TH, **kw)
         if eager and self.layer_idx == layers[-1]:
             cache.decode_step_enqueued()
         return out

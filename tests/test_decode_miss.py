@@ -237,3 +237,56 @@ def test_the_register_plan_gives_the_workspace_plans_rows_copies_and_counts(T, K
     assert torch.equal(regs[0], work[0]) and regs[2] == work[2] and torch.equal(regs[1], work[1])
     if n_stats:
         assert torch.equal(regs[3][0], work[3][0]) and torch.equal(regs[3][1], work[3][1])
+
+
+@settings(max_examples=40, deadline=None)
+@given(T=st.integers(1, 64), K=st.integers(1, 8), E=st.integers(1, 300), seed=st.integers(0, 2**16),
+       resident=st.floats(0, 1), n_stats=st.sampled_from([0, 3, 4]), block_m=st.sampled_from([1, 4, 16]),
+       outside=st.booleans())
+def test_the_plan_with_the_alignment_in_its_launch_gives_the_plan_and_decode_align_of_two(T, K, E, seed, resident,
+                                                                                          n_stats, block_m, outside):
+    """``_plan_align_kernel`` (``align_block_m``, the decode tile path: up to 512 pairs, no lookahead) writes the
+    register plan's rows, copies, counts and record, and the alignment ``decode_align`` makes of those rows over the
+    whole pool, bit for bit (the same blocks, the same pair order inside each: both sort by (row, pair id))."""
+    from moe_offload.kernels.decode_moe import decode_align
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E, (T, K), generator=gen)
+    if outside:
+        ids[0, 0] = E + 3
+        ids[-1, -1] = -1
+    slot_of_E = torch.where(torch.rand(E, generator=gen) < resident, torch.randperm(E, generator=gen) + 2, -1).int()
+    scratch_base = E + 2
+    host = torch.zeros((E, 4), dtype=torch.uint8, device=DEVICE)
+    pool = torch.zeros((scratch_base + min(T * K, E) + 3, 4), dtype=torch.uint8, device=DEVICE)
+    out = []
+    for fused in (True, False):
+        stats = None
+        if n_stats:
+            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
+                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        plan = plan_misses(slot_of_E.to(DEVICE), ids.to(DEVICE), host, pool, scratch_base, stats,
+                           align_block_m=block_m if fused else None)
+        assert (plan.alignment is not None) == fused
+        a = plan.alignment if fused else decode_align(plan.rows_TK, pool.shape[0], block_m)
+        n = int(a.num_padded_1)
+        count = int(plan.num_missing_1)
+        out.append((plan.rows_TK, plan.miss_experts_X[:count], stats, n, a.sorted_ids_P[:n],
+                    a.block_row_B[:n // block_m]))
+    (rows, miss, stats, n, ids_P, block_rows), want = out
+    assert torch.equal(rows, want[0]) and torch.equal(miss, want[1]) and n == want[3]
+    assert torch.equal(ids_P, want[4]) and torch.equal(block_rows, want[5])
+    if n_stats:
+        assert torch.equal(stats[0], want[2][0]) and torch.equal(stats[1], want[2][1])
+
+
+def test_serve_misses_plan_copies_the_misses_and_aligns_like_serve_misses():
+    """The whole call (plan with its alignment, then the copy) leaves the pool as ``serve_misses_reference`` does."""
+    from moe_offload.kernels.decode_miss import serve_misses_plan
+
+    slot_of_E, ids, host_ER, pool_NR, S = setup(6, 4, 16, 100, [1, 3, 5, 9], seed=4)
+    ref_pool = pool_NR.clone()
+    want = serve_misses_reference(slot_of_E, ids, host_ER, ref_pool, S)
+    plan = serve_misses_plan(slot_of_E, ids, host_ER, pool_NR, S, SMALL_CHUNKS, align_block_m=16)
+    assert torch.equal(plan.rows_TK, want) and torch.equal(pool_NR, ref_pool)
+    assert plan.alignment is not None and plan.alignment.block_m == 16

@@ -127,6 +127,28 @@ def test_decode_moe_reads_slot_rows_of_a_larger_pool_in_place():
     assert_close_to_scale(out, ref, 1e-5)  # fp32: as in the test above
 
 
+@pytest.mark.parametrize("config", [SMALL, SWAP], ids=["tiles", "swap"])
+def test_decode_moe_takes_the_miss_plans_alignment_and_gives_the_same_bits(config):
+    """The alignment the miss plan makes in its own launch (``decode_miss.serve_misses_plan``) stands in for the
+    one ``decode_moe_nvfp4`` would make: the same output, bit for bit; one in other blocks is refused by name."""
+    from moe_offload.kernels.decode_miss import plan_misses
+
+    T, K, N, H, I = 6, 3, 7, 32, 16
+    pool_NR, views = make_pool(2 * N, H, I, seed=2)  # N slots, N scratch rows
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    ids, weights = routing(T, K, N, "random", gen)
+    slot_of_E = torch.arange(N, dtype=torch.int32, device=DEVICE)  # every expert resident: rows = ids
+    host = pool_NR[:N].clone()
+    plan = plan_misses(slot_of_E, ids, host, pool_NR, N, align_block_m=config.block_m)
+    want = decode_moe_nvfp4(hidden, plan.rows_TK, weights, views, config=config)
+    got = decode_moe_nvfp4(hidden, plan.rows_TK, weights, views, config=config, alignment=plan.alignment)
+    assert torch.equal(got, want)
+    other = plan_misses(slot_of_E, ids, host, pool_NR, N, align_block_m=config.block_m * 2).alignment
+    with pytest.raises(ValueError, match="blocks of 32.*blocks of 16.*config.block_m"):
+        decode_moe_nvfp4(hidden, plan.rows_TK, weights, views, config=config, alignment=other)
+
+
 @pytest.mark.parametrize("T,K,N,block_m", [
     (13, 3, 9, 16),  # the sorted one-program alignment (T*K <= SORTED_ALIGN_MAX_PAIRS) ...
     (64, 8, 6200, 16),  # ... over a pool of thousands of rows (what a decode step aligns over), at its largest M
@@ -201,6 +223,11 @@ for EB, MC, stats, pf in ((128, 8, 5, True), (128, 32, 4, False), (512, 8, 0, Fa
     build(dm._plan_regs_kernel, {**i32(["slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "pf_ptr"], "*i32"),
           "ids_ptr": "*i64", "stats_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")},
           {"EB": EB, "MC": MC, "STATS": stats, "PF": pf}, num_warps=4)
+for EB, MC, MP, stats in ((128, 32, 16, 4), (128, 32, 512, 4), (512, 8, 128, 0)):  # plan + sorted alignment, one launch
+    build(dm._plan_align_kernel, {**i32(["slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "sorted_ids_ptr",
+          "block_row_ptr", "num_padded_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64", "key_ptr": "*i64",
+          **i32(["M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
+          {"EB": EB, "MC": MC, "STATS": stats, "BLOCK_M": 16, "MP": MP}, num_warps=4)
 ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),
             **i32(["row_words", "src_stride_v", "dst_stride_v", "scratch_base", "chunks"], "i32")},
             {"BLOCK": 4096, "VEC": 4}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, num_warps=4)

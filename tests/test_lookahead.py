@@ -127,13 +127,13 @@ def test_its_counts_match_an_independent_count_of_the_routing(tiny_ckpt, monkeyp
     dec = StaticDecoder(eng, 1, 64, graphs=False)
     logits = dec.prefill(torch.tensor([list(range(5, 25))]))
     seen = {}
-    original = cache.decode.rows
+    original = cache.decode.plan
 
-    def spy(layer, ids_TK, hidden_TH=None):
+    def spy(layer, ids_TK, hidden_TH=None, align_block_m=None):
         seen[layer] = (ids_TK.clone(), hidden_TH.clone())
-        return original(layer, ids_TK, hidden_TH)
+        return original(layer, ids_TK, hidden_TH, align_block_m)
 
-    monkeypatch.setattr(cache.decode, "rows", spy)
+    monkeypatch.setattr(cache.decode, "plan", spy)
     cache.reset()
     dec.step(logits.argmax(-1))
     la = cache.stats()["lookahead"]

@@ -50,14 +50,31 @@ class DecodeCompute:
 
         return "gemv" if T * K <= gemv_entry(device, H, I).gemv_max_pairs else "tiles"
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None):
+    def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
+        """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
+        (what the miss plan may align them to in its own launch), or None where it groups nothing."""
+        if not self.fused:
+            return None
+        dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
+        if self.pick(dev, T, K, H, I) == "gemv":
+            from moe_offload.kernels.decode_gemv_tuning import gemv_config_for
+
+            block_m = gemv_config_for(dev, H, I, T * K).block_m
+            return block_m if block_m > 1 else None
+        from moe_offload.kernels.decode_moe import decode_config_for
+
+        return decode_config_for(dev, H, I, T * K).block_m
+
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None, alignment=None):
         """``out_TH``, or ``residual_TH + out_TH`` (rounded as the decoder layer's add) when a residual is given:
-        the fused kernels add it in their last launch, the other computes with a torch add."""
+        the fused kernels add it in their last launch, the other computes with a torch add. ``alignment``: the
+        rows already grouped for the fused kernel (``align_block_m``; the miss plan's), else it groups them."""
         T, K = rows_TK.shape
         if self.fused:
             H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
             fn = self._gemv if self.pick(hidden_TH.device, T, K, H, I) == "gemv" else self._tiles
-            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype, residual_TH=residual_TH)
+            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype, residual_TH=residual_TH,
+                      alignment=alignment)
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)

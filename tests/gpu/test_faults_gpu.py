@@ -455,14 +455,14 @@ def test_a_decode_graph_capture_that_fails_runs_eagerly_with_one_event_a_count_a
     want = reference(tiny, "cache.budget=0.5")
     eng = _engine(tiny, "cache.budget=0.5")
     cache = eng.cache
-    real = cache.decode_rows
+    real = cache.decode_plan
 
-    def decode_rows(layer, ids_TK):
+    def decode_plan(*args, **kwargs):
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("operation not permitted when stream is capturing (injected)")
-        return real(layer, ids_TK)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(cache, "decode_rows", decode_rows)
+    monkeypatch.setattr(cache, "decode_plan", decode_plan)
     cache.reset()
     assert [r.token_ids for r in eng.generate_batch(BATCH, NEW_TOKENS)] == want["batch"]
     st = cache.stats()

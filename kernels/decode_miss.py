@@ -51,6 +51,7 @@ from moe_offload.kernels.decode_moe import (
 )
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels.router import topk_row
 
 _PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -93,11 +94,12 @@ class MissPlan:
 
 
 @triton.jit
-def _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, CHUNK: tl.constexpr, PF: tl.constexpr):
+def _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, CHUNK: tl.constexpr, PF: tl.constexpr, IDS_VOLATILE: tl.constexpr):
     """Pairs ``m0 .. m0 + CHUNK - 1``: ``(offs_m, ids, valid, slot, pf)``; ids int64 (-1 past M), valid = inside M
-    and the layer, slot int32 (0 where not valid), pf int32 the lookahead row of a missing expert (PF), else -1."""
+    and the layer, slot int32 (0 where not valid), pf int32 the lookahead row of a missing expert (PF), else -1.
+    IDS_VOLATILE: the ids were written by other programs of this launch (read past the SM's L1)."""
     offs_m = m0 + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+    ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1, volatile=IDS_VOLATILE).to(tl.int64)
     valid = (offs_m < M) & (ids >= 0) & (ids < E)
     slot = tl.load(slot_ptr + ids, mask=valid, other=0).to(tl.int32)
     if PF:
@@ -177,7 +179,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         n_pairs = tl.full((), 0, tl.int64)
         n_missed = tl.full((), 0, tl.int64)
         for m0 in range(0, M, BLOCK):
-            offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, BLOCK, PF)
+            offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, BLOCK, PF, False)
             scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0) & (pf < 0), other=0, volatile=True)
             row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
             tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
@@ -190,8 +192,9 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
 
 @triton.jit
 def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
-               M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr):
-    """The body of ``_plan_regs_kernel`` (and of ``_plan_align_kernel``'s first phase)."""
+               M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr,
+               IDS_VOLATILE: tl.constexpr):
+    """The body of ``_plan_regs_kernel`` (and the plan phase of ``_plan_align_kernel`` and ``_route_plan_kernel``)."""
     offs_e = tl.arange(0, EB)
     routed_e = tl.zeros((EB,), tl.int32)  # experts a valid pair routes to
     copy_e = tl.zeros((EB,), tl.int32)  # missing experts copied by this step (ascending id -> scratch index)
@@ -199,7 +202,7 @@ def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, reco
     n_pairs = tl.full((), 0, tl.int64)
     n_missed = tl.full((), 0, tl.int64)
     for m0 in range(0, M, MC):
-        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF)
+        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF, IDS_VOLATILE)
         missed = valid & (slot < 0)
         from_pf = missed & (pf >= 0)
         match = (ids[:, None] == offs_e[None, :]) & valid[:, None]
@@ -215,7 +218,7 @@ def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, reco
     tl.store(miss_ptr + scratch_e, offs_e.to(tl.int32), mask=copy_e > 0)
     tl.store(count_ptr, total)
     for m0 in range(0, M, MC):
-        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF)
+        offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, MC, PF, IDS_VOLATILE)
         match = (ids[:, None] == offs_e[None, :]) & valid[:, None]
         scratch = tl.sum(tl.where(match, scratch_e[None, :], 0), axis=1)
         row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
@@ -234,7 +237,7 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
     ``[MC, EB]`` match matrix (``ids[m] == e``): a max over pairs marks the experts, a sum picks each pair's
     scratch index. Same arguments and STATS/PF meaning as ``_plan_kernel``."""
     _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr, M, E, scratch_base,
-               EB, MC, STATS, PF)
+               EB, MC, STATS, PF, False)
 
 
 @triton.jit
@@ -246,9 +249,36 @@ def _plan_align_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_p
     its own global writes after it), ``decode_moe._align_sorted_kernel`` over the rows it just wrote: the plan and
     the tile kernels' alignment of a decode step in one launch instead of two, with the same outputs."""
     _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E, scratch_base,
-               EB, MC, STATS, False)
+               EB, MC, STATS, False, False)
     tl.debug_barrier()
     _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, True)
+
+
+@triton.jit
+def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
+                       slot_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+                       key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
+                       M, E, scratch_base, N, last_key,
+                       RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, MC: tl.constexpr,
+                       STATS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr):
+    """The router's top-k and the miss plan (+ with ALIGN the tile kernels' alignment) of a decode step in one
+    launch, one program per token. Each program runs ``router.topk_row`` for its token; the last one to finish
+    (a counter at ``done_ptr``, int32, 0 between launches: that program sets it back) then runs
+    ``_plan_align_kernel``'s phases over every token's ids. The order: all threads' stores, a barrier, then
+    the counter's acq_rel atomic (release: the stores before it are visible to whoever acquires it), and the
+    last program reads the ids past L1 (volatile)."""
+    t = tl.program_id(0)
+    topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t.to(tl.int64), E, K, RENORM, EP, KP)
+    tl.debug_barrier()
+    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (a graph replay)
+        _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E,
+                   scratch_base, EB, MC, STATS, False, True)
+        if ALIGN:
+            tl.debug_barrier()
+            _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M,
+                          MP, True)
 
 
 #: the register plan's match matrix holds at most this many elements ([MC pairs, EB experts]); experts past it
@@ -527,6 +557,66 @@ def serve_misses_plan(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_r
                        align_block_m=align_block_m)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan
+
+
+#: most routed pairs a step may have for ``route_and_serve``'s one launch (its plan runs in the router's launch
+#: shape: one warp per token up to 256 experts, so the plan's match matrix is taken a smaller chunk at a time)
+ROUTE_PLAN_MAX_PAIRS = 128
+
+
+def route_plan_applies(T: int, K: int, E: int, lookahead: bool) -> bool:
+    """Whether ``route_and_serve`` runs the router's top-k and the plan in one launch for a step of T tokens at top-K
+    over E experts (else: ``router_topk``, then ``serve_misses_plan``)."""
+    return (0 < T * K <= ROUTE_PLAN_MAX_PAIRS and not lookahead and E <= PLAN_REGS_ELEMENTS
+            and max(16, triton.next_power_of_2(E)) <= PLAN_REGS_ELEMENTS)
+
+
+def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype, slot_of_E: torch.Tensor,
+                    host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int, done_1: torch.Tensor,
+                    stats=None, align_block_m: int | None = None, config: MissCopyConfig | None = None):
+    """``(w_TK, ids_TK, plan)``: ``router.router_topk(logits_TE, top_k, renorm, w_dtype)`` and
+    :func:`serve_misses_plan` of its ids, with the top-k, the plan and (``align_block_m``) the alignment in one launch
+    (``_route_plan_kernel``), then the copy. Same results, bit for bit, as the two calls. Needs
+    ``route_plan_applies`` (no lookahead row map). ``done_1``: an int32 ``[1]`` counter on the device, 0 before the
+    first call; each launch leaves it at 0 (one counter per call site that may be in flight at once, e.g. per
+    layer)."""
+    from moe_offload.kernels.router import router_outputs, topk_launch
+
+    logits_TE, w_TK, ids_TK = router_outputs(logits_TE, top_k, w_dtype)
+    T, E = logits_TE.shape
+    _check(slot_of_E, ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
+    dev = pool_rows_NR.device
+    if not route_plan_applies(T, top_k, E, False) or host_rows_ER.shape[0] != E:
+        raise ValueError(f"route_and_serve: T*K={T * top_k} pairs over E={E} experts (host rows for "
+                         f"{host_rows_ER.shape[0]}): the one-launch form takes 1..{ROUTE_PLAN_MAX_PAIRS} pairs and the "
+                         "layer's own experts; use router_topk and serve_misses_plan")
+    if done_1.dtype != torch.int32 or done_1.numel() != 1 or done_1.device != dev:
+        raise ValueError(f"done_1 must be an int32 [1] counter on {dev}, got {done_1.dtype} {tuple(done_1.shape)} on "
+                         f"{done_1.device}")
+    if stats is not None:
+        _check_stats(stats, T, top_k, dev)
+    M = T * top_k
+    rows_TK = torch.empty((T, top_k), dtype=torch.int32, device=dev)
+    miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
+    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
+    n_stats = min(counts_3.shape[0], 5) if stats is not None else 0
+    N = pool_rows_NR.shape[0]
+    launch = topk_launch(E, top_k)
+    EB = max(16, triton.next_power_of_2(E))
+    MC = max(1, min(triton.next_power_of_2(M), PLAN_REGS_ELEMENTS // 4 * launch["num_warps"] // EB))
+    alignment = None if align_block_m is None else alignment_buffers(M, N, align_block_m, dev)
+    key_MP, MP, _ = sorted_align_launch(M, dev)
+    a = alignment or MoeAlignment(rows_TK, rows_TK, rows_TK, 1)  # unused without ALIGN
+    with device_guard(dev):
+        _route_plan_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, done_1, top_k,
+                                 slot_of_E, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
+                                 key_MP, a.sorted_ids_P, a.block_row_B, a.num_padded_1,
+                                 M, E, scratch_base, N, N * MP, RENORM=renorm, EB=EB, MC=MC, STATS=n_stats,
+                                 ALIGN=alignment is not None, BLOCK_M=align_block_m or 1, MP=MP, **launch)
+    plan = MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
+    copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
+    return w_TK, ids_TK, plan
 
 
 def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,

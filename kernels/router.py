@@ -30,9 +30,10 @@ MAX_EXPERTS = 4096
 if triton is not None:
 
     @triton.jit
-    def _router_topk_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, E, K,
-                            RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
+    def topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t, E, K, RENORM: tl.constexpr, EP: tl.constexpr,
+                 KP: tl.constexpr):
+        """Row ``t`` (int64) of ``_router_topk_kernel``: its K weights and ids (also the first phase of
+        ``decode_miss._route_plan_kernel``)."""
         offs = tl.arange(0, EP)
         x = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
         e = tl.exp(x - tl.max(x, axis=0))
@@ -52,10 +53,29 @@ if triton is not None:
         tl.store(w_ptr + t * K + offs_k, vals.to(w_ptr.dtype.element_ty), mask=offs_k < K)
         tl.store(ids_ptr + t * K + offs_k, idx, mask=offs_k < K)
 
+    @triton.jit
+    def _router_topk_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, E, K,
+                            RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
+        topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, tl.program_id(0).to(tl.int64), E, K, RENORM, EP, KP)
+
 
 def router_topk(logits_TE: torch.Tensor, k: int, renorm: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits_TE [T, E]`` -> (weights ``[T, K]`` in ``out_dtype``, expert ids ``[T, K]`` int64); see
     the module docstring."""
+    logits_TE, w_TK, ids_TK = router_outputs(logits_TE, k, out_dtype)
+    T, E = logits_TE.shape
+    if T == 0:
+        return w_TK, ids_TK
+    from moe_offload.kernels.nvfp4 import device_guard
+
+    with device_guard(logits_TE.device):
+        _router_topk_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, E, k, RENORM=renorm,
+                                  **topk_launch(E, k))
+    return w_TK, ids_TK
+
+
+def router_outputs(logits_TE: torch.Tensor, k: int, out_dtype: torch.dtype):
+    """``(logits_TE with contiguous rows, w_TK, ids_TK)``: the checked input and the empty outputs of ``router_topk``."""
     if triton is None:
         raise RuntimeError("router_topk needs triton (pip install triton)")
     if logits_TE.dim() != 2 or not logits_TE.is_floating_point():
@@ -65,17 +85,15 @@ def router_topk(logits_TE: torch.Tensor, k: int, renorm: bool, out_dtype: torch.
         raise ValueError(f"top-k={k} of E={E} experts: need 1 <= k <= E <= {MAX_EXPERTS}")
     if logits_TE.stride(1) != 1:
         logits_TE = logits_TE.contiguous()
-    w_TK = torch.empty((T, k), dtype=out_dtype, device=logits_TE.device)
-    ids_TK = torch.empty((T, k), dtype=torch.int64, device=logits_TE.device)
-    if T == 0:
-        return w_TK, ids_TK
-    from moe_offload.kernels.nvfp4 import device_guard
+    return (logits_TE, torch.empty((T, k), dtype=out_dtype, device=logits_TE.device),
+            torch.empty((T, k), dtype=torch.int64, device=logits_TE.device))
 
+
+def topk_launch(E: int, k: int) -> dict:
+    """The constexprs and warps of a launch of ``topk_row`` (the warps set the order of the fp32 sums, so every kernel
+    that runs it uses these)."""
     EP = triton.next_power_of_2(E)
-    with device_guard(logits_TE.device):
-        _router_topk_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, E, k, RENORM=renorm, EP=EP,
-                                  KP=triton.next_power_of_2(k), num_warps=1 if EP <= 256 else 4)
-    return w_TK, ids_TK
+    return {"EP": EP, "KP": triton.next_power_of_2(k), "num_warps": 1 if EP <= 256 else 4}
 
 
 def router_topk_reference(logits_TE: torch.Tensor, k: int, renorm: bool, out_dtype: torch.dtype):

@@ -305,6 +305,16 @@ class OffloadMoeCache:
         compute aligns them itself)."""
         return self.decode.plan(layer, ids_TK, hidden_TH, align_block_m)
 
+    def decode_routes(self, T: int, K: int, E: int) -> bool:
+        """Whether ``decode_route`` serves a decode-path forward of T tokens at top-K over E router outputs."""
+        return self.decode.routes(T, K, E)
+
+    def decode_route(self, layer: int, logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype,
+                     align_block_m: int | None = None):
+        """``(w_TK, ids_TK, rows_TK, alignment)``: the router's softmax + top-k (+ renormalisation) and
+        ``decode_plan`` of its ids in one launch (``decode_path.DecodeResidency.route``)."""
+        return self.decode.route(layer, logits_TE, top_k, renorm, w_dtype, align_block_m)
+
     def decode_views(self) -> dict[str, torch.Tensor]:
         """Bank views ``[S + X, ...]`` of the pool (slots and scratch rows) that ``decode_rows`` index."""
         return self.pool.views()

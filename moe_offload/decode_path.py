@@ -76,6 +76,8 @@ class DecodeResidency:
         self._pending_event = streams.event()
         self._just_committed: set[int] = set()
         self.h2d = None  # the cache's H2DRows (set after hit-path resolution)
+        # one counter per layer for route()'s one-launch top-k + plan (kernels/decode_miss.py; 0 between launches)
+        self._route_done_L = torch.zeros(L, dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ in the step
     def host_rows(self, layer: int) -> torch.Tensor:
@@ -121,6 +123,29 @@ class DecodeResidency:
             self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
         self._record_T[lp] = T
         return rows_TK, alignment
+
+    def routes(self, T: int, K: int, E: int) -> bool:
+        """Whether ``route`` serves a step of T tokens at top-K over E router outputs (CUDA, the layer's own experts,
+        no lookahead, up to ``decode_miss.ROUTE_PLAN_MAX_PAIRS`` pairs)."""
+        from moe_offload.kernels.decode_miss import route_plan_applies
+
+        return (self.device.type == "cuda" and T <= self.max_tokens and E == self.store.num_experts
+                and route_plan_applies(T, K, E, self.lookahead is not None))
+
+    def route(self, layer: int, logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype,
+              align_block_m: int | None = None):
+        """``(w_TK, ids_TK, rows_TK, alignment)``: the router's top-k (``kernels/router.py``'s arithmetic) and ``plan`` of
+        its ids in one launch (``decode_miss.route_and_serve``), where ``routes`` says so."""
+        from moe_offload.kernels.decode_miss import route_and_serve
+
+        lp = self.pool.layer_pos[layer]
+        w_TK, ids_TK, plan = route_and_serve(logits_TE, top_k, renorm, w_dtype, self.pool.table_LE[lp],
+                                             self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
+                                             self._route_done_L[lp:lp + 1],
+                                             stats=(self.counts_LC[lp], self._record_dev[lp]),
+                                             align_block_m=align_block_m)
+        self._record_T[lp] = logits_TE.shape[0]
+        return w_TK, ids_TK, plan.rows_TK, plan.alignment
 
     def step_enqueued(self, tokens: int | None = None) -> None:
         """The step's last layer is enqueued: its routing record is complete once this event is.

@@ -46,6 +46,7 @@ class OffloadedExperts(nn.Module):
         self.prefill_compute = prefill_compute or compute
         self.reduce = reduce
         self.top_k = cache.store.geometry.top_k
+        self._routed = None  # (ids_TK, rows_TK, alignment) from ``route``, for the forward that takes those ids
 
     def extra_repr(self) -> str:
         return f"layer={self.layer_idx}, experts={self.cache.E}, compute={self.compute.name}"
@@ -80,20 +81,52 @@ class OffloadedExperts(nn.Module):
         out = self.reduce(out) if self.reduce is not None else out
         return out if residual_TH is None else residual_TH + out
 
+    def route(self, hidden_TH: torch.Tensor, logits_TE: torch.Tensor, top_k: int, renorm: bool,
+              w_dtype: torch.dtype):
+        """``(w_TK, ids_TK)`` of this layer's router (softmax, top-k, optional renormalisation, as
+        ``kernels/router.py``) for a forward on the fused decode path, with the misses' plan (and the tile kernels'
+        alignment) in the same launch; the next ``forward`` with these ids uses that plan. None where this does not
+        apply (the caller runs ``router_topk``): not CUDA, a staged forward, a padded prefill, the lookahead on,
+        the unfused decode compute, more than ``decode_miss.ROUTE_PLAN_MAX_PAIRS`` pairs."""
+        cache = self.cache
+        T, E = logits_TE.shape
+        src_T = cache.pad_src_N
+        if (not hidden_TH.is_cuda or not isinstance(self.decode_compute, DecodeCompute) or not self.decode_compute.fused
+                or top_k != self.top_k or not self.uses_decode_path(T)
+                or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
+            return None
+        self._begin_step(hidden_TH)
+        views = cache.decode_views()
+        block_m = self.decode_compute.align_block_m(hidden_TH, top_k, views)
+        w_TK, ids_TK, rows_TK, alignment = cache.decode_route(self.layer_idx, logits_TE, top_k, renorm, w_dtype,
+                                                              block_m)
+        self._routed = (ids_TK, rows_TK, alignment)
+        return w_TK, ids_TK
+
+    def _begin_step(self, hidden_TH) -> None:
+        """At the first MoE layer of an eager step: the step boundary (admissions), before any plan reads the table.
+        A captured step's boundary is its replayer's (Engine) job."""
+        eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
+        if eager and self.layer_idx == self.cache.layers[0]:
+            self.cache.step_boundary()
+
     def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK, residual_TH=None):
         cache = self.cache
         eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
         layers = cache.layers
-        src_T = cache.pad_src_N
-        if src_T is not None and src_T.shape[0] == topk_ids_TK.shape[0]:  # a padded prefill: pad rows route as
-            topk_ids_TK = topk_ids_TK.index_select(0, src_T)  # their sequence's last real row (prefill_graph.py)
-        if eager and self.layer_idx == layers[0]:
-            cache.step_boundary()  # a captured step's boundary is its replayer's (Engine) job
+        routed, self._routed = self._routed, None
         views = cache.decode_views()
         fused = isinstance(self.decode_compute, DecodeCompute)
-        block_m = self.decode_compute.align_block_m(hidden_TH, topk_ids_TK.shape[1], views) if fused else None
-        # the plan of the misses also groups the rows for the tile kernels, in its own launch
-        rows_TK, alignment = cache.decode_plan(self.layer_idx, topk_ids_TK, hidden_TH, block_m)
+        if routed is not None and routed[0] is topk_ids_TK:  # planned in the router's launch (``route``)
+            rows_TK, alignment = routed[1:]
+        else:
+            src_T = cache.pad_src_N
+            if src_T is not None and src_T.shape[0] == topk_ids_TK.shape[0]:  # a padded prefill: pad rows route as
+                topk_ids_TK = topk_ids_TK.index_select(0, src_T)  # their sequence's last real row (prefill_graph.py)
+            self._begin_step(hidden_TH)
+            block_m = self.decode_compute.align_block_m(hidden_TH, topk_ids_TK.shape[1], views) if fused else None
+            # the plan of the misses also groups the rows for the tile kernels, in its own launch
+            rows_TK, alignment = cache.decode_plan(self.layer_idx, topk_ids_TK, hidden_TH, block_m)
         args = (hidden_TH, rows_TK, topk_w_TK, views, cache.decode_num_rows)
         kw = {"alignment": alignment} if fused else {}
         out = self.decode_compute(*args, **kw) if residual_TH is None else self.decode_compute(

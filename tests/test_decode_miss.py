@@ -290,3 +290,63 @@ def test_serve_misses_plan_copies_the_misses_and_aligns_like_serve_misses():
     plan = serve_misses_plan(slot_of_E, ids, host_ER, pool_NR, S, SMALL_CHUNKS, align_block_m=16)
     assert torch.equal(plan.rows_TK, want) and torch.equal(pool_NR, ref_pool)
     assert plan.alignment is not None and plan.alignment.block_m == 16
+
+
+@settings(max_examples=30, deadline=None)
+@given(T=st.integers(1, 16), K=st.integers(1, 8), E=st.integers(8, 300), seed=st.integers(0, 2**16),
+       resident=st.floats(0, 1), n_stats=st.sampled_from([0, 3, 4]), block_m=st.sampled_from([None, 1, 16]),
+       renorm=st.booleans(), ties=st.booleans())
+def test_the_router_top_k_and_the_plan_in_one_launch_give_the_two_calls_results(T, K, E, seed, resident, n_stats,
+                                                                                block_m, renorm, ties):
+    """``route_and_serve`` (decode steps of up to 128 pairs: the top-k, the plan and the alignment in one launch, the
+    last program to finish planning) against ``router_topk`` then ``serve_misses_plan``: the same weights, ids,
+    rows, copies, pool, counts, record and alignment, bit for bit; its counter is back at 0 after each launch."""
+    from moe_offload.kernels.decode_miss import ROUTE_PLAN_MAX_PAIRS, route_and_serve, serve_misses_plan
+    from moe_offload.kernels.router import router_topk
+
+    if T * K > ROUTE_PLAN_MAX_PAIRS or K > E:
+        return
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen).to(torch.bfloat16)
+    if ties:  # equal logits: the lowest index wins, in both
+        logits[:, : E // 2] = logits[:, :1]
+    slot_of_E = torch.where(torch.rand(E, generator=gen) < resident, torch.randperm(E, generator=gen), -1).int()
+    host = torch.randint(0, 256, (E, 12), dtype=torch.uint8, generator=gen).to(DEVICE)
+    out = []
+    for fused in (True, False):
+        pool = torch.full((E + min(T * K, E), 12), POISON, dtype=torch.uint8, device=DEVICE)
+        stats = None
+        if n_stats:
+            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
+                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        args = (slot_of_E.to(DEVICE), host, pool, E)
+        if fused:
+            done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+            w, ids, plan = route_and_serve(logits.to(DEVICE), K, renorm, torch.bfloat16, *args[:3], E, done, stats,
+                                           block_m)
+            assert int(done) == 0
+        else:
+            w, ids = router_topk(logits.to(DEVICE), K, renorm, torch.bfloat16)
+            plan = serve_misses_plan(args[0], ids, *args[1:], stats=stats, align_block_m=block_m)
+        a = plan.alignment
+        n = int(a.num_padded_1) if a is not None else 0
+        out.append((w, ids, plan.rows_TK, pool, stats, n, a and a.sorted_ids_P[:n], a and a.block_row_B[:n // block_m]))
+    for got, want in zip(*out):
+        if isinstance(got, tuple):
+            assert all(torch.equal(g, x) for g, x in zip(got, want))
+        elif isinstance(got, torch.Tensor):
+            assert torch.equal(got, want)
+        else:
+            assert got == want
+
+
+def test_route_and_serve_names_what_it_does_not_take():
+    from moe_offload.kernels.decode_miss import route_and_serve
+
+    slot_of_E, ids, host_ER, pool_NR, S = setup(17, 8, 16, 40, [1, 3])
+    done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="136 pairs.*1..128 pairs.*router_topk and serve_misses_plan"):
+        route_and_serve(torch.randn(17, 16, device=DEVICE), 8, True, torch.float32, slot_of_E, host_ER, pool_NR, S, done)
+    with pytest.raises(ValueError, match="done_1 must be an int32"):
+        route_and_serve(torch.randn(2, 16, device=DEVICE), 8, True, torch.float32, slot_of_E, host_ER, pool_NR, S,
+                        done.long())

@@ -228,6 +228,16 @@ for EB, MC, MP, stats in ((128, 32, 16, 4), (128, 32, 512, 4), (512, 8, 128, 0))
           "block_row_ptr", "num_padded_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64", "key_ptr": "*i64",
           **i32(["M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
           {"EB": EB, "MC": MC, "STATS": stats, "BLOCK_M": 16, "MP": MP}, num_warps=4)
+for EP, KP, EB, MC, MP, align, warps in ((128, 8, 128, 8, 16, False, 1), (128, 8, 128, 8, 128, True, 1),
+                                          (512, 8, 512, 8, 128, True, 4)):  # top-k + plan (+ alignment), one launch
+    ptx = build(dm._route_plan_kernel, {"logits_ptr": "*bf16", "stride_t": "i32", "w_ptr": "*bf16", "ids_ptr": "*i64",
+                **i32(["done_ptr", "slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "sorted_ids_ptr",
+                "block_row_ptr", "num_padded_ptr"], "*i32"), "stats_ptr": "*i64", "key_ptr": "*i64",
+                **i32(["K", "M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
+                {"RENORM": True, "EP": EP, "KP": KP, "EB": EB, "MC": MC, "STATS": 4, "ALIGN": align, "BLOCK_M": 16,
+                 "MP": MP}, num_warps=warps)
+    out.setdefault("route_plan_acq_rel", []).append(len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel(?:\.gpu)?\.add", ptx)))
+    out.setdefault("route_plan_volatile_ids", []).append(len(re.findall(r"ld\.volatile\.global\.(?:v2\.)?b64", ptx)))
 ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),
             **i32(["row_words", "src_stride_v", "dst_stride_v", "scratch_base", "chunks"], "i32")},
             {"BLOCK": 4096, "VEC": 4}, attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}, num_warps=4)
@@ -271,6 +281,8 @@ def test_decode_kernels_compile_for_sm90_with_16_byte_copies(compiled_without_in
 
     out = compiled_without_interpreter(_COMPILE_SM90)
     result = json.loads(out)
+    # the last program of the one-launch top-k + plan acquires the others' ids: an acq_rel counter, ids read past L1
+    assert all(n >= 1 for n in result["route_plan_acq_rel"]) and all(n >= 1 for n in result["route_plan_volatile_ids"])
     # 4096 int32 words per item over 128 threads: 8 vector loads of 16 bytes per thread
     assert result["copy_v4_loads"] == 8
     # the register cap is passed to ptxas only when a table sets it

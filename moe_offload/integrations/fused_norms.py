@@ -147,11 +147,16 @@ ROUTERS = {"Qwen3MoeTopKRouter": (True, False), "Qwen3NextTopKRouter": (True, Fa
 
 def fuse_routers(model: torch.nn.Module) -> int:
     """Give every listed router module of ``model`` a forward whose softmax + top-k + renormalization
-    is one kernel (``kernels/router.py``) on CUDA; the logits stay ``F.linear``. Returns how many."""
+    is one kernel (``kernels/router.py``) on CUDA; the logits stay ``F.linear``. Where the router's MoE block
+    holds ``OffloadedExperts`` (``gate`` beside ``experts``), a forward on their fused decode path runs that kernel and
+    the misses' plan in one launch (``OffloadedExperts.route``). Returns how many."""
     import torch.nn.functional as F
 
+    from moe_offload.experts import OffloadedExperts
     from moe_offload.kernels.router import router_topk
 
+    experts_of = {id(block.gate): block.experts for block in model.modules()
+                  if isinstance(getattr(block, "experts", None), OffloadedExperts) and hasattr(block, "gate")}
     n = 0
     for module in model.modules():
         kind = ROUTERS.get(type(module).__name__)
@@ -161,11 +166,15 @@ def fuse_routers(model: torch.nn.Module) -> int:
         renorm = always or bool(getattr(module, "norm_topk_prob", False))
         original = type(module).forward.__get__(module)
 
-        def forward(hidden_states, _m=module, _cast=cast, _renorm=renorm, _original=original):
+        def forward(hidden_states, _m=module, _cast=cast, _renorm=renorm, _original=original,
+                    _experts=experts_of.get(id(module))):
             if not hidden_states.is_cuda:
                 return _original(hidden_states)
-            logits_TE = F.linear(hidden_states.reshape(-1, _m.hidden_dim), _m.weight)
-            w_TK, ids_TK = router_topk(logits_TE, _m.top_k, _renorm, logits_TE.dtype if _cast else torch.float32)
+            x = hidden_states.reshape(-1, _m.hidden_dim)
+            logits_TE = F.linear(x, _m.weight)
+            w_dtype = logits_TE.dtype if _cast else torch.float32
+            routed = None if _experts is None else _experts.route(x, logits_TE, _m.top_k, _renorm, w_dtype)
+            w_TK, ids_TK = routed if routed is not None else router_topk(logits_TE, _m.top_k, _renorm, w_dtype)
             return logits_TE, w_TK, ids_TK
 
         module.forward = forward

@@ -47,6 +47,32 @@ def test_graph_replayed_decode_equals_eager_decode_bitwise_while_residency_chang
     assert np.array_equal(eng.cache.pool.table_LE.cpu().numpy(), eng.cache.pool.slot_of_LE)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_router_s_top_k_and_the_miss_plan_in_one_launch_change_no_bit(tiny_ckpt, monkeypatch, batch):
+    """``OffloadedExperts.route`` (top-k + plan, and at batch 4 the tile kernels' alignment, in one launch) against
+    ``router_topk`` then the plan's own launch: the same logits at every step, bit for bit, eager and replayed, while
+    admissions change the residency; the same counts."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    prompt = [list(range(10 + b, 42 + b)) for b in range(batch)]
+    runs, counts = [], []
+    for one_launch in (True, False):
+        eng = _engine(path, "cache.budget=8 slots", "prefill.cuda_graphs=false")
+        calls = []
+        real = eng.cache.decode_route
+        monkeypatch.setattr(eng.cache, "decode_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+        if not one_launch:
+            monkeypatch.setattr(eng.cache, "decode_routes", lambda *a: False)
+        eng.cache.reset()
+        runs.append([_run(StaticDecoder(eng, batch, 64, graphs=g), prompt, 6) for g in (False, True)])
+        counts.append(eng.cache.decode.counts())
+        assert bool(calls) == one_launch
+        monkeypatch.undo()
+    for graphs in (0, 1):
+        for i, (a, b) in enumerate(zip(runs[0][graphs], runs[1][graphs])):
+            assert torch.equal(a, b), f"graphs={graphs} step {i} differs"
+    assert counts[0] == counts[1]
+
+
 def test_a_steady_state_decode_step_makes_no_host_sync(tiny_ckpt):
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37")
     dec = StaticDecoder(eng, 1, 64, graphs=False)

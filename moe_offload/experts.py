@@ -91,13 +91,14 @@ class OffloadedExperts(nn.Module):
         cache = self.cache
         T, E = logits_TE.shape
         src_T = cache.pad_src_N
-        if (not hidden_TH.is_cuda or not isinstance(self.decode_compute, DecodeCompute) or not self.decode_compute.fused
+        dc = self.decode_compute
+        if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.one_launch_plan)
                 or top_k != self.top_k or not self.uses_decode_path(T)
                 or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
             return None
         self._begin_step(hidden_TH)
         views = cache.decode_views()
-        block_m = self.decode_compute.align_block_m(hidden_TH, top_k, views)
+        block_m = dc.align_block_m(hidden_TH, top_k, views)
         w_TK, ids_TK, rows_TK, alignment = cache.decode_route(self.layer_idx, logits_TE, top_k, renorm, w_dtype,
                                                               block_m)
         self._routed = (ids_TK, rows_TK, alignment)

@@ -22,11 +22,14 @@ KERNELS = ("auto", "gemv", "tiles")
 class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
-    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto"):
+    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", one_launch_plan: bool = True):
+        """``one_launch_plan`` (``compute.fused_route_plan``): the fused kernels take the rows grouped by the miss plan's
+        launch (``align_block_m``), and ``OffloadedExperts.route`` runs the router's top-k in it too."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
         self.kernel = kernel
+        self.one_launch_plan = one_launch_plan
         if fused and fmt.is_quantized and device.type == "cuda":
             from moe_offload.compute import nvfp4_kernels_usable
 
@@ -53,7 +56,7 @@ class DecodeCompute:
     def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
         (what the miss plan may align them to in its own launch), or None where it groups nothing."""
-        if not self.fused:
+        if not (self.fused and self.one_launch_plan):
             return None
         dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
         if self.pick(dev, T, K, H, I) == "gemv":

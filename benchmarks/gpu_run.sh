@@ -5,7 +5,9 @@
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
 #           retune_aligned decode_split attn_sweep decode_ab set_ab
 # set_ab: the fused small ops' GPU tests, then bench decode with --set SET_AB and with its opposite (SET_AB_OFF,
-# default SET_AB's =true as =false; e.g. SET_AB=compute.fused_qk_rope=true, ~4 min after the machine starts).
+# default SET_AB's =true as =false; e.g. SET_AB=compute.fused_qk_rope=true, ~4 min after the machine starts);
+# AB_TESTS replaces its GPU test files (e.g. for compute.fused_route_plan: "tests/gpu/test_decode_gpu.py
+# tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_fused_small_ops_gpu.py").
 # Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,
 # KV-write and serving-graph tests, benchmarks/decode_attention.py (per layer in CUDA graphs), then bench decode at
@@ -206,8 +208,8 @@ if has decode_ab; then  # bench decode with the tree, then with AB_FILES as of A
 fi
 if has set_ab; then  # bench decode with SET_AB (e.g. "compute.fused_qk_rope=true"), then without, same machine, back to
   # back, after the GPU tests of the fused small ops; AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1 min per side after a build
-  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider tests/gpu/test_fused_residuals_gpu.py \
-    tests/gpu/test_fused_small_ops_gpu.py > "$RES/pytest_set_ab.log" 2>&1
+  timeout 180 python3 -m pytest -m gpu -q -p no:cacheprovider ${AB_TESTS:-tests/gpu/test_fused_residuals_gpu.py \
+    tests/gpu/test_fused_small_ops_gpu.py} > "$RES/pytest_set_ab.log" 2>&1
   # the off side sets SET_AB_OFF, by default SET_AB with =true turned into =false (a default that is now on, e.g.
   # compute.fused_qk_rope since 8eb2030, must be turned off explicitly); without either it runs the defaults
   off="${SET_AB_OFF:-${SET_AB/=true/=false}}"; [[ $off == "$SET_AB" ]] && off=""

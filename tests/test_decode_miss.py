@@ -195,6 +195,14 @@ def test_copy_words_follow_the_alignment_of_every_row_start(B, word, vec):
     assert (got_word, got_vec) == (word, vec) and dtype == (torch.int32 if word == 4 else torch.uint8)
 
 
+def _fresh_stats(n_stats: int, T: int, K: int):
+    """``(counters, record)`` for a plan's STATS (None for 0 counters), with contents a kernel must add to / overwrite."""
+    if not n_stats:
+        return None
+    return (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
+            torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+
+
 def _plan_both(slot_of_E, ids, E, scratch_base, n_stats, pf_row_E):
     """The plan of the register kernel and of the workspace kernel, each from the same counters and record."""
     from moe_offload.kernels.decode_miss import plan_misses
@@ -204,10 +212,7 @@ def _plan_both(slot_of_E, ids, E, scratch_base, n_stats, pf_row_E):
     pool = torch.zeros((scratch_base + min(T * K, E), 4), dtype=torch.uint8, device=DEVICE)
     out = []
     for registers in (True, False):
-        stats = None
-        if n_stats:
-            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
-                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        stats = _fresh_stats(n_stats, T, K)
         plan = plan_misses(slot_of_E, ids, host, pool, scratch_base, stats, pf_row_E, registers=registers)
         count = int(plan.num_missing_1)
         out.append((plan.rows_TK, plan.miss_experts_X[:count], count, stats))
@@ -261,10 +266,7 @@ def test_the_plan_with_the_alignment_in_its_launch_gives_the_plan_and_decode_ali
     pool = torch.zeros((scratch_base + min(T * K, E) + 3, 4), dtype=torch.uint8, device=DEVICE)
     out = []
     for fused in (True, False):
-        stats = None
-        if n_stats:
-            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
-                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        stats = _fresh_stats(n_stats, T, K)
         plan = plan_misses(slot_of_E.to(DEVICE), ids.to(DEVICE), host, pool, scratch_base, stats,
                            align_block_m=block_m if fused else None)
         assert (plan.alignment is not None) == fused
@@ -315,10 +317,7 @@ def test_the_router_top_k_and_the_plan_in_one_launch_give_the_two_calls_results(
     out = []
     for fused in (True, False):
         pool = torch.full((E + min(T * K, E), 12), POISON, dtype=torch.uint8, device=DEVICE)
-        stats = None
-        if n_stats:
-            stats = (torch.arange(n_stats, dtype=torch.int64, device=DEVICE) * 10,
-                     torch.full((T + 1, K), -7, dtype=torch.int32, device=DEVICE))
+        stats = _fresh_stats(n_stats, T, K)
         args = (slot_of_E.to(DEVICE), host, pool, E)
         if fused:
             done = torch.zeros(1, dtype=torch.int32, device=DEVICE)

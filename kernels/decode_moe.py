@@ -190,6 +190,7 @@ def decode_moe_nvfp4(
     config: FusedMoeConfig | None = None,
     residual_TH: torch.Tensor | None = None,
     alignment: MoeAlignment | None = None,
+    x_split: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
 
@@ -206,9 +207,12 @@ def decode_moe_nvfp4(
             roundings, added by the sum over K (``moe_sum.py``; no launch of its own).
         alignment: ``rows_TK`` already grouped in blocks of ``config.block_m`` over the N rows (e.g. by the miss
             plan's launch, ``decode_miss.serve_misses_plan``); default: ``decode_align`` here.
+        x_split: with swapped tiles (``config.swap_ab``), ``hidden_TH`` already in their split layout
+            (``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``, e.g. written by the norm kernel
+            before the MoE); default: that copy here. Ignored by the other tiles.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
-                     residual_TH, alignment)
+                     residual_TH, alignment, x_split)

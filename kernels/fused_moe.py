@@ -278,12 +278,13 @@ def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, i
 
 
 def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align,
-              residual_TH=None, alignment: MoeAlignment | None = None) -> torch.Tensor:
+              residual_TH=None, alignment: MoeAlignment | None = None, x_split=None) -> torch.Tensor:
     """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
     alignment (``align(rows_TK, N, block_m)``, or ``alignment`` when the caller made it already), the gate_up
     and down kernels, the fixed-order sum over K (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the
     residual, the decoder layer's roundings). ``default_config(device, H, I, pairs)`` gives the tiles when
-    ``config`` is None."""
+    ``config`` is None. ``x_split``: ``hidden_TH`` already in the swapped kernels' split layout (see
+    ``kernel_calls``)."""
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
@@ -299,7 +300,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     weights_M = weights_TK.reshape(-1).contiguous()  # read in its own dtype, fp32 in the kernel: no cast launch
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config)
+    gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split)
     gate_up()
     down()
     if K == 1 and residual_TH is None:
@@ -316,10 +317,13 @@ def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> M
     return alignment
 
 
-def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig):
+def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig,
+                 x_split=None):
     """``(gate_up, down)``: the two kernel launches of a fused-MoE call as closures over their intermediate
     buffer (``run_fused`` calls both in order; the tuners time each alone). ``config.swap_ab`` picks the
-    kernels of ``fused_moe_swap.py`` (gate_up then also reorders the hidden states into its split layout)."""
+    kernels of ``fused_moe_swap.py`` (gate_up then also reorders the hidden states into its split layout, one copy,
+    unless ``x_split`` holds them so already: ``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``'s
+    values, e.g. written by the norm before the MoE, ``kernels/rmsnorm.py`` ``add_rms_norm_split``)."""
     M, H = terms_MH.shape
     I = views["w2_q"].shape[2] * 2
     dev = hidden_TH.device
@@ -332,9 +336,15 @@ def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH,
     dot = _dot_setup(hidden_TH.dtype, dev)
     act_split = swap.act_buffer(M, I, hidden_TH.dtype, dev, config.down.block_k)
 
+    if x_split is not None:
+        want = (hidden_TH.shape[0], swap.padded_cols(H, config.gate_up.block_k))
+        if tuple(x_split.shape) != want or x_split.stride(1) != 1 or x_split.dtype != hidden_TH.dtype:
+            raise ValueError(f"x_split is {tuple(x_split.shape)} {x_split.dtype}; the swapped gate_up kernel reads "
+                             f"{want} {hidden_TH.dtype} rows (split_columns(hidden_TH, {config.gate_up.block_k}))")
+
     def gate_up():
-        x_split = swap.split_columns(hidden_TH, config.gate_up.block_k)
-        swap.gate_up_silu_swap(x_split, views, alignment, act_split, topk, M, H, I, config, dot)
+        xs = swap.split_columns(hidden_TH, config.gate_up.block_k) if x_split is None else x_split
+        swap.gate_up_silu_swap(xs, views, alignment, act_split, topk, M, H, I, config, dot)
 
     return gate_up, lambda: swap.down_weighted_swap(act_split, views, weights_M, alignment, terms_MH, I, config, dot)
 

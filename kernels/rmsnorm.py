@@ -58,8 +58,10 @@ if triton is not None:
 
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, H, x_stride, r_stride, eps,
-                             ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, split_ptr, H, x_stride, r_stride, eps,
+                             ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+        """SPLIT_K > 0: the normalized row is also stored at ``split_ptr`` in ``fused_moe_swap.split_columns``'
+        layout for chunks of SPLIT_K columns (H a multiple of SPLIT_K): each chunk's even columns, then its odd."""
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -71,6 +73,9 @@ if triton is not None:
         y = normalized(hf, inverse_rms(hf, H, eps), tl.load(w_ptr + offs, mask=mask, other=0.0), ONE_PLUS,
                         out_ptr.dtype.element_ty)
         tl.store(out_ptr + row * H + offs, y, mask=mask)
+        if SPLIT_K > 0:
+            j = offs % SPLIT_K
+            tl.store(split_ptr + row * H + offs - j + (j % 2) * (SPLIT_K // 2) + j // 2, y, mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: str) -> int:
@@ -94,23 +99,36 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """``(h, rms_norm(h))`` with ``h = residual + x`` rounded to ``x.dtype``, in one launch: a decoder layer's
     residual add and the next norm (``h`` is the new residual stream). Same bits as the add followed by
     ``rms_norm``. ``x`` and ``residual``: the same shape ``[..., H]`` and dtype."""
+    h, out, _ = add_rms_norm_split(x, residual, weight, eps, scale)
+    return h, out
+
+
+def add_rms_norm_split(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       scale: str = "weight", split_k: int | None = None):
+    """``(h, normed, normed_split)``: ``add_rms_norm``, and with ``split_k`` (H a multiple of it) the normed rows also
+    in ``fused_moe_swap.split_columns(normed_rows, split_k)``'s layout (``[rows, H]``; the swapped MoE kernels'
+    activations), written by the same launch, bit for bit what that copy gives; else ``normed_split`` is None."""
     H = _check(x, weight, scale)
+    if split_k is not None and (split_k < 2 or split_k & (split_k - 1) or H % split_k):
+        raise ValueError(f"split_k={split_k}: must be a power of two >= 2 that divides H={H}")
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} must match x "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    split = None if split_k is None else torch.empty((x.numel() // max(H, 1), H), dtype=x.dtype, device=x.device)
     if x.numel() == 0:
-        return h, out
+        return h, out, split
     x2, r2 = (_rows(t, H) for t in (x, residual))
     from moe_offload.kernels.nvfp4 import device_guard
 
     block = triton.next_power_of_2(H)
     with device_guard(x.device):
-        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, h, out, H, x2.stride(0), r2.stride(0), float(eps),
-                                             ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
-                                             num_warps=num_warps(block), **LAUNCH_OPTIONS)
-    return h, out
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, h, out, out if split is None else split, H, x2.stride(0),
+                                             r2.stride(0), float(eps), ONE_PLUS=scale == "one_plus_weight",
+                                             BLOCK=block, SPLIT_K=split_k or 0, num_warps=num_warps(block),
+                                             **LAUNCH_OPTIONS)
+    return h, out, split
 
 
 def num_warps(block: int) -> int:

@@ -62,10 +62,12 @@ class OffloadedExperts(nn.Module):
         return self.reduce is not None or self.cache.store.tp_size == 1
 
     def forward(self, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                residual_TH: torch.Tensor | None = None) -> torch.Tensor:
+                residual_TH: torch.Tensor | None = None, x_split_TH: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, H]``; with ``residual_TH`` (``[T, H]``, the decoder layer's residual stream) ``residual_TH + out``
         rounded as the layer's own add would be. On the decode path of one rank with the fused decode compute the
-        add happens inside the MoE's last launch (``kernels/moe_sum.py``); elsewhere it is a torch add."""
+        add happens inside the MoE's last launch (``kernels/moe_sum.py``); elsewhere it is a torch add.
+        ``x_split_TH``: ``hidden_TH`` in the layout ``split_block_k`` named (the norm kernel wrote it), used by the
+        swapped tile kernels on the decode path, ignored elsewhere."""
         T = hidden_TH.shape[0]
         if residual_TH is not None and not self.adds_residual:
             raise ValueError(f"layer {self.layer_idx}: a residual_TH with experts sharded over "
@@ -74,8 +76,8 @@ class OffloadedExperts(nn.Module):
         self.cache.observe_routing(self.layer_idx, top_k_index)
         if self.uses_decode_path(T):
             if residual_TH is not None and self.reduce is None and isinstance(self.decode_compute, DecodeCompute):
-                return self._decode(hidden_TH, top_k_index, top_k_weights, residual_TH)
-            out = self._decode(hidden_TH, top_k_index, top_k_weights)
+                return self._decode(hidden_TH, top_k_index, top_k_weights, residual_TH, x_split_TH)
+            out = self._decode(hidden_TH, top_k_index, top_k_weights, x_split_TH=x_split_TH)
         else:
             out = self._prefill(hidden_TH, top_k_index, top_k_weights)
         out = self.reduce(out) if self.reduce is not None else out
@@ -92,7 +94,7 @@ class OffloadedExperts(nn.Module):
         T, E = logits_TE.shape
         src_T = cache.pad_src_N
         dc = self.decode_compute
-        if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.one_launch_plan)
+        if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.fused_prologue)
                 or top_k != self.top_k or not self.uses_decode_path(T)
                 or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
             return None
@@ -104,6 +106,15 @@ class OffloadedExperts(nn.Module):
         self._routed = (ids_TK, rows_TK, alignment)
         return w_TK, ids_TK
 
+    def split_block_k(self, hidden_TH: torch.Tensor) -> int | None:
+        """For the decoder layer's norm before this MoE (``integrations/fused_norms.py``): the K chunk in which a
+        forward of ``hidden_TH`` ([T, H]) wants its activations split as well (the swapped tile kernels on the fused
+        decode path, ``DecodeCompute.split_block_k``), else None."""
+        dc = self.decode_compute
+        if not (hidden_TH.is_cuda and isinstance(dc, DecodeCompute) and self.uses_decode_path(hidden_TH.shape[0])):
+            return None
+        return dc.split_block_k(hidden_TH, self.top_k, self.cache.decode_views())
+
     def _begin_step(self, hidden_TH) -> None:
         """At the first MoE layer of an eager step: the step boundary (admissions), before any plan reads the table.
         A captured step's boundary is its replayer's (Engine) job."""
@@ -111,7 +122,7 @@ class OffloadedExperts(nn.Module):
         if eager and self.layer_idx == self.cache.layers[0]:
             self.cache.step_boundary()
 
-    def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK, residual_TH=None):
+    def _decode(self, hidden_TH, topk_ids_TK, topk_w_TK, residual_TH=None, x_split_TH=None):
         cache = self.cache
         eager = not (hidden_TH.is_cuda and torch.cuda.is_current_stream_capturing())
         layers = cache.layers
@@ -129,7 +140,7 @@ class OffloadedExperts(nn.Module):
             # the plan of the misses also groups the rows for the tile kernels, in its own launch
             rows_TK, alignment = cache.decode_plan(self.layer_idx, topk_ids_TK, hidden_TH, block_m)
         args = (hidden_TH, rows_TK, topk_w_TK, views, cache.decode_num_rows)
-        kw = {"alignment": alignment} if fused else {}
+        kw = {"alignment": alignment, "x_split": x_split_TH} if fused else {}
         out = self.decode_compute(*args, **kw) if residual_TH is None else self.decode_compute(
             *args, residual_TH=residual_TH, **kw)
         if eager and self.layer_idx == layers[-1]:

@@ -149,6 +149,23 @@ def test_decode_moe_takes_the_miss_plans_alignment_and_gives_the_same_bits(confi
         decode_moe_nvfp4(hidden, plan.rows_TK, weights, views, config=config, alignment=other)
 
 
+def test_the_swapped_tiles_take_split_activations_made_elsewhere_and_give_the_same_bits():
+    """``x_split`` (the norm kernel's copy in ``split_columns``' layout) stands in for the copy ``decode_moe_nvfp4``
+    would make: the same output, bit for bit; a wrong layout is refused by name."""
+    from moe_offload.kernels.fused_moe_swap import split_columns
+
+    T, K, N, H, I = 5, 3, 7, 64, 16
+    _, views = make_pool(N, H, I, seed=6)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    rows, weights = routing(T, K, N, "random", gen)
+    want = decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP)
+    x_split = split_columns(hidden, SWAP.gate_up.block_k)
+    assert torch.equal(decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split), want)
+    with pytest.raises(ValueError, match=r"x_split is \(5, 32\).*reads \(5, 64\)"):
+        decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split[:, :32])
+
+
 @pytest.mark.parametrize("T,K,N,block_m", [
     (13, 3, 9, 16),  # the sorted one-program alignment (T*K <= SORTED_ALIGN_MAX_PAIRS) ...
     (64, 8, 6200, 16),  # ... over a pool of thousands of rows (what a decode step aligns over), at its largest M

@@ -51,6 +51,26 @@ def test_add_rms_norm_reads_strided_rows_and_names_mismatches():
     assert h.shape == normed.shape == (0, 2, 64)
 
 
+@pytest.mark.parametrize("split_k", [2, 16, 64])
+@pytest.mark.parametrize("shape", [(3, 1, 64), (2, 5, 128), (1, 192)])
+def test_the_norm_also_writes_the_swapped_kernels_split_activations_bit_for_bit(split_k, shape):
+    """``add_rms_norm_split``: ``add_rms_norm``'s outputs, and the normed rows in ``split_columns``' layout, the same
+    bits as that copy (the swapped tile kernels' input); a chunk that does not divide H is refused by name."""
+    from moe_offload.kernels.fused_moe_swap import split_columns
+    from moe_offload.kernels.rmsnorm import add_rms_norm_split
+
+    gen = torch.Generator().manual_seed(split_k + sum(shape))
+    x, res = (torch.randn(*shape, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    w = torch.randn(shape[-1], generator=gen).to(DEVICE, torch.bfloat16)
+    h, normed, split = add_rms_norm_split(x, res, w, 1e-6, "weight", split_k)
+    want_h, want = add_rms_norm(x, res, w, 1e-6)
+    assert torch.equal(h, want_h) and torch.equal(normed, want)
+    assert torch.equal(split, split_columns(want.reshape(-1, shape[-1]), split_k))
+    assert add_rms_norm_split(x, res, w, 1e-6)[2] is None
+    with pytest.raises(ValueError, match="split_k=48: must be a power of two >= 2 that divides H"):
+        add_rms_norm_split(x, res, w, 1e-6, "weight", 48)
+
+
 @pytest.mark.parametrize("T, K, H", [(1, 8, 48), (5, 3, 80), (4, 1, 32)])
 def test_the_pair_sum_adds_the_residual_as_the_layer_does(T, K, H):
     gen = torch.Generator().manual_seed(T * K)

@@ -22,14 +22,15 @@ KERNELS = ("auto", "gemv", "tiles")
 class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
-    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", one_launch_plan: bool = True):
-        """``one_launch_plan`` (``compute.fused_route_plan``): the fused kernels take the rows grouped by the miss plan's
-        launch (``align_block_m``), and ``OffloadedExperts.route`` runs the router's top-k in it too."""
+    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_prologue: bool = True):
+        """``fused_prologue`` (``compute.fused_moe_prologue``): the fused kernels take the rows grouped by the miss plan's
+        launch (``align_block_m``), ``OffloadedExperts.route`` runs the router's top-k in it too, and the swapped tiles
+        take their split activations from the norm before the MoE (``split_block_k``)."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
         self.kernel = kernel
-        self.one_launch_plan = one_launch_plan
+        self.fused_prologue = fused_prologue
         if fused and fmt.is_quantized and device.type == "cuda":
             from moe_offload.compute import nvfp4_kernels_usable
 
@@ -56,7 +57,7 @@ class DecodeCompute:
     def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
         (what the miss plan may align them to in its own launch), or None where it groups nothing."""
-        if not (self.fused and self.one_launch_plan):
+        if not (self.fused and self.fused_prologue):
             return None
         dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
         if self.pick(dev, T, K, H, I) == "gemv":
@@ -68,16 +69,33 @@ class DecodeCompute:
 
         return decode_config_for(dev, H, I, T * K).block_m
 
-    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None, alignment=None):
+    def split_block_k(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
+        """The K chunk of the swapped tile kernels' split activation layout for ``hidden_TH`` ([T, H]) tokens at top-K
+        (``fused_moe_swap.split_columns``), where those kernels run and H is a whole number of chunks; else None."""
+        if not (self.fused and self.fused_prologue):
+            return None
+        dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
+        if self.pick(dev, T, K, H, I) == "gemv":
+            return None
+        from moe_offload.kernels.decode_moe import decode_config_for
+
+        config = decode_config_for(dev, H, I, T * K)
+        return config.gate_up.block_k if config.swap_ab and H % config.gate_up.block_k == 0 else None
+
+    def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None, alignment=None,
+                 x_split=None):
         """``out_TH``, or ``residual_TH + out_TH`` (rounded as the decoder layer's add) when a residual is given:
         the fused kernels add it in their last launch, the other computes with a torch add. ``alignment``: the
-        rows already grouped for the fused kernel (``align_block_m``; the miss plan's), else it groups them."""
+        rows already grouped for the fused kernel (``align_block_m``; the miss plan's), else it groups them.
+        ``x_split``: ``hidden_TH`` in the swapped tiles' split layout (``split_block_k``), else they copy it so."""
         T, K = rows_TK.shape
         if self.fused:
             H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
-            fn = self._gemv if self.pick(hidden_TH.device, T, K, H, I) == "gemv" else self._tiles
-            return fn(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype, residual_TH=residual_TH,
-                      alignment=alignment)
+            if self.pick(hidden_TH.device, T, K, H, I) == "gemv":
+                return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
+                                  residual_TH=residual_TH, alignment=alignment)
+            return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
+                               residual_TH=residual_TH, alignment=alignment, x_split=x_split)
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)

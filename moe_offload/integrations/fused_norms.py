@@ -73,7 +73,7 @@ def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
     Two launches fewer per layer and step, same roundings as the layer (bit-equal to the unfused fused-kernel
     path; see tests). Returns how many layers."""
     from moe_offload.experts import OffloadedExperts
-    from moe_offload.kernels.rmsnorm import add_rms_norm
+    from moe_offload.kernels.rmsnorm import add_rms_norm, add_rms_norm_split
 
     n = 0
     for layer in model.modules():
@@ -93,14 +93,18 @@ def fuse_residual_adds(model: torch.nn.Module, on_cpu: bool = False) -> int:
             if attn.dtype != hidden_states.dtype or _post.weight.dtype != attn.dtype:  # the layer's promotions
                 h = hidden_states + attn
                 return h + _layer.mlp(_post(h))
-            h, normed = add_rms_norm(attn, hidden_states, _post.weight, _eps, _scale)
             mlp = _layer.mlp
             experts = getattr(mlp, "experts", None)
             if type(mlp).__name__ == _block and isinstance(experts, OffloadedExperts) and experts.adds_residual:
-                B, S, H = normed.shape
+                B, S, H = attn.shape
+                # the swapped tile kernels' split activations written by the norm too (one copy launch fewer)
+                split_k = experts.split_block_k(attn.reshape(-1, H))
+                h, normed, x_split = add_rms_norm_split(attn, hidden_states, _post.weight, _eps, _scale, split_k)
                 x = normed.view(-1, H)
                 _, weights, ids = mlp.gate(x)
-                return experts(x, ids, weights, residual_TH=h.view(-1, H)).view(B, S, H)
+                kw = {} if x_split is None else {"x_split_TH": x_split}
+                return experts(x, ids, weights, residual_TH=h.view(-1, H), **kw).view(B, S, H)
+            h, normed = add_rms_norm(attn, hidden_states, _post.weight, _eps, _scale)
             return h + mlp(normed)
 
         layer.forward = forward

@@ -24,6 +24,30 @@ def test_add_rms_norm_gives_the_bits_of_the_bf16_add_then_the_norm():
     assert torch.equal(h, res + x) and torch.equal(normed, rms_norm(res + x, w, 1e-6))
 
 
+@pytest.mark.parametrize("split_k", [128, 256])
+def test_the_norms_split_activations_are_the_copys_bits_and_feed_the_swapped_tiles_unchanged(split_k):
+    """``add_rms_norm_split`` at the real hidden size: the split rows are ``split_columns``' bits, and the swapped
+    decode tiles give the same output from them as from their own copy."""
+    from moe_offload.kernels.decode_moe import decode_moe_nvfp4
+    from moe_offload.kernels.fused_moe_swap import split_columns
+    from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles
+    from moe_offload.kernels.rmsnorm import add_rms_norm_split
+    from test_decode_moe import make_pool, routing
+
+    T, K, N, H, I = 16, 8, 40, 2048, 128
+    gen = torch.Generator(device="cuda").manual_seed(split_k)
+    x, res = (torch.randn(T, H, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    w = torch.randn(H, device="cuda", generator=gen).bfloat16()
+    h, normed, split = add_rms_norm_split(x, res, w, 1e-6, "weight", split_k)
+    assert torch.equal(split, split_columns(normed, split_k))
+    _, views = make_pool(N, H, I, seed=3)
+    rows, weights = routing(T, K, N, "random", torch.Generator().manual_seed(4))
+    config = FusedMoeConfig(16, KernelTiles(32, split_k, group_m=1, num_warps=2), KernelTiles(64, 128, group_m=1),
+                            swap_ab=True)
+    want = decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h)
+    assert torch.equal(decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h, x_split=split), want)
+
+
 @pytest.mark.parametrize("kernel", ["tiles", "gemv", "gemv-pair-down"])
 def test_the_decode_kernels_residual_add_gives_the_bits_of_the_layers_bf16_add(kernel):
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4

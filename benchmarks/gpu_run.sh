@@ -6,7 +6,7 @@
 #           retune_aligned decode_split attn_sweep decode_ab set_ab
 # set_ab: the fused small ops' GPU tests, then bench decode with --set SET_AB and with its opposite (SET_AB_OFF,
 # default SET_AB's =true as =false; e.g. SET_AB=compute.fused_qk_rope=true, ~4 min after the machine starts);
-# AB_TESTS replaces its GPU test files (e.g. for compute.fused_moe_prologue: "tests/gpu/test_decode_gpu.py
+# AB_TESTS replaces its GPU test files (e.g. for compute.fused_moe_launches: "tests/gpu/test_decode_gpu.py
 # tests/gpu/test_decode_kernels_gpu.py tests/gpu/test_fused_small_ops_gpu.py").
 # Only a few files under $OUT come back per call (at b18b0cc a 9th plain file was left out, "count"): stages tar into results.tgz.
 # decode_attn: compute.decode_attention sdpa vs triton (kernels/decode_attention.py): its GPU test, the decode kernel,

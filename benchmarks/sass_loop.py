@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 
-def compile_kernel(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, maxnreg: int | None, aligned: bool):
+def compile_kernel(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: int, maxnreg: int | None, aligned: bool,
+                   fused_sum: bool = False):
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -41,8 +42,15 @@ def compile_kernel(kernel: str, bm: int, bn: int, bk: int, warps: int, stages: i
     if kernel == "gate_up":
         fn, sig = fs._gate_up_swap_kernel, {**gemm, "x_ptr": "*bf16", "stride_xt": "i32", "act_ptr": "*bf16", "TOPK": "i32"}
         consts["ACT_BLOCK_K"] = 256
+        if fused_sum:  # it zeroes the down launch's counters
+            sig.update({"cnt_ptr": "*i32", "n_cnt": "i32"})
+        consts["ZERO_BLOCK"] = 128 if fused_sum else 0
     else:
         fn, sig = fs._down_swap_kernel, {**gemm, "act_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "stride_om": "i32"}
+        if fused_sum:  # it sums each token's K terms in its epilogue (compute.fused_moe_launches)
+            sig.update({"cnt_ptr": "*i32", "final_ptr": "*bf16", "stride_ft": "i32", "res_ptr": "*bf16",
+                        "stride_rt": "i32", "TOPK": "i32"})
+        consts.update({"SUM_K": fused_sum, "RESIDUAL": fused_sum})
     names = fn.arg_names
     # stride_gn (fp32 elements) is 4 mod 16 on padded rows: never marked
     div = [n for n in names if n in sig and n != "stride_gn" and (sig[n].startswith("*") or n.startswith("stride") or n in ("H", "I"))]
@@ -77,9 +85,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--maxnreg", type=int, default=None)
     ap.add_argument("--unaligned", action="store_true")
+    ap.add_argument("--fused-sum", action="store_true", help="the forms that sum over K in the down launch (gate_up "
+                    "zeroes the counters, down sums finished tokens and adds the residual)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    k, triton = compile_kernel(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.maxnreg, not a.unaligned)
+    k, triton = compile_kernel(a.kernel, a.block_m, a.block_n, a.block_k, a.warps, a.stages, a.maxnreg, not a.unaligned,
+                               a.fused_sum)
     bindir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])

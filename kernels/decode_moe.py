@@ -191,6 +191,7 @@ def decode_moe_nvfp4(
     residual_TH: torch.Tensor | None = None,
     alignment: MoeAlignment | None = None,
     x_split: torch.Tensor | None = None,
+    sum_in_down: bool = True,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
 
@@ -210,9 +211,11 @@ def decode_moe_nvfp4(
         x_split: with swapped tiles (``config.swap_ab``), ``hidden_TH`` already in their split layout
             (``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``, e.g. written by the norm kernel
             before the MoE); default: that copy here. Ignored by the other tiles.
+        sum_in_down: with swapped tiles and K > 1 the down launch also sums each token's K terms (the program
+            storing a token's last term of a column tile sums them), the same bits as the sum launch False keeps.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
-                     residual_TH, alignment, x_split)
+                     residual_TH, alignment, x_split, sum_in_down)

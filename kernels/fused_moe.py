@@ -278,13 +278,15 @@ def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, i
 
 
 def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align,
-              residual_TH=None, alignment: MoeAlignment | None = None, x_split=None) -> torch.Tensor:
+              residual_TH=None, alignment: MoeAlignment | None = None, x_split=None,
+              sum_in_down: bool = False) -> torch.Tensor:
     """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
     alignment (``align(rows_TK, N, block_m)``, or ``alignment`` when the caller made it already), the gate_up
     and down kernels, the fixed-order sum over K (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the
     residual, the decoder layer's roundings). ``default_config(device, H, I, pairs)`` gives the tiles when
     ``config`` is None. ``x_split``: ``hidden_TH`` already in the swapped kernels' split layout (see
-    ``kernel_calls``)."""
+    ``kernel_calls``). ``sum_in_down``: with the swapped kernels and K > 1 the down launch also sums over K
+    (``fused_moe_swap.down_weighted_swap``'s ``sum_into``, the same bits): no sum launch."""
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
@@ -300,12 +302,16 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     weights_M = weights_TK.reshape(-1).contiguous()  # read in its own dtype, fp32 in the kernel: no cast launch
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
-    gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split)
+    out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
+    sum_into = (None, out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 else None
+    gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split, sum_into)
     gate_up()
     down()
+    if sum_into is not None:
+        return out_TH
     if K == 1 and residual_TH is None:
         return terms_MH
-    return sum_pairs(terms_MH, K, torch.empty((T, H), dtype=out_dtype, device=dev), residual_TH)
+    return sum_pairs(terms_MH, K, out_TH, residual_TH)
 
 
 def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> MoeAlignment | None:
@@ -318,12 +324,14 @@ def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> M
 
 
 def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH, topk: int, config: FusedMoeConfig,
-                 x_split=None):
+                 x_split=None, sum_into=None):
     """``(gate_up, down)``: the two kernel launches of a fused-MoE call as closures over their intermediate
     buffer (``run_fused`` calls both in order; the tuners time each alone). ``config.swap_ab`` picks the
     kernels of ``fused_moe_swap.py`` (gate_up then also reorders the hidden states into its split layout, one copy,
     unless ``x_split`` holds them so already: ``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``'s
-    values, e.g. written by the norm before the MoE, ``kernels/rmsnorm.py`` ``add_rms_norm_split``)."""
+    values, e.g. written by the norm before the MoE, ``kernels/rmsnorm.py`` ``add_rms_norm_split``). ``sum_into``
+    (swapped kernels only): ``(None, out_TH, residual_TH, K)``, the down launch sums over K into ``out_TH``
+    (``fused_moe_swap.down_weighted_swap``); its counters are made here."""
     M, H = terms_MH.shape
     I = views["w2_q"].shape[2] * 2
     dev = hidden_TH.device
@@ -342,11 +350,17 @@ def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH,
             raise ValueError(f"x_split is {tuple(x_split.shape)} {x_split.dtype}; the swapped gate_up kernel reads "
                              f"{want} {hidden_TH.dtype} rows (split_columns(hidden_TH, {config.gate_up.block_k}))")
 
+    counters = None
+    if sum_into is not None:
+        counters = swap.sum_counters(hidden_TH.shape[0], H, config, dev)
+        sum_into = (counters, *sum_into[1:])
+
     def gate_up():
         xs = swap.split_columns(hidden_TH, config.gate_up.block_k) if x_split is None else x_split
-        swap.gate_up_silu_swap(xs, views, alignment, act_split, topk, M, H, I, config, dot)
+        swap.gate_up_silu_swap(xs, views, alignment, act_split, topk, M, H, I, config, dot, counters)
 
-    return gate_up, lambda: swap.down_weighted_swap(act_split, views, weights_M, alignment, terms_MH, I, config, dot)
+    return gate_up, lambda: swap.down_weighted_swap(act_split, views, weights_M, alignment, terms_MH, I, config, dot,
+                                                    sum_into)
 
 
 def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:

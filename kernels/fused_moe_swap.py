@@ -102,7 +102,11 @@ def _gate_up_swap_kernel(
     M, H, I, TOPK, num_blocks_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT_BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0,
 ):
+    if ZERO_BLOCK:  # the down kernel's per-(token, column tile) counters start each call at 0 (SUM_K)
+        offs_c = tl.program_id(0) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(cnt_ptr + offs_c, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs_c < n_cnt)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -154,6 +158,8 @@ def _down_swap_kernel(
     M, H, I, num_blocks_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    cnt_ptr=None, final_ptr=None, stride_ft=0, res_ptr=None, stride_rt=0, TOPK=1,
+    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
@@ -183,6 +189,35 @@ def _down_swap_kernel(
     out = acc * tl.load(g_ptr + row * stride_gn + 2) * unshift(DOT_DTYPE != tl.float32) * route_w[None, :]
     out_ptrs = out_ptr + pair64[None, :] * stride_om + offs_n[:, None]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=valid_n[:, None] & valid_m[None, :])
+    if SUM_K:
+        _sum_finished_tokens(out_ptr, stride_om, cnt_ptr, final_ptr, stride_ft, res_ptr, stride_rt, pair64, valid_m,
+                             offs_n, valid_n, pid_n, tl.cdiv(H, BLOCK_N), TOPK, BLOCK_N, BLOCK_M, RESIDUAL)
+
+
+@triton.jit
+def _sum_finished_tokens(terms_ptr, stride_tm, cnt_ptr, final_ptr, stride_ft, res_ptr, stride_rt, pair64, valid_m,
+                         offs_n, valid_n, pid_n, NT, TOPK, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         RESIDUAL: tl.constexpr):
+    """``moe_sum._sum_pairs_kernel``'s work for the tokens whose K terms of this column tile are now all stored: the
+    program that stores a token's last term (a counter per (token, column tile) at ``cnt_ptr``, zeroed by the
+    gate_up launch of the same call) sums its K terms in k order in fp32 and rounds as ``moe_sum.store_out``, the
+    same bits. Its terms' stores, a barrier, then acq_rel counter atomics (release: stores before them are visible
+    to whoever acquires); after them a barrier, and the K terms read past L1 (volatile)."""
+    tl.debug_barrier()
+    token = pair64 // TOPK
+    done = tl.atomic_add(cnt_ptr + token * NT + pid_n, 1, mask=valid_m, sem="acq_rel", scope="gpu")
+    last = valid_m & (done == TOPK - 1)
+    tl.debug_barrier()
+    mask = valid_n[:, None] & last[None, :]
+    y = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k in range(0, TOPK):
+        y += tl.load(terms_ptr + (token * TOPK + k)[None, :] * stride_tm + offs_n[:, None], mask=mask, other=0.0,
+                     volatile=True).to(tl.float32)
+    out = y.to(final_ptr.dtype.element_ty)
+    if RESIDUAL:
+        res = tl.load(res_ptr + token[None, :] * stride_rt + offs_n[:, None], mask=mask, other=0.0)
+        out = (res.to(tl.float32) + out.to(tl.float32)).to(final_ptr.dtype.element_ty)
+    tl.store(final_ptr + token[None, :] * stride_ft + offs_n[:, None], out, mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,14 +246,19 @@ def act_buffer(M: int, I: int, dtype: torch.dtype, device, down_block_k: int) ->
 
 
 def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int, M: int, H: int, I: int,
-                      config, dot_setup) -> None:
+                      config, dot_setup, counters=None) -> None:
     """Kernel 1 (enqueue only): ``act[pair] = silu(gate @ x) * (up @ x)`` for every routed pair, written
-    in the down kernel's split layout; ``x_split = split_columns(hidden_TH, config.gate_up.block_k)``."""
+    in the down kernel's split layout; ``x_split = split_columns(hidden_TH, config.gate_up.block_k)``.
+    ``counters``: int32 the down kernel sums over K with (``down_weighted_swap``'s ``sum_into``), zeroed here."""
     q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
     tiles = config.gate_up
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
+    zero = {}
+    if counters is not None:
+        zero = {"cnt_ptr": counters, "n_cnt": counters.numel(),
+                "ZERO_BLOCK": max(128, triton.next_power_of_2(triton.cdiv(counters.numel(), grid[0])))}
     with device_guard(x_split.device):
         _gate_up_swap_kernel[grid](
             x_split, x_split.stride(0),
@@ -230,18 +270,34 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
             M, H, I, topk, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             ACT_BLOCK_K=config.down.block_k, EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision, **tiles.launch_options(),
+            INPUT_PRECISION=precision, **zero, **tiles.launch_options(),
         )
 
 
-def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_MH, I: int, config, dot_setup) -> None:
-    """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act[pair])``."""
+def sum_counters(T: int, H: int, config, device) -> torch.Tensor:
+    """The int32 counters ``down_weighted_swap`` sums over K with: one per (token, down column tile); any contents
+    (``gate_up_silu_swap`` zeroes them)."""
+    return torch.empty(max(T * triton.cdiv(H, config.down.block_n), 1), dtype=torch.int32, device=device)
+
+
+def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_MH, I: int, config, dot_setup,
+                       sum_into=None) -> None:
+    """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act[pair])``. ``sum_into``:
+    ``(counters, out_TH, residual_TH or None, K)``: the program that stores a token's last term of a column tile
+    also writes that tile of ``out_TH`` as ``moe_sum.sum_pairs(terms_MH, K, out_TH, residual_TH)`` would (same bits;
+    ``counters`` from ``sum_counters``, zeroed by this call's gate_up launch), so no sum launch follows."""
     q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
     M, H = terms_MH.shape
     tiles = config.down
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
+    summed = {}
+    if sum_into is not None:
+        counters, out_TH, residual_TH, K = sum_into
+        res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
+        summed = {"cnt_ptr": counters, "final_ptr": out_TH, "stride_ft": out_TH.stride(0), "res_ptr": res,
+                  "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
     with device_guard(act_split.device):
         _down_swap_kernel[grid](
             act_split, act_split.stride(0),
@@ -254,5 +310,5 @@ def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_M
             M, H, I, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **tiles.launch_options(),
+            **summed, **tiles.launch_options(),
         )

@@ -263,12 +263,13 @@ class ComputeConfig(_Strict):
     fused_qk_rope: bool = Field(True, description="with fused_norms, on CUDA: Qwen3-MoE's q/k RMSNorms, rotary and "
                                 "KV-cache write in one kernel over the decoder's static cache (kernels/qk_norm_rope.py; "
                                 "the same bits as the three kernels it replaces, on an H100 and in the CPU tests)")
-    fused_moe_prologue: bool = Field(True, description="on CUDA, the NVFP4 decode path's launches before the expert "
-                                     "GEMMs: the router's top-k, the miss plan and the tile kernels' alignment in one "
-                                     "launch (up to 128 routed pairs; above, the plan and the alignment in one), and, "
-                                     "with fused_norms, the swapped tiles' split copy of the hidden states written by the "
-                                     "norm before the MoE; the same bits as the launches false keeps "
-                                     "(kernels/decode_miss.py, kernels/rmsnorm.py; CPU tests; not yet timed on a GPU)")
+    fused_moe_launches: bool = Field(True, description="on CUDA, the NVFP4 decode path's MoE in fewer launches: the "
+                                     "router's top-k, the miss plan and the tile kernels' alignment in one (up to 128 "
+                                     "routed pairs; above, the plan and the alignment in one); with fused_norms the "
+                                     "swapped tiles' split activations written by the norm before the MoE; the sum over "
+                                     "K inside the swapped down launch. The same bits as the launches false keeps "
+                                     "(kernels/decode_miss.py, rmsnorm.py, fused_moe_swap.py; CPU tests; not yet timed "
+                                     "on a GPU)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

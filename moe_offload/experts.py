@@ -94,7 +94,7 @@ class OffloadedExperts(nn.Module):
         T, E = logits_TE.shape
         src_T = cache.pad_src_N
         dc = self.decode_compute
-        if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.fused_prologue)
+        if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.fused_launches)
                 or top_k != self.top_k or not self.uses_decode_path(T)
                 or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
             return None

@@ -149,6 +149,26 @@ def test_decode_moe_takes_the_miss_plans_alignment_and_gives_the_same_bits(confi
         decode_moe_nvfp4(hidden, plan.rows_TK, weights, views, config=config, alignment=other)
 
 
+@pytest.mark.parametrize("case", ["one-token-top8", "duplicate-row-in-a-token", "seventeen-tokens-odd-K",
+                                  "one-token-top1"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_swapped_down_launch_sums_over_k_with_the_sum_launchs_bits(case, residual):
+    """``sum_in_down`` (the program storing a token's last term of a column tile sums the K terms): the output of the
+    separate sum launch, bit for bit, with and without the residual, twice in a row on the same counters' memory
+    (gate_up zeroes them each call); K = 1 keeps its direct write."""
+    T, K, N, H, I, kind = CASES[case]
+    _, views = make_pool(N, H, I, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
+    res = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
+    rows, weights = routing(T, K, N, kind, gen)
+    for config in (SWAP, SWAP_CAPPED):
+        want = decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res, sum_in_down=False)
+        for _ in range(2):
+            got = decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res)
+            assert torch.equal(got, want)
+
+
 def test_the_swapped_tiles_take_split_activations_made_elsewhere_and_give_the_same_bits():
     """``x_split`` (the norm kernel's copy in ``split_columns``' layout) stands in for the copy ``decode_moe_nvfp4``
     would make: the same output, bit for bit; a wrong layout is refused by name."""
@@ -287,6 +307,11 @@ for cap in (None, 96):
     ptx = compile_kernel("gate_up", h200.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, cap, True)[0].asm["ptx"]
     out[f"swap_maxnreg_{cap}"] = re.findall(r"\.maxnreg (\d+)", ptx)
     out[f"swap_cp_async_16_{cap}"] = len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 0x10", ptx))
+# the down launch that sums over K: its counters' acq_rel atomics after a barrier, the other programs' terms read volatile
+d = h200.down
+ptx = compile_kernel("down", h200.block_m, d.block_n, d.block_k, d.num_warps, d.num_stages, None, True, True)[0].asm["ptx"]
+out["down_sum_acq_rel"] = len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel(?:\.gpu)?\.add", ptx))
+out["down_sum_volatile"] = len(re.findall(r"ld\.volatile\.global", ptx))
 print(json.dumps(out))
 '''
 
@@ -300,6 +325,7 @@ def test_decode_kernels_compile_for_sm90_with_16_byte_copies(compiled_without_in
     result = json.loads(out)
     # the last program of the one-launch top-k + plan acquires the others' ids: an acq_rel counter, ids read past L1
     assert all(n >= 1 for n in result["route_plan_acq_rel"]) and all(n >= 1 for n in result["route_plan_volatile_ids"])
+    assert result["down_sum_acq_rel"] >= 1 and result["down_sum_volatile"] >= 1
     # 4096 int32 words per item over 128 threads: 8 vector loads of 16 bytes per thread
     assert result["copy_v4_loads"] == 8
     # the register cap is passed to ptxas only when a table sets it

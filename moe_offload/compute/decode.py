@@ -22,15 +22,16 @@ KERNELS = ("auto", "gemv", "tiles")
 class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
-    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_prologue: bool = True):
-        """``fused_prologue`` (``compute.fused_moe_prologue``): the fused kernels take the rows grouped by the miss plan's
-        launch (``align_block_m``), ``OffloadedExperts.route`` runs the router's top-k in it too, and the swapped tiles
-        take their split activations from the norm before the MoE (``split_block_k``)."""
+    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True):
+        """``fused_launches`` (``compute.fused_moe_launches``): the fused kernels take the rows grouped by the miss plan's
+        launch (``align_block_m``), ``OffloadedExperts.route`` runs the router's top-k in it too, the swapped tiles
+        take their split activations from the norm before the MoE (``split_block_k``) and sum over K in their down
+        launch."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
         self.kernel = kernel
-        self.fused_prologue = fused_prologue
+        self.fused_launches = fused_launches
         if fused and fmt.is_quantized and device.type == "cuda":
             from moe_offload.compute import nvfp4_kernels_usable
 
@@ -57,7 +58,7 @@ class DecodeCompute:
     def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
         (what the miss plan may align them to in its own launch), or None where it groups nothing."""
-        if not (self.fused and self.fused_prologue):
+        if not (self.fused and self.fused_launches):
             return None
         dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
         if self.pick(dev, T, K, H, I) == "gemv":
@@ -72,7 +73,7 @@ class DecodeCompute:
     def split_block_k(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The K chunk of the swapped tile kernels' split activation layout for ``hidden_TH`` ([T, H]) tokens at top-K
         (``fused_moe_swap.split_columns``), where those kernels run and H is a whole number of chunks; else None."""
-        if not (self.fused and self.fused_prologue):
+        if not (self.fused and self.fused_launches):
             return None
         dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
         if self.pick(dev, T, K, H, I) == "gemv":
@@ -95,7 +96,8 @@ class DecodeCompute:
                 return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                   residual_TH=residual_TH, alignment=alignment)
             return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
-                               residual_TH=residual_TH, alignment=alignment, x_split=x_split)
+                               residual_TH=residual_TH, alignment=alignment, x_split=x_split,
+                               sum_in_down=self.fused_launches)
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)

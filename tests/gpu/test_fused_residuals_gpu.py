@@ -48,6 +48,38 @@ def test_the_norms_split_activations_are_the_copys_bits_and_feed_the_swapped_til
     assert torch.equal(decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h, x_split=split), want)
 
 
+@pytest.mark.parametrize("T", [4, 16, 64])
+def test_the_swapped_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_and_replayed(T):
+    """``sum_in_down`` at the real layer shape with the tuned swapped tiles: the programs of many CTAs race to store
+    each token's terms; the last one sums them. The output equals the separate sum launch's bit for bit, eagerly
+    three times and in a CUDA graph replayed three times (gate_up zeroes the counters on every replay)."""
+    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH, decode_moe_nvfp4, load_tuning
+    from test_decode_moe import make_pool, routing
+
+    K, N, H, I = 8, 96, 2048, 768
+    config = load_tuning(DECODE_TUNING_PATH).lookup("NVIDIA H200", H, I, T * K)
+    assert config.swap_ab
+    _, views = make_pool(N, H, I, seed=T)
+    gen = torch.Generator().manual_seed(T + 1)
+    hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    residual = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    rows, weights = routing(T, K, N, "random", gen)
+
+    def run(fused):
+        return decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=residual, sum_in_down=fused)
+
+    want = run(False)
+    for _ in range(3):
+        assert torch.equal(run(True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("kernel", ["tiles", "gemv", "gemv-pair-down"])
 def test_the_decode_kernels_residual_add_gives_the_bits_of_the_layers_bf16_add(kernel):
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4

@@ -412,7 +412,7 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
             _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
                                counts_3, record_MK, pf_arg, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=n_stats,
                                PF=pf_row_E is not None, DENSE=False, num_warps=4)
-    alignment = None if align_block_m is None else decode_align(rows_TK, N, align_block_m)
+    alignment = None if align_block_m is None or M == 0 else decode_align(rows_TK, N, align_block_m)
     return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
 
 

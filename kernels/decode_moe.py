@@ -192,6 +192,7 @@ def decode_moe_nvfp4(
     alignment: MoeAlignment | None = None,
     x_split: torch.Tensor | None = None,
     sum_in_down: bool = True,
+    x_split_block_k: int | None = None,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for decode-sized batches; no host sync, no bf16 weight copy.
 
@@ -209,13 +210,15 @@ def decode_moe_nvfp4(
         alignment: ``rows_TK`` already grouped in blocks of ``config.block_m`` over the N rows (e.g. by the miss
             plan's launch, ``decode_miss.serve_misses_plan``); default: ``decode_align`` here.
         x_split: with swapped tiles (``config.swap_ab``), ``hidden_TH`` already in their split layout
-            (``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``, e.g. written by the norm kernel
-            before the MoE); default: that copy here. Ignored by the other tiles.
+            (``fused_moe_swap.split_columns(hidden_TH, x_split_block_k)``, e.g. written by the norm kernel before
+            the MoE); ``x_split_block_k`` must be ``config.gate_up.block_k``. Default: that copy here. Ignored by the
+            other tiles.
         sum_in_down: with swapped tiles and K > 1 the down launch also sums each token's K terms (the program
-            storing a token's last term of a column tile sums them), the same bits as the sum launch False keeps.
+            storing a token's last term of a column tile sums them), the same bits as the sum launch False keeps;
+            on Triton < 3.5 the sum launch runs (one ``fused_moe_sum_unavailable`` event).
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` and ``terms [T*K, H]``.
     """
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
-                     residual_TH, alignment, x_split, sum_in_down)
+                     residual_TH, alignment, x_split, sum_in_down, x_split_block_k)

@@ -32,6 +32,8 @@ dot's left operand; what the H200 tables choose at every tuned size), through th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -279,14 +281,16 @@ def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, i
 
 def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_config, align,
               residual_TH=None, alignment: MoeAlignment | None = None, x_split=None,
-              sum_in_down: bool = False) -> torch.Tensor:
+              sum_in_down: bool = False, x_split_block_k: int | None = None) -> torch.Tensor:
     """The body shared by ``fused_moe_nvfp4`` and ``decode_moe.decode_moe_nvfp4``: input checks, the
     alignment (``align(rows_TK, N, block_m)``, or ``alignment`` when the caller made it already), the gate_up
     and down kernels, the fixed-order sum over K (``moe_sum.sum_pairs``; with ``residual_TH`` it also adds the
     residual, the decoder layer's roundings). ``default_config(device, H, I, pairs)`` gives the tiles when
-    ``config`` is None. ``x_split``: ``hidden_TH`` already in the swapped kernels' split layout (see
-    ``kernel_calls``). ``sum_in_down``: with the swapped kernels and K > 1 the down launch also sums over K
-    (``fused_moe_swap.down_weighted_swap``'s ``sum_into``, the same bits): no sum launch."""
+    ``config`` is None. ``x_split``: ``hidden_TH`` already in the swapped kernels' split layout for chunks of
+    ``x_split_block_k`` columns (see ``kernel_calls``). ``sum_in_down``: with the swapped kernels and K > 1 the down
+    launch also sums over K (``fused_moe_swap.down_weighted_swap``'s ``sum_into``, the same bits): no sum launch;
+    on a Triton that cannot (``fused_moe_swap.sum_in_down_supported``) the sum launch runs, with one
+    ``fused_moe_sum_unavailable`` event."""
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
@@ -303,7 +307,10 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
-    sum_into = (None, out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 else None
+    sum_into = (None, out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 and _sum_ok() else None
+    if x_split is not None and config.swap_ab and x_split_block_k != config.gate_up.block_k:
+        raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
+                         f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
     gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split, sum_into)
     gate_up()
     down()
@@ -312,6 +319,19 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     if K == 1 and residual_TH is None:
         return terms_MH
     return sum_pairs(terms_MH, K, out_TH, residual_TH)
+
+
+def _sum_ok() -> bool:
+    """``fused_moe_swap.sum_in_down_supported``, with one ``fused_moe_sum_unavailable`` event where not."""
+    from moe_offload.kernels import fused_moe_swap as swap  # it imports this module: imported at call time
+
+    ok, why = swap.sum_in_down_supported()
+    if not ok:
+        from moe_offload import log
+
+        log.log_once("fused_moe_sum_unavailable", "fused_moe_sum_unavailable", logging.WARNING, reason=why,
+                     fallback="the separate sum launch (kernels/moe_sum.py)", setting="compute.fused_moe_launches")
+    return ok
 
 
 def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> MoeAlignment | None:

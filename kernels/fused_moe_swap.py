@@ -274,6 +274,21 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
         )
 
 
+#: the first Triton whose tensor atomics hand every thread of a value the atomic's result (triton-lang/triton#7460,
+#: in 3.5): before it only the thread that ran the atomic saw it, and ``_sum_finished_tokens`` would lose tokens
+SUM_K_MIN_TRITON = (3, 5)
+
+
+def sum_in_down_supported() -> tuple[bool, str]:
+    """``(ok, why_not)``: whether this Triton compiles the down launch's sum over K correctly (``SUM_K_MIN_TRITON``)."""
+    version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:2] if p.isdigit())
+    if version >= SUM_K_MIN_TRITON:
+        return True, ""
+    need = ".".join(map(str, SUM_K_MIN_TRITON))
+    return False, (f"Triton {triton.__version__} gives a tensor atomic's result to one thread per value only; the sum "
+                   f"over K in the down launch needs Triton >= {need} (pip install -U triton)")
+
+
 def sum_counters(T: int, H: int, config, device) -> torch.Tensor:
     """The int32 counters ``down_weighted_swap`` sums over K with: one per (token, down column tile); any contents
     (``gate_up_silu_swap`` zeroes them)."""

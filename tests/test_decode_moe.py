@@ -180,10 +180,39 @@ def test_the_swapped_tiles_take_split_activations_made_elsewhere_and_give_the_sa
     hidden = torch.randn(T, H, generator=gen).to(DEVICE)
     rows, weights = routing(T, K, N, "random", gen)
     want = decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP)
-    x_split = split_columns(hidden, SWAP.gate_up.block_k)
-    assert torch.equal(decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split), want)
+    bk = SWAP.gate_up.block_k
+    x_split = split_columns(hidden, bk)
+    assert torch.equal(decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split,
+                                        x_split_block_k=bk), want)
     with pytest.raises(ValueError, match=r"x_split is \(5, 32\).*reads \(5, 64\)"):
-        decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split[:, :32])
+        decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=x_split[:, :32], x_split_block_k=bk)
+    with pytest.raises(ValueError, match="chunks of 16 columns, the swapped gate_up kernel reads chunks of 32"):
+        decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, x_split=split_columns(hidden, 16),
+                         x_split_block_k=16)
+
+
+def test_on_a_triton_before_3_5_the_sum_launch_runs_with_one_event(monkeypatch, caplog):
+    """Tensor atomics hand their result to every thread only from Triton 3.5: before it the swapped down launch does
+    not sum over K (that would lose tokens); the separate sum launch runs, the same bits, and one event says so."""
+    import logging
+
+    import triton
+
+    from moe_offload import log
+
+    T, K, N, H, I, kind = CASES["seventeen-tokens-odd-K"]
+    _, views = make_pool(N, H, I, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE)
+    rows, weights = routing(T, K, N, kind, gen)
+    want = decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP, sum_in_down=False)
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    log.reset_once_keys()
+    with caplog.at_level(logging.WARNING, logger=log.LOGGER_NAME):
+        for _ in range(2):
+            assert torch.equal(decode_moe_nvfp4(hidden, rows, weights, views, config=SWAP), want)
+    events = [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "fused_moe_sum_unavailable"]
+    assert len(events) == 1 and "3.5" in events[0].event_fields["reason"]
 
 
 @pytest.mark.parametrize("T,K,N,block_m", [

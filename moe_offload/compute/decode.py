@@ -32,6 +32,8 @@ class DecodeCompute:
         self.inner = inner
         self.kernel = kernel
         self.fused_launches = fused_launches
+        self._stats = None
+        self._sum_in_down = True  # this Triton sums over K in the swapped down launch (checked below when fused)
         if fused and fmt.is_quantized and device.type == "cuda":
             from moe_offload.compute import nvfp4_kernels_usable
 
@@ -41,11 +43,14 @@ class DecodeCompute:
         if self.fused:
             from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
             from moe_offload.kernels.decode_moe import decode_moe_nvfp4
+            from moe_offload.kernels.fused_moe_swap import sum_in_down_supported
 
             self._gemv, self._tiles = decode_gemv_nvfp4, decode_moe_nvfp4
+            self._sum_in_down = sum_in_down_supported()[0]
 
     def bind(self, stats) -> None:
         self.inner.bind(stats)
+        self._stats = stats
 
     def pick(self, device: torch.device, T: int, K: int, H: int, I: int) -> str:
         """``"gemv"`` or ``"tiles"`` for a call of T tokens, top-K, layer shape (H, I) on ``device``."""
@@ -95,9 +100,12 @@ class DecodeCompute:
             if self.pick(hidden_TH.device, T, K, H, I) == "gemv":
                 return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                   residual_TH=residual_TH, alignment=alignment)
+            if self.fused_launches and not self._sum_in_down and self._stats is not None and K > 1:
+                self._stats.declined["fused_moe_sum:triton_version"] += 1  # the kernel logs the event once
             return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                residual_TH=residual_TH, alignment=alignment, x_split=x_split,
-                               sum_in_down=self.fused_launches)
+                               sum_in_down=self.fused_launches,
+                               x_split_block_k=None if x_split is None else self.split_block_k(hidden_TH, K, views))
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}
         pair_rows_TK = torch.arange(T * K, device=rows_TK.device).view(T, K)

@@ -455,14 +455,16 @@ def test_a_decode_graph_capture_that_fails_runs_eagerly_with_one_event_a_count_a
     want = reference(tiny, "cache.budget=0.5")
     eng = _engine(tiny, "cache.budget=0.5")
     cache = eng.cache
-    real = cache.decode_plan
+    def failing_in_capture(real):
+        def call(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("operation not permitted when stream is capturing (injected)")
+            return real(*args, **kwargs)
+        return call
 
-    def decode_plan(*args, **kwargs):
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("operation not permitted when stream is capturing (injected)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(cache, "decode_plan", decode_plan)
+    # the plan runs in decode_route (compute.fused_moe_launches: with the router's top-k) or in decode_plan
+    for name in ("decode_plan", "decode_route"):
+        monkeypatch.setattr(cache, name, failing_in_capture(getattr(cache, name)))
     cache.reset()
     assert [r.token_ids for r in eng.generate_batch(BATCH, NEW_TOKENS)] == want["batch"]
     st = cache.stats()

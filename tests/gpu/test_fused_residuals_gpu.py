@@ -45,7 +45,8 @@ def test_the_norms_split_activations_are_the_copys_bits_and_feed_the_swapped_til
     config = FusedMoeConfig(16, KernelTiles(32, split_k, group_m=1, num_warps=2), KernelTiles(64, 128, group_m=1),
                             swap_ab=True)
     want = decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h)
-    assert torch.equal(decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h, x_split=split), want)
+    assert torch.equal(decode_moe_nvfp4(normed, rows, weights, views, config=config, residual_TH=h, x_split=split,
+                                        x_split_block_k=split_k), want)
 
 
 @pytest.mark.parametrize("T", [4, 16, 64])

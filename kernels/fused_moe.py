@@ -307,7 +307,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     # K == 1: pair id == token id, so the down kernel writes the output rows directly.
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
-    sum_into = (None, out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 and _sum_ok() else None
+    sum_into = (out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 and _sum_ok() else None
     if x_split is not None and config.swap_ab and x_split_block_k != config.gate_up.block_k:
         raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
                          f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
@@ -350,8 +350,8 @@ def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH,
     kernels of ``fused_moe_swap.py`` (gate_up then also reorders the hidden states into its split layout, one copy,
     unless ``x_split`` holds them so already: ``fused_moe_swap.split_columns(hidden_TH, config.gate_up.block_k)``'s
     values, e.g. written by the norm before the MoE, ``kernels/rmsnorm.py`` ``add_rms_norm_split``). ``sum_into``
-    (swapped kernels only): ``(None, out_TH, residual_TH, K)``, the down launch sums over K into ``out_TH``
-    (``fused_moe_swap.down_weighted_swap``); its counters are made here."""
+    (swapped kernels only): ``(out_TH, residual_TH, K)``, the down launch sums over K into ``out_TH``
+    (``fused_moe_swap.down_weighted_swap``), with counters made here."""
     M, H = terms_MH.shape
     I = views["w2_q"].shape[2] * 2
     dev = hidden_TH.device
@@ -373,7 +373,7 @@ def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH,
     counters = None
     if sum_into is not None:
         counters = swap.sum_counters(hidden_TH.shape[0], H, config, dev)
-        sum_into = (counters, *sum_into[1:])
+        sum_into = (counters, *sum_into)
 
     def gate_up():
         xs = swap.split_columns(hidden_TH, config.gate_up.block_k) if x_split is None else x_split

@@ -147,9 +147,13 @@ def _gate_up_kernel(
     x_odd_off,  # SPLIT_X: x is [2, T, H/2] (even columns, then odd), stride_xt = H/2; this is T * H/2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_X: tl.constexpr, SPLIT_ACT: tl.constexpr, PTX: tl.constexpr,
+    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
+    if ZERO_BLOCK:  # the per-pair down launch's (token, column tile) counters start each call at 0 (SUM_K)
+        offs_c = (pid_m * tl.num_programs(0) + pid_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        tl.store(cnt_ptr + offs_c, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs_c < n_cnt)
     if BLOCK_M == 1:
         row = tl.load(rows_ptr + pid_m)
         if (row < 0) | (row >= N):
@@ -273,6 +277,8 @@ def _down_pair_kernel(
     part_ptr,  # [M, H] f32: each pair's weighted down projection
     N, H, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
+    cnt_ptr=None, out_ptr=None, stride_ot=0, res_ptr=None, stride_rt=0, TOPK=1,
+    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -281,6 +287,9 @@ def _down_pair_kernel(
     row = tl.load(rows_ptr + m).to(tl.int64)
     if (row < 0) | (row >= N):  # a pair left out: its partial is 0 for the sum
         tl.store(part_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=offs_n < H)
+        if SUM_K:
+            _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n,
+                         tl.num_programs(0), TOPK, BLOCK_N, RESIDUAL)
         return
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_sb = tl.arange(0, BLOCK_K // 2 // BYTES_PER_SCALE)
@@ -304,6 +313,28 @@ def _down_pair_kernel(
         s_ptrs += BLOCK_K // 2 // BYTES_PER_SCALE
     scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32) * unshift(PTX)
     tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
+    if SUM_K:
+        _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n, tl.num_programs(0),
+                     TOPK, BLOCK_N, RESIDUAL)
+
+
+@triton.jit
+def _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n, NT, TOPK,
+                 BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr):
+    """``moe_sum._sum_pairs_kernel``'s work for token ``m // TOPK``'s column tile ``pid_n``, by the last of its TOPK
+    pair programs to store its partial (a counter per (token, column tile), zeroed by the gate_up launch of the same
+    call; every pair program counts, a left-out one too): the partials summed in k order in fp32 and rounded as
+    ``moe_sum.store_out``, the same bits. Its store, a barrier, then a scalar acq_rel atomic (one thread; its result
+    reaches every thread on every Triton version); the partials of the other programs read past L1 (volatile)."""
+    tl.debug_barrier()
+    t = m // TOPK
+    done = tl.atomic_add(cnt_ptr + t * NT + pid_n, 1, sem="acq_rel", scope="gpu")
+    if done == TOPK - 1:
+        mask = offs_n < H
+        y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(0, TOPK):
+            y += tl.load(part_ptr + (t * TOPK + k) * H + offs_n, mask=mask, other=0.0, volatile=True)
+        store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs_n, mask, y, RESIDUAL)
 
 
 
@@ -322,6 +353,7 @@ def decode_gemv_nvfp4(
     residual_TH: torch.Tensor | None = None,
     ptx: bool | None = None,
     alignment: MoeAlignment | None = None,
+    sum_in_down: bool = True,
 ) -> torch.Tensor:
     """SwiGLU MoE over NVFP4 bank rows for few tokens per expert; no host sync, no bf16 weight copy.
 
@@ -341,6 +373,9 @@ def decode_gemv_nvfp4(
             compare the two).
         alignment: with ``config.block_m`` > 1, ``rows_TK`` already grouped in such blocks (as
             ``decode_moe.decode_moe_nvfp4``); unused at block_m 1.
+        sum_in_down: with ``config.down_per_pair`` and K > 1 the per-pair down launch also sums each token's K
+            partials (the last of a token's pair programs per column tile sums them), the same bits as the sum
+            launch False keeps.
 
     Returns:
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
@@ -381,8 +416,17 @@ def decode_gemv_nvfp4(
     if config.split_x:  # [2, T, H/2]: even columns, then odd (one small copy launch)
         x = hidden_TH.unflatten(1, (H // 2, 2)).permute(2, 0, 1).contiguous()
         x_odd_off = T * (H // 2)
+    grid_gu = (triton.cdiv(I, gu.block_n), num_blocks)
+    summed, zero = {}, {}
+    if config.down_per_pair and sum_in_down and K > 1:  # the per-pair down launch sums over K: no sum launch
+        counters = torch.empty(T * triton.cdiv(H, dn.block_n), dtype=torch.int32, device=dev)
+        res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
+        summed = {"cnt_ptr": counters, "out_ptr": out_TH, "stride_ot": out_TH.stride(0), "res_ptr": res,
+                  "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
+        zero = {"cnt_ptr": counters, "n_cnt": counters.numel(),
+                "ZERO_BLOCK": max(16, triton.next_power_of_2(triton.cdiv(counters.numel(), grid_gu[0] * grid_gu[1])))}
     with device_guard(dev):
-        _gate_up_kernel[(triton.cdiv(I, gu.block_n), num_blocks)](
+        _gate_up_kernel[grid_gu](
             x, x.stride(-2),
             q1, q1.stride(0), q1.stride(1),
             s1, s1.stride(0), s1.stride(1),
@@ -390,7 +434,7 @@ def decode_gemv_nvfp4(
             rows_M, *align_args, act_MI,
             M, N, H, I, K, x_odd_off,
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
-            SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, PTX=ptx, num_warps=gu.num_warps,
+            SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, PTX=ptx, num_warps=gu.num_warps, **zero,
         )
         if config.down_per_pair:
             part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)
@@ -402,9 +446,9 @@ def decode_gemv_nvfp4(
                 rows_M, weights_M, part_MH,
                 N, H, I,
                 BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, PTX=ptx,
-                num_warps=dn.num_warps,
+                num_warps=dn.num_warps, **summed,
             )
-            return sum_pairs(part_MH, K, out_TH, residual_TH)
+            return out_TH if summed else sum_pairs(part_MH, K, out_TH, residual_TH)
         _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
             act_MI,
             q2, q2.stride(0), q2.stride(1),

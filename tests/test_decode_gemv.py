@@ -43,8 +43,9 @@ CASES = {  # T, K, N, H, I, routing (H, I multiples of 16 as NVFP4 needs; 48 and
 }
 
 
-def run(case, dtype, config, seed=0, drop=()):
-    """(out, ref); ``drop`` lists (t, k) pairs routed to row -1, which the reference gets as weight 0."""
+def run(case, dtype, config, seed=0, drop=(), **kw):
+    """(out, ref); ``drop`` lists (t, k) pairs routed to row -1, which the reference gets as weight 0; ``kw`` goes to
+    ``decode_gemv_nvfp4``."""
     T, K, N, H, I, kind = CASES[case]
     _, views = make_pool(N, H, I, seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -54,7 +55,7 @@ def run(case, dtype, config, seed=0, drop=()):
     for t, k in drop:
         rows[t, k] = -1
         ref_weights[t, k] = 0.0
-    out = decode_gemv_nvfp4(hidden, rows, weights, views, config=config)
+    out = decode_gemv_nvfp4(hidden, rows, weights, views, config=config, **kw)
     ref_rows = rows.clamp(min=0)  # weight 0 makes the row irrelevant to the reference
     ref = moe_reference(hidden.float(), ref_rows, ref_weights, *FMT.dequantize(views, torch.float32))
     return out, ref
@@ -156,8 +157,28 @@ def test_the_pair_sum_covers_every_output_block(monkeypatch):
 
     monkeypatch.setattr(moe_sum, "SUM_BLOCK", 16)
     for case in ("one-token-top8", "five-tokens-odd-K-odd-sizes"):
-        out, ref = run(case, torch.float32, PAIR_DOWN)
+        out, ref = run(case, torch.float32, PAIR_DOWN, sum_in_down=False)
         assert_close_to_scale(out, ref, 1e-5)  # fp32: as in test_decode_gemv_matches_the_fp32_reference
+
+
+@pytest.mark.parametrize("config", [PAIR_DOWN, GROUPED_PAIR_DOWN, SPLIT_X_WIDE], ids=["pair", "grouped", "wide"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_per_pair_down_launch_sums_over_k_with_the_sum_launchs_bits(config, residual):
+    """``sum_in_down`` (the last of a token's pair programs per column tile sums its K partials): the sum launch's
+    output bit for bit, with and without the residual, with pairs left out (row -1: they count, with partial 0),
+    twice in a row (the gate_up launch zeroes the counters each call)."""
+    for case in ("one-token-top8", "duplicate-row-in-a-token", "five-tokens-odd-K-odd-sizes"):
+        T, K, N, H, I, kind = CASES[case]
+        _, views = make_pool(N, H, I, seed=12)
+        gen = torch.Generator().manual_seed(13)
+        hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
+        res = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
+        rows, weights = routing(T, K, N, kind, gen)
+        rows[0, -1] = -1
+        want = decode_gemv_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res, sum_in_down=False)
+        for _ in range(2):
+            got = decode_gemv_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res)
+            assert torch.equal(got, want), case
 
 
 @pytest.mark.parametrize("split, interleaved", [(SPLIT_X, PER_PAIR), (GROUPED_SPLIT_X, GROUPED)],
@@ -282,6 +303,20 @@ for residual in (False, True):
              {"BLOCK": moe_sum.SUM_BLOCK, "RESIDUAL": residual}, ["part_ptr", "H"], 4)
 v4_loads(g._down_sum_kernel, down_sig, {"KP": 8, "BLOCK_N": cfg.down.block_n, "BLOCK_K": cfg.down.block_k,
                                         "EVEN_K": True, "RESIDUAL": True}, div16, cfg.down.num_warps)
+# the per-pair down that sums over K itself (compute.fused_moe_launches): its K loop as without it, then the
+# barrier, one scalar acq_rel atomic, the other programs' partials read volatile; gate_up zeroing its counters
+pair_sig = {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
+            "stride_ot": "i32", "res_ptr": "*bf16", "stride_rt": "i32"}
+names = g._down_pair_kernel.arg_names
+src = ASTSource(fn=g._down_pair_kernel, signature={n: pair_sig.get(n, "constexpr") for n in names},
+                constexprs={(names.index(k),): v for k, v in {"BLOCK_N": 32, "BLOCK_K": 256, "EVEN_K": True, "PTX": PTX,
+                                                              "SUM_K": True, "RESIDUAL": True}.items()})
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+out["pair_sum"] = {"acq_rel": len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel(?:\.gpu)?\.add", ptx)),
+                   "volatile": len(re.findall(r"ld\.volatile\.global", ptx))}
+v4_loads(g._gate_up_kernel, {**gate_up_sig, "cnt_ptr": "*i32", "n_cnt": "i32"},
+         {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "EVEN_K": True, "SPLIT_X": False, "SPLIT_ACT": True,
+          "ZERO_BLOCK": 16}, div16, 4)
 print(json.dumps(out))
 '''
 
@@ -293,6 +328,7 @@ def test_gemv_weight_loads_compile_to_16_byte_vectors_for_sm90(compiled_without_
 
     out = compiled_without_interpreter(_COMPILE_SM90)
     r = json.loads(out)
+    assert r["pair_sum"]["acq_rel"] >= 1 and r["pair_sum"]["volatile"] >= 1
     # every thread's share of each weight tile (gate and up: two tiles) arrives as 16-byte loads
     assert r["gate_up"] == 2 * r["gate_up_bytes"] // 16 and r["down"] == r["down_bytes"] // 16
     # interleaved x reaches the weight tile's layout through shared memory (barriers) in scalar loads; split

@@ -25,8 +25,8 @@ class DecodeCompute:
     def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True):
         """``fused_launches`` (``compute.fused_moe_launches``): the fused kernels take the rows grouped by the miss plan's
         launch (``align_block_m``), ``OffloadedExperts.route`` runs the router's top-k in it too, the swapped tiles
-        take their split activations from the norm before the MoE (``split_block_k``) and sum over K in their down
-        launch."""
+        take their split activations from the norm before the MoE (``split_block_k``), and the swapped tiles' and the
+        GEMV's per-pair down launches sum over K themselves."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
@@ -99,7 +99,7 @@ class DecodeCompute:
             H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
             if self.pick(hidden_TH.device, T, K, H, I) == "gemv":
                 return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
-                                  residual_TH=residual_TH, alignment=alignment)
+                                  residual_TH=residual_TH, alignment=alignment, sum_in_down=self.fused_launches)
             if self.fused_launches and not self._sum_in_down and self._stats is not None and K > 1:
                 self._stats.declined["fused_moe_sum:triton_version"] += 1  # the kernel logs the event once
             return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,

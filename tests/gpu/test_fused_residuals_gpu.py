@@ -81,6 +81,39 @@ def test_the_swapped_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_an
         assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("T", [1, 2])
+def test_the_gemv_pair_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_and_replayed(T):
+    """The GEMV's per-pair down summing over K itself (the last of a token's pair programs per column tile), at the
+    real layer shape with the H100's T = 1 / 2 tiles (per-pair down): the sum launch's output bit for bit, eagerly three
+    times and replayed three times."""
+    from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
+    from moe_offload.kernels.decode_gemv_tuning import load_gemv_tuning
+    from test_decode_moe import make_pool, routing
+
+    K, N, H, I = 8, 24, 2048, 768
+    config = load_gemv_tuning()["NVIDIA H100 80GB HBM3"]["H2048_I768"].config(T * K)
+    assert config.down_per_pair
+    _, views = make_pool(N, H, I, seed=20 + T)
+    gen = torch.Generator().manual_seed(T)
+    hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    residual = torch.randn(T, H, generator=gen).cuda().bfloat16()
+    rows, weights = routing(T, K, N, "random", gen)
+
+    def run(fused):
+        return decode_gemv_nvfp4(hidden, rows, weights, views, config=config, residual_TH=residual, sum_in_down=fused)
+
+    want = run(False)
+    for _ in range(3):
+        assert torch.equal(run(True), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("kernel", ["tiles", "gemv", "gemv-pair-down"])
 def test_the_decode_kernels_residual_add_gives_the_bits_of_the_layers_bf16_add(kernel):
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4

@@ -18,7 +18,7 @@ from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat  # noqa: E402
 from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4  # noqa: E402
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, GemvTiles, gemv_config_for, gemv_entry  # noqa: E402
 from moe_offload.kernels.fused_moe import moe_reference  # noqa: E402
-from test_decode_moe import DEVICE, assert_close_to_scale, make_pool, routing  # noqa: E402
+from test_decode_moe import DEVICE, assert_close_to_scale, layer_inputs, make_pool, routing  # noqa: E402
 
 FMT = Nvfp4ModelOptFormat()
 
@@ -168,12 +168,7 @@ def test_the_per_pair_down_launch_sums_over_k_with_the_sum_launchs_bits(config, 
     output bit for bit, with and without the residual, with pairs left out (row -1: they count, with partial 0),
     twice in a row (the gate_up launch zeroes the counters each call)."""
     for case in ("one-token-top8", "duplicate-row-in-a-token", "five-tokens-odd-K-odd-sizes"):
-        T, K, N, H, I, kind = CASES[case]
-        _, views = make_pool(N, H, I, seed=12)
-        gen = torch.Generator().manual_seed(13)
-        hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
-        res = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
-        rows, weights = routing(T, K, N, kind, gen)
+        views, hidden, res, rows, weights = layer_inputs(*CASES[case], seed=12, residual=residual)
         rows[0, -1] = -1
         want = decode_gemv_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res, sum_in_down=False)
         for _ in range(2):

@@ -91,6 +91,15 @@ def run(case, dtype, config, seed=0):
     return out, ref
 
 
+def layer_inputs(T, K, N, H, I, kind, seed, residual):
+    """``(views, hidden, residual or None, rows, weights)`` in bf16 for a layer call of T tokens at top-K over N rows."""
+    _, views = make_pool(N, H, I, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
+    res = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
+    return (views, hidden, res, *routing(T, K, N, kind, gen))
+
+
 def assert_close_to_scale(out, ref, rel):
     """|out - ref| <= rel * (|ref| + max|ref|)."""
     torch.testing.assert_close(out.float(), ref, rtol=rel, atol=rel * ref.abs().max().item())
@@ -156,12 +165,7 @@ def test_the_swapped_down_launch_sums_over_k_with_the_sum_launchs_bits(case, res
     """``sum_in_down`` (the program storing a token's last term of a column tile sums the K terms): the output of the
     separate sum launch, bit for bit, with and without the residual, twice in a row on the same counters' memory
     (gate_up zeroes them each call); K = 1 keeps its direct write."""
-    T, K, N, H, I, kind = CASES[case]
-    _, views = make_pool(N, H, I, seed=8)
-    gen = torch.Generator().manual_seed(9)
-    hidden = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16)
-    res = torch.randn(T, H, generator=gen).to(DEVICE, torch.bfloat16) if residual else None
-    rows, weights = routing(T, K, N, kind, gen)
+    views, hidden, res, rows, weights = layer_inputs(*CASES[case], seed=8, residual=residual)
     for config in (SWAP, SWAP_CAPPED):
         want = decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res, sum_in_down=False)
         for _ in range(2):

@@ -49,26 +49,9 @@ def test_the_norms_split_activations_are_the_copys_bits_and_feed_the_swapped_til
                                         x_split_block_k=split_k), want)
 
 
-@pytest.mark.parametrize("T", [4, 16, 64])
-def test_the_swapped_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_and_replayed(T):
-    """``sum_in_down`` at the real layer shape with the tuned swapped tiles: the programs of many CTAs race to store
-    each token's terms; the last one sums them. The output equals the separate sum launch's bit for bit, eagerly
-    three times and in a CUDA graph replayed three times (gate_up zeroes the counters on every replay)."""
-    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH, decode_moe_nvfp4, load_tuning
-    from test_decode_moe import make_pool, routing
-
-    K, N, H, I = 8, 96, 2048, 768
-    config = load_tuning(DECODE_TUNING_PATH).lookup("NVIDIA H200", H, I, T * K)
-    assert config.swap_ab
-    _, views = make_pool(N, H, I, seed=T)
-    gen = torch.Generator().manual_seed(T + 1)
-    hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
-    residual = torch.randn(T, H, generator=gen).cuda().bfloat16()
-    rows, weights = routing(T, K, N, "random", gen)
-
-    def run(fused):
-        return decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=residual, sum_in_down=fused)
-
+def _same_bits_eager_and_replayed(run):
+    """``run(True)`` (a launch that sums over K itself) equals ``run(False)`` (the sum launch) bit for bit, eagerly three
+    times and replayed from a CUDA graph three times."""
     want = run(False)
     for _ in range(3):
         assert torch.equal(run(True), want)
@@ -79,6 +62,25 @@ def test_the_swapped_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_an
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("T", [4, 16, 64])
+def test_the_swapped_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_and_replayed(T):
+    """``sum_in_down`` at the real layer shape with the tuned swapped tiles: the programs of many CTAs race to store
+    each token's terms; the last one sums them. The output equals the separate sum launch's bit for bit, eagerly
+    three times and in a CUDA graph replayed three times (gate_up zeroes the counters on every replay)."""
+    from moe_offload.kernels.decode_moe import DECODE_TUNING_PATH, decode_moe_nvfp4, load_tuning
+    from test_decode_moe import layer_inputs
+
+    K, N, H, I = 8, 96, 2048, 768
+    config = load_tuning(DECODE_TUNING_PATH).lookup("NVIDIA H200", H, I, T * K)
+    assert config.swap_ab
+    views, hidden, residual, rows, weights = layer_inputs(T, K, N, H, I, "random", seed=T, residual=True)
+
+    def run(fused):
+        return decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=residual, sum_in_down=fused)
+
+    _same_bits_eager_and_replayed(run)
 
 
 @pytest.mark.parametrize("T", [1, 2])
@@ -88,30 +90,17 @@ def test_the_gemv_pair_down_launchs_sum_over_k_gives_the_sum_launchs_bits_eager_
     times and replayed three times."""
     from moe_offload.kernels.decode_gemv import decode_gemv_nvfp4
     from moe_offload.kernels.decode_gemv_tuning import load_gemv_tuning
-    from test_decode_moe import make_pool, routing
+    from test_decode_moe import layer_inputs
 
     K, N, H, I = 8, 24, 2048, 768
     config = load_gemv_tuning()["NVIDIA H100 80GB HBM3"]["H2048_I768"].config(T * K)
     assert config.down_per_pair
-    _, views = make_pool(N, H, I, seed=20 + T)
-    gen = torch.Generator().manual_seed(T)
-    hidden = torch.randn(T, H, generator=gen).cuda().bfloat16()
-    residual = torch.randn(T, H, generator=gen).cuda().bfloat16()
-    rows, weights = routing(T, K, N, "random", gen)
+    views, hidden, residual, rows, weights = layer_inputs(T, K, N, H, I, "random", seed=20 + T, residual=True)
 
     def run(fused):
         return decode_gemv_nvfp4(hidden, rows, weights, views, config=config, residual_TH=residual, sum_in_down=fused)
 
-    want = run(False)
-    for _ in range(3):
-        assert torch.equal(run(True), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(True)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want)
+    _same_bits_eager_and_replayed(run)
 
 
 @pytest.mark.parametrize("kernel", ["tiles", "gemv", "gemv-pair-down"])

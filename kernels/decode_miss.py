@@ -29,6 +29,11 @@ and the ids are read at replay time):
    stride of the host store and the pool to a multiple of 16 would give 16-byte vectors
    (``benchmarks/decode_kernels.py`` measures both).
 
+The plan also runs in two larger launches (``compute.fused_moe_launches``): ``_plan_align_kernel`` (the plan, then the
+tile kernels' sorted alignment of its rows, one program) and ``_route_plan_kernel`` (``route_and_serve``: the router's
+top-k, one program per token, and the plan + alignment in the program that finishes last, after a barrier and an
+acq_rel counter), each with the same outputs as the separate launches.
+
 On CUDA, ``host_rows_ER`` must be a device tensor aliasing pinned, mapped host memory
 (``ExpertStore.device_rows(layer, device)``); the copy then reads it over PCIe (UVA). Under
 ``TRITON_INTERPRET=1`` every tensor is a CPU tensor and the same kernels run in the interpreter (CI).

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
+from moe_offload.kernels.moe_sum import store_out
 from moe_offload.kernels.nvfp4 import (
     SCALE_BLOCK,
     device_guard,
@@ -200,7 +201,7 @@ def _sum_finished_tokens(terms_ptr, stride_tm, cnt_ptr, final_ptr, stride_ft, re
                          RESIDUAL: tl.constexpr):
     """``moe_sum._sum_pairs_kernel``'s work for the tokens whose K terms of this column tile are now all stored: the
     program that stores a token's last term (a counter per (token, column tile) at ``cnt_ptr``, zeroed by the
-    gate_up launch of the same call) sums its K terms in k order in fp32 and rounds as ``moe_sum.store_out``, the
+    gate_up launch of the same call) sums its K terms in k order in fp32 and stores them with ``moe_sum.store_out``, the
     same bits. Its terms' stores, a barrier, then acq_rel counter atomics (release: stores before them are visible
     to whoever acquires); after them a barrier, and the K terms read past L1 (volatile)."""
     tl.debug_barrier()
@@ -213,11 +214,7 @@ def _sum_finished_tokens(terms_ptr, stride_tm, cnt_ptr, final_ptr, stride_ft, re
     for k in range(0, TOPK):
         y += tl.load(terms_ptr + (token * TOPK + k)[None, :] * stride_tm + offs_n[:, None], mask=mask, other=0.0,
                      volatile=True).to(tl.float32)
-    out = y.to(final_ptr.dtype.element_ty)
-    if RESIDUAL:
-        res = tl.load(res_ptr + token[None, :] * stride_rt + offs_n[:, None], mask=mask, other=0.0)
-        out = (res.to(tl.float32) + out.to(tl.float32)).to(final_ptr.dtype.element_ty)
-    tl.store(final_ptr + token[None, :] * stride_ft + offs_n[:, None], out, mask=mask)
+    store_out(final_ptr, stride_ft, res_ptr, stride_rt, token[None, :], offs_n[:, None], mask, y, RESIDUAL)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ launch (~1.4 us of kernel and a graph gap per decode layer on the H200) and repl
 K (``reduce_kernel``, ~4.8 us per layer at batch 16 in the H200 graph profile
 ``profile-decode-l8-r1.0-b16-retuned-b18b0cc.json``). Sums in fp32, k = 0..K-1: deterministic, no atomics.
 Grids depend on host-known shapes only (graph-capturable). ``store_out`` is the same rounding for kernels that
-sum over K themselves (``decode_gemv.py``'s down kernel).
+sum over K themselves (``decode_gemv.py``'s down kernels, ``fused_moe_swap.py``'s down kernel with SUM_K: the program
+that stores a token's last term sums its K terms in this order).
 """
 
 from __future__ import annotations

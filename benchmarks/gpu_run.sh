@@ -3,7 +3,9 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab set_ab
+#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize
+# sanitize: compute-sanitizer memcheck / synccheck / racecheck over the CPU-shaped tests of the cross-program kernels
+# (they run on CUDA there), SANITIZE_K selects them; ~1-2 min a tool (not yet run).
 # set_ab: the fused small ops' GPU tests, then bench decode with --set SET_AB and with its opposite (SET_AB_OFF,
 # default SET_AB's =true as =false; e.g. SET_AB=compute.fused_qk_rope=true, ~4 min after the machine starts);
 # AB_TESTS replaces its GPU test files (e.g. for compute.fused_moe_launches: "tests/gpu/test_decode_gpu.py
@@ -205,6 +207,17 @@ if has decode_ab; then  # bench decode with the tree, then with AB_FILES as of A
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
   for f in ${AB_FILES}; do cp "/tmp/ab-keep-$(basename "$f")" "$f"; done
+fi
+if has sanitize; then  # compute-sanitizer (Firecracker machines only, KINDS.md) over the small-shape tests of the kernels
+  # whose programs hand work to each other through global memory (compute.fused_moe_launches: the route/plan/align
+  # launch, the in-launch sums over K): memcheck, synccheck (barriers in uniform branches) and racecheck, each a log
+  for tool in memcheck synccheck racecheck; do
+    timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_decode_miss.py tests/test_decode_moe.py tests/test_decode_gemv.py \
+      -k "${SANITIZE_K:-route_and_serve_small or miss_plans_alignment or serve_misses_plan_copies or sums_over_k}" > "$RES/sanitize-$tool.log" 2>&1
+    echo "rc=$?" >> "$RES/sanitize-$tool.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 if has set_ab; then  # bench decode with SET_AB (e.g. "compute.fused_qk_rope=true"), then without, same machine, back to
   # back, after the GPU tests of the fused small ops; AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1 min per side after a build

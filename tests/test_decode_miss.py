@@ -349,3 +349,29 @@ def test_route_and_serve_names_what_it_does_not_take():
     with pytest.raises(ValueError, match="done_1 must be an int32"):
         route_and_serve(torch.randn(2, 16, device=DEVICE), 8, True, torch.float32, slot_of_E, host_ER, pool_NR, S,
                         done.long())
+
+
+@pytest.mark.parametrize("T,K,E,align", [(1, 8, 128, None), (4, 4, 16, 16), (16, 8, 128, 16)])
+def test_route_and_serve_small_steps_match_the_two_calls(T, K, E, align):
+    """Decode-shaped steps (batch 1, a tiny model's, batch 16 of 128 experts at top-8) of ``route_and_serve`` against
+    ``router_topk`` + ``serve_misses_plan``, half the experts resident: rows, weights, ids, pool and alignment equal.
+    Fixed cases (no search): what ``benchmarks/gpu_run.sh sanitize`` runs under compute-sanitizer on a GPU."""
+    from moe_offload.kernels.decode_miss import route_and_serve, serve_misses_plan
+    from moe_offload.kernels.router import router_topk
+
+    gen = torch.Generator().manual_seed(T * E)
+    logits = torch.randn(T, E, generator=gen).to(DEVICE, torch.bfloat16)
+    slot_of_E = torch.where(torch.arange(E) % 2 == 0, torch.arange(E) // 2, -1).int().to(DEVICE)
+    host = torch.randint(0, 256, (E, 24), dtype=torch.uint8, generator=gen).to(DEVICE)
+    pools = [torch.full((E // 2 + min(T * K, E), 24), POISON, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    w, ids, plan = route_and_serve(logits, K, True, torch.bfloat16, slot_of_E, host, pools[0], E // 2, done,
+                                   align_block_m=align)
+    w2, ids2 = router_topk(logits, K, True, torch.bfloat16)
+    plan2 = serve_misses_plan(slot_of_E, ids2, host, pools[1], E // 2, align_block_m=align)
+    assert torch.equal(w, w2) and torch.equal(ids, ids2) and torch.equal(plan.rows_TK, plan2.rows_TK)
+    assert torch.equal(pools[0], pools[1]) and int(done) == 0
+    if align is not None:
+        n = int(plan.alignment.num_padded_1)
+        assert n == int(plan2.alignment.num_padded_1)
+        assert torch.equal(plan.alignment.sorted_ids_P[:n], plan2.alignment.sorted_ids_P[:n])

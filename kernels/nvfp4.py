@@ -206,11 +206,16 @@ def nvfp4_kernels_supported(device: torch.device) -> tuple[bool, str]:
 def nvfp4_kernel_report(device: torch.device) -> dict:
     """What ``moe-offload probe`` reports about the NVFP4 kernels on ``device`` (a CUDA device): its compute
     capability, whether the NVFP4 Triton kernels run there (else the torch dequantization fallback, and why), and
-    whether the weight conversion takes the PTX form."""
+    whether the weight conversion takes the PTX form, and whether the swapped tiles' down launch sums over K itself
+    (``compute.fused_moe_launches``; this Triton, ``fused_moe_swap.sum_in_down_supported``)."""
     ok, why = nvfp4_kernels_supported(device)
     cap = _device_capability(device)
+    from moe_offload.kernels.fused_moe_swap import sum_in_down_supported  # it imports this module
+
+    sum_ok, sum_why = sum_in_down_supported()
     return {"capability": f"{cap[0]}.{cap[1]}", "kernels": ok, "fallback": None if ok else "torch dequantize + grouped_mm",
-            "reason": why or None, "ptx_weight_conversion": ok and ptx_conversion(device)}
+            "reason": why or None, "ptx_weight_conversion": ok and ptx_conversion(device),
+            "down_sums_over_k": ok and sum_ok, "down_sums_over_k_reason": None if sum_ok else sum_why}
 
 
 def ptx_conversion(device: torch.device) -> bool:

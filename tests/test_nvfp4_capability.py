@@ -77,7 +77,7 @@ def test_a_hopper_gpu_keeps_the_kernels_and_logs_nothing(monkeypatch, caplog):
 
 def test_probe_reports_whether_the_nvfp4_kernels_run_on_the_gpu(monkeypatch):
     """``moe-offload probe``'s ``nvfp4`` entry (``nvfp4_kernel_report``): an A100 falls back (and why), an H100 runs
-    the kernels with the PTX weight conversion."""
+    the kernels with the PTX weight conversion and the in-launch sum over K, which a Triton before 3.5 declines."""
     from moe_offload.kernels.nvfp4 import nvfp4_kernel_report
 
     monkeypatch.setattr(kernels_nvfp4, "_capability", lambda index: (8, 0))
@@ -86,4 +86,10 @@ def test_probe_reports_whether_the_nvfp4_kernels_run_on_the_gpu(monkeypatch):
     assert a100["fallback"] == "torch dequantize + grouped_mm" and "fp8e4nv" in a100["reason"]
     monkeypatch.setattr(kernels_nvfp4, "_capability", lambda index: (9, 0))
     assert nvfp4_kernel_report(GPU) == {"capability": "9.0", "kernels": True, "fallback": None, "reason": None,
-                                        "ptx_weight_conversion": True}
+                                        "ptx_weight_conversion": True, "down_sums_over_k": True,
+                                        "down_sums_over_k_reason": None}
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.4.0")  # tensor atomics' results reach one thread per value there
+    old = nvfp4_kernel_report(GPU)
+    assert not old["down_sums_over_k"] and ">= 3.5" in old["down_sums_over_k_reason"]

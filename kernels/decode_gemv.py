@@ -51,7 +51,7 @@ from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call, given_alignment
 from moe_offload.kernels.moe_align import MoeAlignment
-from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs
+from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs, zero_counters, zeroing_args
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
     device_guard,
@@ -152,8 +152,7 @@ def _gate_up_kernel(
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if ZERO_BLOCK:  # the per-pair down launch's (token, column tile) counters start each call at 0 (SUM_K)
-        offs_c = (pid_m * tl.num_programs(0) + pid_n) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-        tl.store(cnt_ptr + offs_c, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs_c < n_cnt)
+        zero_counters(cnt_ptr, n_cnt, pid_m * tl.num_programs(0) + pid_n, ZERO_BLOCK)
     if BLOCK_M == 1:
         row = tl.load(rows_ptr + pid_m)
         if (row < 0) | (row >= N):
@@ -423,8 +422,7 @@ def decode_gemv_nvfp4(
         res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
         summed = {"cnt_ptr": counters, "out_ptr": out_TH, "stride_ot": out_TH.stride(0), "res_ptr": res,
                   "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
-        zero = {"cnt_ptr": counters, "n_cnt": counters.numel(),
-                "ZERO_BLOCK": max(16, triton.next_power_of_2(triton.cdiv(counters.numel(), grid_gu[0] * grid_gu[1])))}
+        zero = zeroing_args(counters, grid_gu[0] * grid_gu[1])
     with device_guard(dev):
         _gate_up_kernel[grid_gu](
             x, x.stride(-2),

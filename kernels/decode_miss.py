@@ -29,10 +29,9 @@ and the ids are read at replay time):
    stride of the host store and the pool to a multiple of 16 would give 16-byte vectors
    (``benchmarks/decode_kernels.py`` measures both).
 
-The plan also runs in two larger launches (``compute.fused_moe_launches``): ``_plan_align_kernel`` (the plan, then the
-tile kernels' sorted alignment of its rows, one program) and ``_route_plan_kernel`` (``route_and_serve``: the router's
-top-k, one program per token, and the plan + alignment in the program that finishes last, after a barrier and an
-acq_rel counter), each with the same outputs as the separate launches.
+The plan also runs in larger launches (``compute.fused_moe_launches``), with the same outputs as the separate ones:
+``_plan_align_kernel`` (the plan, then the tile kernels' sorted alignment of its rows, one program), and with the
+router's top-k in ``decode_route.py``.
 
 On CUDA, ``host_rows_ER`` must be a device tensor aliasing pinned, mapped host memory
 (``ExpertStore.device_rows(layer, device)``); the copy then reads it over PCIe (UVA). Under
@@ -56,7 +55,6 @@ from moe_offload.kernels.decode_moe import (
 )
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
-from moe_offload.kernels.router import topk_row
 
 _PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -199,7 +197,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
 def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
                M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr,
                IDS_VOLATILE: tl.constexpr):
-    """The body of ``_plan_regs_kernel`` (and the plan phase of ``_plan_align_kernel`` and ``_route_plan_kernel``)."""
+    """The body of ``_plan_regs_kernel`` (and the plan phase of ``_plan_align_kernel`` and ``decode_route._route_plan_kernel``)."""
     offs_e = tl.arange(0, EB)
     routed_e = tl.zeros((EB,), tl.int32)  # experts a valid pair routes to
     copy_e = tl.zeros((EB,), tl.int32)  # missing experts copied by this step (ascending id -> scratch index)
@@ -257,33 +255,6 @@ def _plan_align_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_p
                EB, MC, STATS, False, False)
     tl.debug_barrier()
     _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, True)
-
-
-@triton.jit
-def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
-                       slot_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
-                       key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
-                       M, E, scratch_base, N, last_key,
-                       RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, MC: tl.constexpr,
-                       STATS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr):
-    """The router's top-k and the miss plan (+ with ALIGN the tile kernels' alignment) of a decode step in one
-    launch, one program per token. Each program runs ``router.topk_row`` for its token; the last one to finish
-    (a counter at ``done_ptr``, int32, 0 between launches: that program sets it back) then runs
-    ``_plan_align_kernel``'s phases over every token's ids. The order: all threads' stores, a barrier, then
-    the counter's acq_rel atomic (release: the stores before it are visible to whoever acquires it), and the
-    last program reads the ids past L1 (volatile)."""
-    t = tl.program_id(0)
-    topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t.to(tl.int64), E, K, RENORM, EP, KP)
-    tl.debug_barrier()
-    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (a graph replay)
-        _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E,
-                   scratch_base, EB, MC, STATS, False, True)
-        if ALIGN:
-            tl.debug_barrier()
-            _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M,
-                          MP, True)
 
 
 #: the register plan's match matrix holds at most this many elements ([MC pairs, EB experts]); experts past it
@@ -367,6 +338,22 @@ def _check_stats(stats, T: int, K: int, dev, need: int = 3) -> None:
                          f"{record_MK.dtype} {tuple(record_MK.shape)} on {record_MK.device}")
 
 
+def experts_block(E: int) -> int:
+    """EB: the register plan's per-expert vectors for a layer of E experts (a power of two >= 16)."""
+    return max(16, triton.next_power_of_2(E))
+
+
+def plan_outputs(T: int, K: int, E: int, dev, stats):
+    """``(rows_TK, miss_experts_X, num_missing_1, counts, record, n_stats)``: the unwritten outputs of a plan of T x K
+    pairs over E experts, and the STATS arguments (``stats`` checked by the caller; without it the counts and record
+    arguments are placeholders the kernels never touch, and ``n_stats`` is 0)."""
+    rows_TK = torch.empty((T, K), dtype=torch.int32, device=dev)
+    miss_experts_X = torch.empty(max(min(T * K, E), 1), dtype=torch.int32, device=dev)
+    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    counts, record = stats if stats is not None else (num_missing_1, rows_TK)
+    return rows_TK, miss_experts_X, num_missing_1, counts, record, min(counts.shape[0], 5) if stats is not None else 0
+
+
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
                 pool_rows_NR: torch.Tensor, scratch_base: int, stats=None, pf_row_E: torch.Tensor | None = None,
                 registers: bool = True, align_block_m: int | None = None) -> MissPlan:
@@ -385,16 +372,12 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     T, K = topk_ids_TK.shape
     E = host_rows_ER.shape[0]
     M = T * K
-    rows_TK = torch.empty((T, K), dtype=torch.int32, device=dev)
-    miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
-    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
+    rows_TK, miss_experts_X, num_missing_1, counts_3, record_MK, n_stats = plan_outputs(T, K, E, dev, stats)
     ids_M = topk_ids_TK.reshape(-1)
     if not ids_M.is_contiguous():
         ids_M = ids_M.contiguous()
-    counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
-    n_stats = min(counts_3.shape[0], 5) if stats is not None else 0
     pf_arg = slot_of_E if pf_row_E is None else pf_row_E
-    EB = max(16, triton.next_power_of_2(E))
+    EB = experts_block(E)
     regs = registers and EB <= PLAN_REGS_ELEMENTS
     MC = max(1, min(triton.next_power_of_2(max(M, 1)), PLAN_REGS_ELEMENTS // EB))
     N = pool_rows_NR.shape[0]
@@ -562,66 +545,6 @@ def serve_misses_plan(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_r
                        align_block_m=align_block_m)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan
-
-
-#: most routed pairs a step may have for ``route_and_serve``'s one launch (its plan runs in the router's launch
-#: shape: one warp per token up to 256 experts, so the plan's match matrix is taken a smaller chunk at a time)
-ROUTE_PLAN_MAX_PAIRS = 128
-
-
-def route_plan_applies(T: int, K: int, E: int, lookahead: bool) -> bool:
-    """Whether ``route_and_serve`` runs the router's top-k and the plan in one launch for a step of T tokens at top-K
-    over E experts (else: ``router_topk``, then ``serve_misses_plan``)."""
-    return (0 < T * K <= ROUTE_PLAN_MAX_PAIRS and not lookahead and E <= PLAN_REGS_ELEMENTS
-            and max(16, triton.next_power_of_2(E)) <= PLAN_REGS_ELEMENTS)
-
-
-def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype, slot_of_E: torch.Tensor,
-                    host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int, done_1: torch.Tensor,
-                    stats=None, align_block_m: int | None = None, config: MissCopyConfig | None = None):
-    """``(w_TK, ids_TK, plan)``: ``router.router_topk(logits_TE, top_k, renorm, w_dtype)`` and
-    :func:`serve_misses_plan` of its ids, with the top-k, the plan and (``align_block_m``) the alignment in one launch
-    (``_route_plan_kernel``), then the copy. Same results, bit for bit, as the two calls. Needs
-    ``route_plan_applies`` (no lookahead row map). ``done_1``: an int32 ``[1]`` counter on the device, 0 before the
-    first call; each launch leaves it at 0 (one counter per call site that may be in flight at once, e.g. per
-    layer)."""
-    from moe_offload.kernels.router import router_outputs, topk_launch
-
-    logits_TE, w_TK, ids_TK = router_outputs(logits_TE, top_k, w_dtype)
-    T, E = logits_TE.shape
-    _check(slot_of_E, ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
-    dev = pool_rows_NR.device
-    if not route_plan_applies(T, top_k, E, False) or host_rows_ER.shape[0] != E:
-        raise ValueError(f"route_and_serve: T*K={T * top_k} pairs over E={E} experts (host rows for "
-                         f"{host_rows_ER.shape[0]}): the one-launch form takes 1..{ROUTE_PLAN_MAX_PAIRS} pairs and the "
-                         "layer's own experts; use router_topk and serve_misses_plan")
-    if done_1.dtype != torch.int32 or done_1.numel() != 1 or done_1.device != dev:
-        raise ValueError(f"done_1 must be an int32 [1] counter on {dev}, got {done_1.dtype} {tuple(done_1.shape)} on "
-                         f"{done_1.device}")
-    if stats is not None:
-        _check_stats(stats, T, top_k, dev)
-    M = T * top_k
-    rows_TK = torch.empty((T, top_k), dtype=torch.int32, device=dev)
-    miss_experts_X = torch.empty(max(min(M, E), 1), dtype=torch.int32, device=dev)
-    num_missing_1 = torch.empty(1, dtype=torch.int32, device=dev)
-    counts_3, record_MK = stats if stats is not None else (num_missing_1, rows_TK)  # unused without STATS
-    n_stats = min(counts_3.shape[0], 5) if stats is not None else 0
-    N = pool_rows_NR.shape[0]
-    launch = topk_launch(E, top_k)
-    EB = max(16, triton.next_power_of_2(E))
-    MC = max(1, min(triton.next_power_of_2(M), PLAN_REGS_ELEMENTS // 4 * launch["num_warps"] // EB))
-    alignment = None if align_block_m is None else alignment_buffers(M, N, align_block_m, dev)
-    key_MP, MP, _ = sorted_align_launch(M, dev)
-    a = alignment or MoeAlignment(rows_TK, rows_TK, rows_TK, 1)  # unused without ALIGN
-    with device_guard(dev):
-        _route_plan_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, done_1, top_k,
-                                 slot_of_E, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
-                                 key_MP, a.sorted_ids_P, a.block_row_B, a.num_padded_1,
-                                 M, E, scratch_base, N, N * MP, RENORM=renorm, EB=EB, MC=MC, STATS=n_stats,
-                                 ALIGN=alignment is not None, BLOCK_M=align_block_m or 1, MP=MP, **launch)
-    plan = MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
-    copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
-    return w_TK, ids_TK, plan
 
 
 def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,

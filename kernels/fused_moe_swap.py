@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
-from moe_offload.kernels.moe_sum import store_out
+from moe_offload.kernels.moe_sum import store_out, zero_counters, zeroing_args
 from moe_offload.kernels.nvfp4 import (
     SCALE_BLOCK,
     device_guard,
@@ -106,8 +106,7 @@ def _gate_up_swap_kernel(
     cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0,
 ):
     if ZERO_BLOCK:  # the down kernel's per-(token, column tile) counters start each call at 0 (SUM_K)
-        offs_c = tl.program_id(0) * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-        tl.store(cnt_ptr + offs_c, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs_c < n_cnt)
+        zero_counters(cnt_ptr, n_cnt, tl.program_id(0), ZERO_BLOCK)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -252,10 +251,7 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
-    zero = {}
-    if counters is not None:
-        zero = {"cnt_ptr": counters, "n_cnt": counters.numel(),
-                "ZERO_BLOCK": max(128, triton.next_power_of_2(triton.cdiv(counters.numel(), grid[0])))}
+    zero = {} if counters is None else zeroing_args(counters, grid[0])
     with device_guard(x_split.device):
         _gate_up_swap_kernel[grid](
             x_split, x_split.stride(0),

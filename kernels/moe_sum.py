@@ -50,6 +50,20 @@ def _sum_pairs_kernel(part_ptr, stride_pm, res_ptr, stride_rt, out_ptr, stride_o
     store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs, mask, y, RESIDUAL)
 
 
+@triton.jit
+def zero_counters(cnt_ptr, n_cnt, program, ZERO_BLOCK: tl.constexpr):
+    """Program ``program``'s share (ZERO_BLOCK of them) of the ``n_cnt`` int32 counters a down launch that sums over K
+    itself counts with (``zeroing_args``): the launch before it in the same call zeroes them."""
+    offs = program * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+    tl.store(cnt_ptr + offs, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs < n_cnt)
+
+
+def zeroing_args(counters: torch.Tensor, programs: int) -> dict:
+    """The launch arguments of ``zero_counters`` for a kernel of ``programs`` programs that zeroes ``counters``."""
+    return {"cnt_ptr": counters, "n_cnt": counters.numel(),
+            "ZERO_BLOCK": max(16, triton.next_power_of_2(triton.cdiv(counters.numel(), programs)))}
+
+
 def check_residual(residual_TH: torch.Tensor | None, T: int, H: int, out_dtype: torch.dtype,
                    device: torch.device) -> torch.Tensor | None:
     """``residual_TH`` as the kernels read it (rows with a unit column stride), or a ValueError naming what is

@@ -33,7 +33,7 @@ if triton is not None:
     def topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t, E, K, RENORM: tl.constexpr, EP: tl.constexpr,
                  KP: tl.constexpr):
         """Row ``t`` (int64) of ``_router_topk_kernel``: its K weights and ids (also the first phase of
-        ``decode_miss._route_plan_kernel``)."""
+        ``decode_route._route_plan_kernel``)."""
         offs = tl.arange(0, EP)
         x = tl.load(logits_ptr + t * stride_t + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
         e = tl.exp(x - tl.max(x, axis=0))

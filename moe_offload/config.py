@@ -268,7 +268,7 @@ class ComputeConfig(_Strict):
                                      "routed pairs; above, the plan and the alignment in one); with fused_norms the "
                                      "swapped tiles' split activations written by the norm before the MoE; the sum over "
                                      "K inside the swapped down launch. The same bits as the launches false keeps "
-                                     "(kernels/decode_miss.py, rmsnorm.py, fused_moe_swap.py; CPU tests; not yet timed "
+                                     "(kernels/decode_route.py, decode_miss.py, rmsnorm.py, fused_moe_swap.py; CPU tests; not yet timed "
                                      "on a GPU)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")

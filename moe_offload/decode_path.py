@@ -126,8 +126,8 @@ class DecodeResidency:
 
     def routes(self, T: int, K: int, E: int) -> bool:
         """Whether ``route`` serves a step of T tokens at top-K over E router outputs (CUDA, the layer's own experts,
-        no lookahead, up to ``decode_miss.ROUTE_PLAN_MAX_PAIRS`` pairs)."""
-        from moe_offload.kernels.decode_miss import route_plan_applies
+        no lookahead, up to ``decode_route.ROUTE_PLAN_MAX_PAIRS`` pairs)."""
+        from moe_offload.kernels.decode_route import route_plan_applies
 
         return (self.device.type == "cuda" and T <= self.max_tokens and E == self.store.num_experts
                 and route_plan_applies(T, K, E, self.lookahead is not None))
@@ -135,8 +135,8 @@ class DecodeResidency:
     def route(self, layer: int, logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype,
               align_block_m: int | None = None):
         """``(w_TK, ids_TK, rows_TK, alignment)``: the router's top-k (``kernels/router.py``'s arithmetic) and ``plan`` of
-        its ids in one launch (``decode_miss.route_and_serve``), where ``routes`` says so."""
-        from moe_offload.kernels.decode_miss import route_and_serve
+        its ids in one launch (``decode_route.route_and_serve``), where ``routes`` says so."""
+        from moe_offload.kernels.decode_route import route_and_serve
 
         lp = self.pool.layer_pos[layer]
         w_TK, ids_TK, plan = route_and_serve(logits_TE, top_k, renorm, w_dtype, self.pool.table_LE[lp],

@@ -89,7 +89,7 @@ class OffloadedExperts(nn.Module):
         ``kernels/router.py``) for a forward on the fused decode path, with the misses' plan (and the tile kernels'
         alignment) in the same launch; the next ``forward`` with these ids uses that plan. None where this does not
         apply (the caller runs ``router_topk``): not CUDA, a staged forward, a padded prefill, the lookahead on,
-        the unfused decode compute, more than ``decode_miss.ROUTE_PLAN_MAX_PAIRS`` pairs."""
+        the unfused decode compute, more than ``decode_route.ROUTE_PLAN_MAX_PAIRS`` pairs."""
         cache = self.cache
         T, E = logits_TE.shape
         src_T = cache.pad_src_N

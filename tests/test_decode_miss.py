@@ -303,7 +303,8 @@ def test_the_router_top_k_and_the_plan_in_one_launch_give_the_two_calls_results(
     """``route_and_serve`` (decode steps of up to 128 pairs: the top-k, the plan and the alignment in one launch, the
     last program to finish planning) against ``router_topk`` then ``serve_misses_plan``: the same weights, ids,
     rows, copies, pool, counts, record and alignment, bit for bit; its counter is back at 0 after each launch."""
-    from moe_offload.kernels.decode_miss import ROUTE_PLAN_MAX_PAIRS, route_and_serve, serve_misses_plan
+    from moe_offload.kernels.decode_miss import serve_misses_plan
+    from moe_offload.kernels.decode_route import ROUTE_PLAN_MAX_PAIRS, route_and_serve
     from moe_offload.kernels.router import router_topk
 
     if T * K > ROUTE_PLAN_MAX_PAIRS or K > E:
@@ -340,7 +341,7 @@ def test_the_router_top_k_and_the_plan_in_one_launch_give_the_two_calls_results(
 
 
 def test_route_and_serve_names_what_it_does_not_take():
-    from moe_offload.kernels.decode_miss import route_and_serve
+    from moe_offload.kernels.decode_route import route_and_serve
 
     slot_of_E, ids, host_ER, pool_NR, S = setup(17, 8, 16, 40, [1, 3])
     done = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -356,7 +357,8 @@ def test_route_and_serve_small_steps_match_the_two_calls(T, K, E, align):
     """Decode-shaped steps (batch 1, a tiny model's, batch 16 of 128 experts at top-8) of ``route_and_serve`` against
     ``router_topk`` + ``serve_misses_plan``, half the experts resident: rows, weights, ids, pool and alignment equal.
     Fixed cases (no search): what ``benchmarks/gpu_run.sh sanitize`` runs under compute-sanitizer on a GPU."""
-    from moe_offload.kernels.decode_miss import route_and_serve, serve_misses_plan
+    from moe_offload.kernels.decode_miss import serve_misses_plan
+    from moe_offload.kernels.decode_route import route_and_serve
     from moe_offload.kernels.router import router_topk
 
     gen = torch.Generator().manual_seed(T * E)

@@ -276,7 +276,7 @@ import json, re
 import triton, triton.language as tl
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
-from moe_offload.kernels import decode_miss as dm, decode_moe as dmoe, fused_moe as fm
+from moe_offload.kernels import decode_miss as dm, decode_moe as dmoe, decode_route as droute, fused_moe as fm
 
 def build(fn, sig, consts, attrs=None, **options):
     names = fn.arg_names
@@ -300,7 +300,7 @@ for EB, MC, MP, stats in ((128, 32, 16, 4), (128, 32, 512, 4), (512, 8, 128, 0))
           {"EB": EB, "MC": MC, "STATS": stats, "BLOCK_M": 16, "MP": MP}, num_warps=4)
 for EP, KP, EB, MC, MP, align, warps in ((128, 8, 128, 8, 16, False, 1), (128, 8, 128, 8, 128, True, 1),
                                           (512, 8, 512, 8, 128, True, 4)):  # top-k + plan (+ alignment), one launch
-    ptx = build(dm._route_plan_kernel, {"logits_ptr": "*bf16", "stride_t": "i32", "w_ptr": "*bf16", "ids_ptr": "*i64",
+    ptx = build(droute._route_plan_kernel, {"logits_ptr": "*bf16", "stride_t": "i32", "w_ptr": "*bf16", "ids_ptr": "*i64",
                 **i32(["done_ptr", "slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "sorted_ids_ptr",
                 "block_row_ptr", "num_padded_ptr"], "*i32"), "stats_ptr": "*i64", "key_ptr": "*i64",
                 **i32(["K", "M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},

@@ -264,12 +264,19 @@ class ComputeConfig(_Strict):
                                 "KV-cache write in one kernel over the decoder's static cache (kernels/qk_norm_rope.py; "
                                 "the same bits as the three kernels it replaces, on an H100 and in the CPU tests)")
     fused_moe_launches: bool = Field(True, description="on CUDA, the NVFP4 decode path's MoE in fewer launches: the "
-                                     "router's top-k, the miss plan and the tile kernels' alignment in one (up to 128 "
-                                     "routed pairs; above, the plan and the alignment in one); with fused_norms the "
-                                     "swapped tiles' split activations written by the norm before the MoE; the sum over "
-                                     "K inside the swapped down launch. The same bits as the launches false keeps "
-                                     "(kernels/decode_route.py, decode_miss.py, rmsnorm.py, fused_moe_swap.py; CPU tests; not yet timed "
-                                     "on a GPU)")
+                                     "miss plan and the tile kernels' alignment in one; with fused_norms the swapped "
+                                     "tiles' split activations written by the norm before the MoE; with "
+                                     "route_plan_max_pairs the router's top-k in the plan's launch; with moe_sum_in_down "
+                                     "the sum over K inside the down launch. The same bits as the launches false keeps "
+                                     "(kernels/decode_route.py, decode_miss.py, rmsnorm.py, fused_moe_swap.py)")
+    route_plan_max_pairs: int = Field(0, ge=0, le=128, description="with fused_moe_launches: the router's top-k, the "
+                                      "miss plan and the alignment in one launch (kernels/decode_route.py) for decode "
+                                      "steps of up to this many routed pairs (tokens x top-k); 0 = never. Off by "
+                                      "default: measured on an H100 at 3ad5d89, that launch took 48.8 us at 128 pairs "
+                                      "(batch 16) against ~10 us for the three it replaces (README)")
+    moe_sum_in_down: bool = Field(True, description="with fused_moe_launches: the down launch sums each token's "
+                                  "top-k terms itself (kernels/fused_moe_swap.py, decode_gemv.py; Triton >= 3.5 for "
+                                  "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py)")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

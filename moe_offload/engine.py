@@ -126,7 +126,9 @@ class Engine:
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
         decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch",
-                               kernel=cfg.compute.decode_kernel, fused_launches=cfg.compute.fused_moe_launches)
+                               kernel=cfg.compute.decode_kernel, fused_launches=cfg.compute.fused_moe_launches,
+                               route_max_pairs=cfg.compute.route_plan_max_pairs,
+                               sum_in_down=cfg.compute.moe_sum_in_down)
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)

@@ -89,13 +89,14 @@ class OffloadedExperts(nn.Module):
         ``kernels/router.py``) for a forward on the fused decode path, with the misses' plan (and the tile kernels'
         alignment) in the same launch; the next ``forward`` with these ids uses that plan. None where this does not
         apply (the caller runs ``router_topk``): not CUDA, a staged forward, a padded prefill, the lookahead on,
-        the unfused decode compute, more than ``decode_route.ROUTE_PLAN_MAX_PAIRS`` pairs."""
+        the unfused decode compute, more than ``compute.route_plan_max_pairs`` (at most
+        ``decode_route.ROUTE_PLAN_MAX_PAIRS``) pairs."""
         cache = self.cache
         T, E = logits_TE.shape
         src_T = cache.pad_src_N
         dc = self.decode_compute
         if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.fused_launches)
-                or top_k != self.top_k or not self.uses_decode_path(T)
+                or T * top_k > dc.route_max_pairs or top_k != self.top_k or not self.uses_decode_path(T)
                 or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
             return None
         self._begin_step(hidden_TH)

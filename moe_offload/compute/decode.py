@@ -22,16 +22,21 @@ KERNELS = ("auto", "gemv", "tiles")
 class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
-    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True):
+    def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True,
+                 route_max_pairs: int = 0, sum_in_down: bool = True):
         """``fused_launches`` (``compute.fused_moe_launches``): the fused kernels take the rows grouped by the miss plan's
-        launch (``align_block_m``), ``OffloadedExperts.route`` runs the router's top-k in it too, the swapped tiles
-        take their split activations from the norm before the MoE (``split_block_k``), and the swapped tiles' and the
-        GEMV's per-pair down launches sum over K themselves."""
+        launch (``align_block_m``) and the swapped tiles take their split activations from the norm before the MoE
+        (``split_block_k``); with it, ``OffloadedExperts.route`` runs the router's top-k in the plan's launch for steps
+        of up to ``route_max_pairs`` routed pairs (``compute.route_plan_max_pairs``) and, with ``sum_in_down``
+        (``compute.moe_sum_in_down``), the swapped tiles' and the GEMV's per-pair down launches sum over K
+        themselves."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
         self.kernel = kernel
         self.fused_launches = fused_launches
+        self.route_max_pairs = route_max_pairs if fused_launches else 0
+        self.sum_in_down = fused_launches and sum_in_down
         self._stats = None
         self._sum_in_down = True  # this Triton sums over K in the swapped down launch (checked below when fused)
         if fused and fmt.is_quantized and device.type == "cuda":
@@ -99,12 +104,12 @@ class DecodeCompute:
             H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
             if self.pick(hidden_TH.device, T, K, H, I) == "gemv":
                 return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
-                                  residual_TH=residual_TH, alignment=alignment, sum_in_down=self.fused_launches)
-            if self.fused_launches and not self._sum_in_down and self._stats is not None and K > 1:
+                                  residual_TH=residual_TH, alignment=alignment, sum_in_down=self.sum_in_down)
+            if self.sum_in_down and not self._sum_in_down and self._stats is not None and K > 1:
                 self._stats.declined["fused_moe_sum:triton_version"] += 1  # the kernel logs the event once
             return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                residual_TH=residual_TH, alignment=alignment, x_split=x_split,
-                               sum_in_down=self.fused_launches,
+                               sum_in_down=self.sum_in_down,
                                x_split_block_k=None if x_split is None else self.split_block_k(hidden_TH, K, views))
         flat_M = rows_TK.reshape(-1).long()
         routed = {name: v.index_select(0, flat_M) for name, v in views.items()}

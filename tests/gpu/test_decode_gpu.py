@@ -49,15 +49,16 @@ def test_graph_replayed_decode_equals_eager_decode_bitwise_while_residency_chang
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_the_router_s_top_k_and_the_miss_plan_in_one_launch_change_no_bit(tiny_ckpt, monkeypatch, batch):
-    """``compute.fused_moe_launches`` on (``OffloadedExperts.route``: top-k + plan, and at batch 4 the tile kernels'
-    alignment, in one launch) against off (``router_topk``, the plan, the alignment): the same logits at every step,
+    """``compute.fused_moe_launches`` on with ``compute.route_plan_max_pairs`` 128 (``OffloadedExperts.route``: top-k +
+    plan, and at batch 4 the tile kernels' alignment, in one launch; the sums over K in the down launch) against off (``router_topk``, the plan, the alignment): the same logits at every step,
     bit for bit, eager and replayed, while admissions change the residency; the same counts."""
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     prompt = [list(range(10 + b, 42 + b)) for b in range(batch)]
     runs, counts = [], []
     for one_launch in (True, False):
         eng = _engine(path, "cache.budget=8 slots", "prefill.cuda_graphs=false",
-                      f"compute.fused_moe_launches={str(one_launch).lower()}")
+                      f"compute.fused_moe_launches={str(one_launch).lower()}", "compute.route_plan_max_pairs=128",
+                      "compute.moe_sum_in_down=true")
         calls = []
         real = eng.cache.decode_route
         monkeypatch.setattr(eng.cache, "decode_route", lambda *a, **k: calls.append(1) or real(*a, **k))

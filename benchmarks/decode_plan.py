@@ -7,8 +7,8 @@ Legend: T tokens, K top-k, E experts, M = T*K routed pairs.
 Each variant is captured in a CUDA graph ``--repeat`` times over one step's logits (all experts resident, so the miss
 copy launch copies nothing) and the graph's median replay is divided by ``--repeat``: us per step and layer,
 launch gaps inside a graph included. Why: an H100 profile at 3ad5d89 put the fused top-k + plan + alignment launch at
-48.8 us for 128 pairs, against ~10 us for the three separate launches at 10cd002; this bench times every form in one
-run. CPU: no timing (``--smoke`` checks that every variant runs and gives the separate launches' rows).
+48.8 us for 128 pairs, against ~10 us for the three separate launches at 10cd002; the register plan's chunk loop is
+the suspect (``decode_miss.register_plan_fits``); this bench times every form in one run. CPU: no timing (``--smoke`` checks that every variant runs and gives the separate launches' rows).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def variants(T: int, K: int, E: int, device) -> dict:
     done = torch.zeros(1, dtype=torch.int32, device=device)
     out: dict = {}
 
-    def separate(registers: bool, align: bool):
+    def separate(registers: bool | None, align: bool):
         def fn():
             _, ids = router_topk(logits, K, True, torch.bfloat16)
             plan = plan_misses(slot_of_E, ids, host, pool, E, registers=registers)
@@ -55,7 +55,8 @@ def variants(T: int, K: int, E: int, device) -> dict:
         return fn
 
     out["topk, plan (workspace), copy"] = separate(False, False)
-    out["topk, plan (registers), copy"] = separate(True, False)
+    out["topk, plan (registers, forced), copy"] = separate(True, False)
+    out["topk, plan (default), copy"] = separate(None, False)
     out["topk, plan (workspace), copy, align"] = separate(False, True)
 
     def plan_align():
@@ -63,7 +64,7 @@ def variants(T: int, K: int, E: int, device) -> dict:
         plan = plan_misses(slot_of_E, ids, host, pool, E, align_block_m=BLOCK_M)
         copy_misses(plan, host, pool, E)
         return plan.rows_TK
-    out["topk, plan+align (registers), copy"] = plan_align
+    out["topk, plan+align (default), copy"] = plan_align
     if route_plan_applies(T, K, E, False):
         for align in (False, True):
             def route(align=align):

@@ -129,7 +129,17 @@ def _add_counts(stats_ptr, n_pairs, n_missed, n_copied, n_routed, n_pf, STATS: t
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
                  stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
                  PF: tl.constexpr, DENSE: tl.constexpr):
-    """One program. need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
+    """The workspace plan, one program (``_plan_ws``)."""
+    _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+             pf_ptr, M, E, scratch_base, BLOCK, STATS, PF, DENSE, False)
+
+
+@triton.jit
+def _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
+             stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
+             PF: tl.constexpr, DENSE: tl.constexpr, IDS_VOLATILE: tl.constexpr):
+    """The body of ``_plan_kernel`` (and the plan phase of ``_plan_align_kernel`` and
+    ``decode_route._route_plan_kernel`` for steps of more pairs than one register chunk). One program. need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
     counters at ``stats_ptr``, int64) also counts the step and stores its ids into ``record_ptr[0:M]`` (int32):
     adds routed pairs, missed pairs, distinct missed experts copied here to ``stats_ptr[0:3]``; with STATS >= 4
     the distinct routed experts to ``stats_ptr[3]``; with PF and STATS >= 5 the distinct missing experts read
@@ -139,7 +149,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
     copied into (-1: none); such an expert is read there (not copied again). DENSE (the lookahead's own plan):
     no rows and no record; ``scratch_of_ptr`` becomes ``[E]`` rows for every expert: ``scratch_base + j`` for
     the j-th distinct missing one, -1 for the rest; with STATS ``stats_ptr[0]`` gets the distinct missing
-    count."""
+    count. IDS_VOLATILE: the ids were written by other programs of this launch (read past the SM's L1)."""
     tl.static_assert(DENSE or STATS == 0 or STATS >= 3, "STATS is the number of counters: 0, or 3 to 5")
     for e0 in range(0, E, BLOCK):
         offs_e = e0 + tl.arange(0, BLOCK)
@@ -147,7 +157,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
     tl.debug_barrier()
     for m0 in range(0, M, BLOCK):  # mark missing experts (several pairs may store the same value)
         offs_m = m0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1).to(tl.int64)
+        ids = tl.load(ids_ptr + offs_m, mask=offs_m < M, other=-1, volatile=IDS_VOLATILE).to(tl.int64)
         valid = (offs_m < M) & (ids >= 0) & (ids < E)
         slot = tl.load(slot_ptr + ids, mask=valid, other=0)
         mark = tl.where(slot >= 0, 3, 1)  # 3: resident (counted as routed), 1: missing, to copy
@@ -182,7 +192,7 @@ def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_pt
         n_pairs = tl.full((), 0, tl.int64)
         n_missed = tl.full((), 0, tl.int64)
         for m0 in range(0, M, BLOCK):
-            offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, BLOCK, PF, False)
+            offs_m, ids, valid, slot, pf = _pairs(ids_ptr, slot_ptr, pf_ptr, m0, M, E, BLOCK, PF, IDS_VOLATILE)
             scratch = tl.load(scratch_of_ptr + ids, mask=valid & (slot < 0) & (pf < 0), other=0, volatile=True)
             row = tl.where(slot >= 0, slot, tl.where(pf >= 0, pf, scratch_base + scratch))
             tl.store(rows_ptr + offs_m, tl.where(valid, row, -1), mask=offs_m < M)
@@ -244,15 +254,29 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
 
 
 @triton.jit
-def _plan_align_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+def _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+                M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, REGS: tl.constexpr,
+                BLOCK: tl.constexpr, IDS_VOLATILE: tl.constexpr):
+    """The plan (no lookahead row map) inside a larger launch: the register plan (REGS: the step's pairs fit one
+    ``[MC, EB]`` chunk), else the workspace plan over ``work_ptr`` (``[2, E_work]`` int32: need, scratch_of)."""
+    if REGS:
+        _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E,
+                   scratch_base, EB, MC, STATS, False, IDS_VOLATILE)
+    else:
+        _plan_ws(slot_ptr, ids_ptr, work_ptr, work_ptr + E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+                 slot_ptr, M, E, scratch_base, BLOCK, STATS, False, False, IDS_VOLATILE)
+
+
+@triton.jit
+def _plan_align_kernel(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
                        key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
                        M, E, scratch_base, N, last_key, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
-                       BLOCK_M: tl.constexpr, MP: tl.constexpr):
-    """One program, two phases: ``_plan_regs_kernel`` (no lookahead row map), then, after a barrier (one CTA sees
-    its own global writes after it), ``decode_moe._align_sorted_kernel`` over the rows it just wrote: the plan and
-    the tile kernels' alignment of a decode step in one launch instead of two, with the same outputs."""
-    _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E, scratch_base,
-               EB, MC, STATS, False, False)
+                       REGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr):
+    """One program, two phases: the plan (``_plan_phase``), then, after a barrier (one CTA sees its own global
+    writes after it), ``decode_moe._align_sorted_kernel`` over the rows it just wrote: the plan and the tile
+    kernels' alignment of a decode step in one launch instead of two, with the same outputs."""
+    _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, M, E,
+                scratch_base, EB, MC, STATS, REGS, BLOCK, False)
     tl.debug_barrier()
     _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, True)
 
@@ -354,15 +378,40 @@ def plan_outputs(T: int, K: int, E: int, dev, stats):
     return rows_TK, miss_experts_X, num_missing_1, counts, record, min(counts.shape[0], 5) if stats is not None else 0
 
 
+def plan_workspace(E: int, registers: bool, dev) -> tuple[torch.Tensor, int]:
+    """``(work, E_work)``: the workspace plan's ``[2 * E_work]`` int32 (need, scratch_of; any contents), or a
+    one-element placeholder the register plan never touches."""
+    if registers:
+        return torch.empty(1, dtype=torch.int32, device=dev), 0
+    return torch.empty(2 * max(E, 1), dtype=torch.int32, device=dev), max(E, 1)
+
+
+def plan_chunk(EB: int, num_warps: int = 4) -> int:
+    """MC: the pairs of one ``[MC, EB]`` match chunk of the register plan in a program of ``num_warps`` warps
+    (``PLAN_REGS_ELEMENTS`` elements at 4 warps)."""
+    return max(1, PLAN_REGS_ELEMENTS // 4 * num_warps // EB)
+
+
+def register_plan_fits(M: int, E: int, num_warps: int = 4) -> bool:
+    """Whether the register plan serves a step of M pairs over E experts: where its pairs fit one chunk. Each chunk
+    is a chain of dependent global loads (ids, then the slot table) and cross-thread reductions, twice over, in
+    one program: on an H100 at 3ad5d89 the route kernel, whose plan took 128 pairs in 16 chunks, ran 48.8 us
+    against ~10 us for the top-k, the workspace plan and the alignment apart (README). Above one chunk the
+    workspace plan (``_plan_ws``: a fixed number of barriers, 1,024 pairs a step) runs instead."""
+    EB = experts_block(E)
+    return EB <= PLAN_REGS_ELEMENTS and M <= plan_chunk(EB, num_warps)
+
+
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
                 pool_rows_NR: torch.Tensor, scratch_base: int, stats=None, pf_row_E: torch.Tensor | None = None,
-                registers: bool = True, align_block_m: int | None = None) -> MissPlan:
+                registers: bool | None = None, align_block_m: int | None = None) -> MissPlan:
     """Kernel 1 only (enqueue): the rows of every pair and the list of distinct missing experts.
-    Arguments as for :func:`serve_misses`; ``registers`` False forces the workspace plan (``_plan_kernel``; the
-    tests compare the two), else ``_plan_regs_kernel`` up to ``PLAN_REGS_ELEMENTS`` experts. ``align_block_m``:
-    also group the rows into blocks of that many pairs for the tile kernels (``MissPlan.alignment``, over the pool's
-    rows): in the plan's own launch (``_plan_align_kernel``) where the register plan and the sorted alignment both
-    apply and there is no lookahead row map, else by ``decode_moe.decode_align`` after it."""
+    Arguments as for :func:`serve_misses`; ``registers``: None picks the register plan (``_plan_regs_kernel``)
+    where ``register_plan_fits``, else the workspace plan (``_plan_kernel``); True forces the register plan (up to
+    ``PLAN_REGS_ELEMENTS`` experts, in as many chunks as it takes), False the workspace plan (the tests compare
+    them). ``align_block_m``: also group the rows into blocks of that many pairs for the tile kernels
+    (``MissPlan.alignment``, over the pool's rows): in the plan's own launch (``_plan_align_kernel``) where the
+    sorted alignment applies and there is no lookahead row map, else by ``decode_moe.decode_align`` after it."""
     _check(slot_of_E, topk_ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
     dev = pool_rows_NR.device
     if pf_row_E is not None:
@@ -378,17 +427,19 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
         ids_M = ids_M.contiguous()
     pf_arg = slot_of_E if pf_row_E is None else pf_row_E
     EB = experts_block(E)
-    regs = registers and EB <= PLAN_REGS_ELEMENTS
+    regs = register_plan_fits(M, E) if registers is None else registers and EB <= PLAN_REGS_ELEMENTS
     MC = max(1, min(triton.next_power_of_2(max(M, 1)), PLAN_REGS_ELEMENTS // EB))
     N = pool_rows_NR.shape[0]
-    if align_block_m is not None and regs and pf_row_E is None and 0 < M <= SORTED_ALIGN_MAX_PAIRS:
+    if align_block_m is not None and pf_row_E is None and 0 < M <= SORTED_ALIGN_MAX_PAIRS:
         alignment = alignment_buffers(M, N, align_block_m, dev)
         key_MP, MP, warps = sorted_align_launch(M, dev)
+        work, E_work = plan_workspace(E, regs, dev)
         with device_guard(dev):
-            _plan_align_kernel[(1,)](slot_of_E, ids_M, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
-                                     key_MP, alignment.sorted_ids_P, alignment.block_row_B, alignment.num_padded_1,
-                                     M, E, scratch_base, N, N * MP, EB=EB, MC=MC, STATS=n_stats,
-                                     BLOCK_M=align_block_m, MP=MP, num_warps=warps)
+            _plan_align_kernel[(1,)](slot_of_E, ids_M, work, E_work, miss_experts_X, num_missing_1, rows_TK, counts_3,
+                                     record_MK, key_MP, alignment.sorted_ids_P, alignment.block_row_B,
+                                     alignment.num_padded_1, M, E, scratch_base, N, N * MP, EB=EB, MC=MC,
+                                     STATS=n_stats, REGS=regs, BLOCK=_PLAN_BLOCK, BLOCK_M=align_block_m, MP=MP,
+                                     num_warps=warps)
         return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     with device_guard(dev):
         if regs:
@@ -396,8 +447,8 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
                                     pf_arg, M, E, scratch_base, EB=EB, MC=MC, STATS=n_stats,
                                     PF=pf_row_E is not None, num_warps=4)
         else:
-            work_2E = torch.empty((2, max(E, 1)), dtype=torch.int32, device=dev)  # need, scratch_of
-            _plan_kernel[(1,)](slot_of_E, ids_M, work_2E[0], work_2E[1], miss_experts_X, num_missing_1, rows_TK,
+            work, E_work = plan_workspace(E, False, dev)
+            _plan_kernel[(1,)](slot_of_E, ids_M, work, work[E_work:], miss_experts_X, num_missing_1, rows_TK,
                                counts_3, record_MK, pf_arg, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=n_stats,
                                PF=pf_row_E is not None, DENSE=False, num_warps=4)
     alignment = None if align_block_m is None or M == 0 else decode_align(rows_TK, N, align_block_m)

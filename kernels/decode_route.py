@@ -16,15 +16,19 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.decode_miss import (
+    _PLAN_BLOCK,
     PLAN_REGS_ELEMENTS,
     MissCopyConfig,
     MissPlan,
     _check,
     _check_stats,
-    _plan_regs,
+    _plan_phase,
     copy_misses,
     experts_block,
+    plan_chunk,
     plan_outputs,
+    plan_workspace,
+    register_plan_fits,
 )
 from moe_offload.kernels.decode_moe import _align_sorted, alignment_buffers, sorted_align_launch
 from moe_offload.kernels.moe_align import MoeAlignment
@@ -34,25 +38,27 @@ from moe_offload.kernels.router import router_outputs, topk_launch, topk_row
 
 @triton.jit
 def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
-                       slot_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
+                       slot_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
                        key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
                        M, E, scratch_base, N, last_key,
                        RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, MC: tl.constexpr,
-                       STATS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr):
+                       STATS: tl.constexpr, REGS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
+                       BLOCK_M: tl.constexpr, MP: tl.constexpr):
     """The router's top-k and the miss plan (+ with ALIGN the tile kernels' alignment) of a decode step in one
     launch, one program per token. Each program runs ``router.topk_row`` for its token; the last one to finish
     (a counter at ``done_ptr``, int32, 0 between launches: that program sets it back) then runs
     ``_plan_align_kernel``'s phases over every token's ids. The order: all threads' stores, a barrier, then
     the counter's acq_rel atomic (release: the stores before it are visible to whoever acquires it), and the
-    last program reads the ids past L1 (volatile)."""
+    last program reads the ids past L1 (volatile). REGS: the register plan (the step's pairs fit one chunk), else
+    the workspace plan over ``work_ptr``."""
     t = tl.program_id(0)
     topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t.to(tl.int64), E, K, RENORM, EP, KP)
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
         tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next launch (a graph replay)
-        _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E,
-                   scratch_base, EB, MC, STATS, False, True)
+        _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, M, E,
+                    scratch_base, EB, MC, STATS, REGS, BLOCK, True)
         if ALIGN:
             tl.debug_barrier()
             _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M,
@@ -60,7 +66,8 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
 
 
 #: most routed pairs a step may have for ``route_and_serve``'s one launch (its plan runs in the router's launch
-#: shape: one warp per token up to 256 experts, so the plan's match matrix is taken a smaller chunk at a time)
+#: shape, one warp per token up to 256 experts: the register plan where the pairs fit one smaller chunk
+#: (``decode_miss.register_plan_fits``), else the workspace plan)
 ROUTE_PLAN_MAX_PAIRS = 128
 
 
@@ -97,16 +104,18 @@ def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: 
     N = pool_rows_NR.shape[0]
     launch = topk_launch(E, top_k)
     EB = experts_block(E)
-    MC = max(1, min(triton.next_power_of_2(M), PLAN_REGS_ELEMENTS // 4 * launch["num_warps"] // EB))
+    MC = max(1, min(triton.next_power_of_2(M), plan_chunk(EB, launch["num_warps"])))
+    regs = register_plan_fits(M, E, launch["num_warps"])
+    work, E_work = plan_workspace(E, regs, dev)
     alignment = None if align_block_m is None else alignment_buffers(M, N, align_block_m, dev)
     key_MP, MP, _ = sorted_align_launch(M, dev)
     a = alignment or MoeAlignment(rows_TK, rows_TK, rows_TK, 1)  # unused without ALIGN
     with device_guard(dev):
         _route_plan_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, done_1, top_k,
-                                 slot_of_E, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
+                                 slot_of_E, work, E_work, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
                                  key_MP, a.sorted_ids_P, a.block_row_B, a.num_padded_1,
                                  M, E, scratch_base, N, N * MP, RENORM=renorm, EB=EB, MC=MC, STATS=n_stats,
-                                 ALIGN=alignment is not None, BLOCK_M=align_block_m or 1, MP=MP, **launch)
+                                 REGS=regs, BLOCK=_PLAN_BLOCK, ALIGN=alignment is not None, BLOCK_M=align_block_m or 1, MP=MP, **launch)
     plan = MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return w_TK, ids_TK, plan

@@ -225,7 +225,8 @@ def _plan_both(slot_of_E, ids, E, scratch_base, n_stats, pf_row_E):
        outside=st.booleans())
 def test_the_register_plan_gives_the_workspace_plans_rows_copies_and_counts(T, K, E, seed, resident, n_stats,
                                                                             lookahead, outside):
-    """``_plan_regs_kernel`` (the default up to 4,096 experts) against ``_plan_kernel`` on any decode-sized routing:
+    """``_plan_regs_kernel`` (the default where a step's pairs fit one chunk, ``register_plan_fits``; forced here)
+    against ``_plan_kernel`` on any decode-sized routing:
     duplicates, ids outside the layer, any residency, with and without the lookahead's row map and counters
     (pairs > the register tile's chunk, so its loops run several times)."""
     gen = torch.Generator().manual_seed(seed)
@@ -247,12 +248,14 @@ def test_the_register_plan_gives_the_workspace_plans_rows_copies_and_counts(T, K
 @settings(max_examples=40, deadline=None)
 @given(T=st.integers(1, 64), K=st.integers(1, 8), E=st.integers(1, 300), seed=st.integers(0, 2**16),
        resident=st.floats(0, 1), n_stats=st.sampled_from([0, 3, 4]), block_m=st.sampled_from([1, 4, 16]),
-       outside=st.booleans())
+       outside=st.booleans(), registers=st.sampled_from([None, True, False]))
 def test_the_plan_with_the_alignment_in_its_launch_gives_the_plan_and_decode_align_of_two(T, K, E, seed, resident,
-                                                                                          n_stats, block_m, outside):
+                                                                                          n_stats, block_m, outside,
+                                                                                          registers):
     """``_plan_align_kernel`` (``align_block_m``, the decode tile path: up to 512 pairs, no lookahead) writes the
-    register plan's rows, copies, counts and record, and the alignment ``decode_align`` makes of those rows over the
-    whole pool, bit for bit (the same blocks, the same pair order inside each: both sort by (row, pair id))."""
+    plan's rows, copies, counts and record (register or workspace plan: ``registers``), and the alignment
+    ``decode_align`` makes of those rows over the whole pool, bit for bit (the same blocks, the same pair order
+    inside each: both sort by (row, pair id))."""
     from moe_offload.kernels.decode_moe import decode_align
 
     gen = torch.Generator().manual_seed(seed)
@@ -268,7 +271,7 @@ def test_the_plan_with_the_alignment_in_its_launch_gives_the_plan_and_decode_ali
     for fused in (True, False):
         stats = _fresh_stats(n_stats, T, K)
         plan = plan_misses(slot_of_E.to(DEVICE), ids.to(DEVICE), host, pool, scratch_base, stats,
-                           align_block_m=block_m if fused else None)
+                           registers=registers, align_block_m=block_m if fused else None)
         assert (plan.alignment is not None) == fused
         a = plan.alignment if fused else decode_align(plan.rows_TK, pool.shape[0], block_m)
         n = int(a.num_padded_1)
@@ -377,3 +380,43 @@ def test_route_and_serve_small_steps_match_the_two_calls(T, K, E, align):
         n = int(plan.alignment.num_padded_1)
         assert n == int(plan2.alignment.num_padded_1)
         assert torch.equal(plan.alignment.sorted_ids_P[:n], plan2.alignment.sorted_ids_P[:n])
+
+
+def test_the_register_plan_runs_only_where_the_pairs_fit_one_chunk(monkeypatch):
+    """The default plan: the register kernel up to one ``[MC, EB]`` chunk of pairs (E = 128: 32 pairs at 4 warps),
+    the workspace kernel above (an H100 measured the register plan's chunk loop at ~3 us a chunk, README), also in
+    the plan + alignment launch; ``registers`` True/False still force either."""
+    from moe_offload.kernels import decode_miss as dm
+
+    assert dm.register_plan_fits(32, 128) and not dm.register_plan_fits(33, 128)
+    assert dm.register_plan_fits(8, 128, num_warps=1) and not dm.register_plan_fits(9, 128, num_warps=1)
+    assert not dm.register_plan_fits(1, 5000)
+    seen = []
+    for name in ("_plan_regs_kernel", "_plan_kernel", "_plan_align_kernel"):
+        kernel = getattr(dm, name)
+        monkeypatch.setattr(dm, name, _Spy(kernel, name, seen))
+    E = 128
+    host = torch.zeros((E, 4), dtype=torch.uint8, device=DEVICE)
+    pool = torch.zeros((E + 64, 4), dtype=torch.uint8, device=DEVICE)
+    slot_of_E = torch.arange(E, dtype=torch.int32, device=DEVICE)
+    for T, registers, align, want in ((4, None, None, ("_plan_regs_kernel", None)), (8, None, None, ("_plan_kernel", None)),
+                                      (8, True, None, ("_plan_regs_kernel", None)),
+                                      (4, None, 16, ("_plan_align_kernel", True)),
+                                      (8, None, 16, ("_plan_align_kernel", False))):
+        seen.clear()
+        ids = torch.randint(0, E, (T, 8), device=DEVICE)
+        dm.plan_misses(slot_of_E, ids, host, pool, E, registers=registers, align_block_m=align)
+        assert seen == [want], (T, registers, align, seen)
+
+
+class _Spy:
+    """A launcher that records which plan kernel ran (and its REGS) before launching it."""
+
+    def __init__(self, kernel, name, seen):
+        self.kernel, self.name, self.seen = kernel, name, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.seen.append((self.name, kwargs.get("REGS")))
+            return self.kernel[grid](*args, **kwargs)
+        return launch

@@ -293,19 +293,20 @@ for EB, MC, stats, pf in ((128, 8, 5, True), (128, 32, 4, False), (512, 8, 0, Fa
     build(dm._plan_regs_kernel, {**i32(["slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "pf_ptr"], "*i32"),
           "ids_ptr": "*i64", "stats_ptr": "*i64", **i32(["M", "E", "scratch_base"], "i32")},
           {"EB": EB, "MC": MC, "STATS": stats, "PF": pf}, num_warps=4)
-for EB, MC, MP, stats in ((128, 32, 16, 4), (128, 32, 512, 4), (512, 8, 128, 0)):  # plan + sorted alignment, one launch
-    build(dm._plan_align_kernel, {**i32(["slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "sorted_ids_ptr",
-          "block_row_ptr", "num_padded_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64", "key_ptr": "*i64",
-          **i32(["M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
-          {"EB": EB, "MC": MC, "STATS": stats, "BLOCK_M": 16, "MP": MP}, num_warps=4)
-for EP, KP, EB, MC, MP, align, warps in ((128, 8, 128, 8, 16, False, 1), (128, 8, 128, 8, 128, True, 1),
-                                          (512, 8, 512, 8, 128, True, 4)):  # top-k + plan (+ alignment), one launch
+for EB, MC, MP, stats, regs in ((128, 16, 16, 4, True), (128, 32, 512, 4, False), (512, 8, 128, 0, False)):
+    # plan (register or workspace) + sorted alignment, one launch
+    build(dm._plan_align_kernel, {**i32(["slot_ptr", "work_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr",
+          "sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32"), "ids_ptr": "*i64", "stats_ptr": "*i64",
+          "key_ptr": "*i64", **i32(["E_work", "M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
+          {"EB": EB, "MC": MC, "STATS": stats, "REGS": regs, "BLOCK": 1024, "BLOCK_M": 16, "MP": MP}, num_warps=4)
+for EP, KP, EB, MC, MP, align, warps, regs in ((128, 8, 128, 8, 16, False, 1, True), (128, 8, 128, 8, 128, True, 1, False),
+                                                (512, 8, 512, 8, 128, True, 4, False)):  # top-k + plan (+ alignment)
     ptx = build(droute._route_plan_kernel, {"logits_ptr": "*bf16", "stride_t": "i32", "w_ptr": "*bf16", "ids_ptr": "*i64",
-                **i32(["done_ptr", "slot_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr", "sorted_ids_ptr",
-                "block_row_ptr", "num_padded_ptr"], "*i32"), "stats_ptr": "*i64", "key_ptr": "*i64",
-                **i32(["K", "M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
-                {"RENORM": True, "EP": EP, "KP": KP, "EB": EB, "MC": MC, "STATS": 4, "ALIGN": align, "BLOCK_M": 16,
-                 "MP": MP}, num_warps=warps)
+                **i32(["done_ptr", "slot_ptr", "work_ptr", "miss_ptr", "count_ptr", "rows_ptr", "record_ptr",
+                "sorted_ids_ptr", "block_row_ptr", "num_padded_ptr"], "*i32"), "stats_ptr": "*i64", "key_ptr": "*i64",
+                **i32(["K", "E_work", "M", "E", "scratch_base", "N"], "i32"), "last_key": "i64"},
+                {"RENORM": True, "EP": EP, "KP": KP, "EB": EB, "MC": MC, "STATS": 4, "REGS": regs, "BLOCK": 1024,
+                 "ALIGN": align, "BLOCK_M": 16, "MP": MP}, num_warps=warps)
     out.setdefault("route_plan_acq_rel", []).append(len(re.findall(r"atom\.global\.(?:gpu\.)?acq_rel(?:\.gpu)?\.add", ptx)))
     out.setdefault("route_plan_volatile_ids", []).append(len(re.findall(r"ld\.volatile\.global\.(?:v2\.)?b64", ptx)))
 ptx = build(dm._copy_kernel, {"src_ptr": "*i32", "dst_ptr": "*i32", **i32(["miss_ptr", "count_ptr"], "*i32"),

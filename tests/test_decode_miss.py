@@ -420,3 +420,18 @@ class _Spy:
             self.seen.append((self.name, kwargs.get("REGS")))
             return self.kernel[grid](*args, **kwargs)
         return launch
+
+
+def test_the_routing_launch_bench_runs_every_form_on_the_cpu(tmp_path):
+    """``benchmarks/decode_plan.py --smoke``: every form (separate, plan + alignment, route) runs and gives the same
+    rows (the script exits otherwise), and the report is written."""
+    import json
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_plan.py"
+    main = runpy.run_path(str(script))["main"]
+    assert main(["--smoke", "--out", str(tmp_path), "--tokens", "1", "8", "--experts", "40"]) == 0
+    report = json.loads(next(tmp_path.glob("decode_plan-*.json")).read_text())
+    variants = {(r["tokens"], r["variant"]) for r in report["rows"]}
+    assert (8, "topk+plan+align (route), copy") in variants and (1, "topk, plan (default), copy") in variants

@@ -88,6 +88,19 @@ def test_with_nothing_resident_the_pcie_floor_counts_the_misses_of_each_step(ben
     assert c["pcie_floor_ms"] == pytest.approx(c["pcie_bytes_per_step"]["decode_uva"] / h2d * 1e3)
 
 
+def test_the_miss_copy_rate_is_measured_on_the_store_and_gives_a_second_ratio(bench):
+    """The decode path's own miss copy, timed on the store's rows in the same run: its rate, and per cell the ratio
+    to max(HBM floor, missed bytes at that rate), in the JSON and as a markdown column."""
+    _, _, result, out = bench
+    md = next(out.glob("decode-*.md")).read_text()
+    uva = result["floors"]["uva"]
+    assert uva["GBps"] > 0 and uva["rows"] > 0 and uva["bytes"] >= uva["rows"] * result["model"]["bytes_per_expert"]
+    c = _cell(result, 0.0, 1)
+    missed_ms = c["pcie_bytes_per_step"]["decode_uva"] / (uva["GBps"] * 1e9) * 1e3
+    assert c["ratio_to_uva_floor"] == pytest.approx(c["ms_per_step"]["median"] / max(c["hbm_floor_ms"], missed_ms))
+    assert "×UVA floor" in md and "miss copy" in md
+
+
 def test_the_hbm_floor_reads_routed_experts_non_expert_weights_and_the_kv_cache(bench):
     _, _, result, _ = bench
     m, s = result["model"], result["settings"]

@@ -37,9 +37,14 @@ def derive(result: dict) -> None:
                            "embedding + batch x KV bytes per position x mean positions) / HBM bandwidth")
     f["pcie_definition"] = ("bytes of the distinct missing experts a step reads (in the step, or from a lookahead "
                             "copy) / H2D bandwidth")
+    uva_rate = (f.get("uva") or {}).get("GBps")
+    f["uva_definition"] = ("ratio_to_uva_floor: median ms/step / max(HBM floor, the PCIe floor's bytes / the rate of "
+                           "the decode path's own miss copy measured in this run); ratio_to_floor above 1 with this "
+                           "near 1 means the host's mapped-memory reads, not the step, set the pace")
     for c in result["cells"]:
         if c.get("error"):  # failed (e.g. out of device memory): nothing measured, no floor
             c["hbm_floor_ms"] = c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
+            c["ratio_to_uva_floor"] = None
             c["floor_bound"] = "n/a: the cell failed"
             continue
         expert = c["routed_experts_per_step"] * m["bytes_per_expert"]
@@ -51,6 +56,7 @@ def derive(result: dict) -> None:
             # decode.path auto staged these steps: no routed-miss count to floor them by (a staged step copies
             # whole missing layers); judge them against the routed run's floor of the same cell
             c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
+            c["ratio_to_uva_floor"] = None
             c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
             continue
         p = c["pcie_bytes_per_step"]
@@ -59,6 +65,8 @@ def derive(result: dict) -> None:
         c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
         c["ratio_to_floor"] = c["ms_per_step"]["median"] / c["floor_ms"] if c["floor_ms"] > 0 else None
         c["floor_tok_s"] = c["batch"] * 1e3 / c["floor_ms"] if c["floor_ms"] > 0 else None
+        uva_floor = max(c["hbm_floor_ms"], p.get("missed", p["decode_uva"]) / (uva_rate * 1e9) * 1e3) if uva_rate else 0
+        c["ratio_to_uva_floor"] = c["ms_per_step"]["median"] / uva_floor if uva_floor > 0 else None
     result["targets"] = targets(result)
     if not on_cuda(result):
         for t in result["targets"]:  # measured, but a CPU run cannot meet or miss an HBM/PCIe target
@@ -104,6 +112,11 @@ def _num(x, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _uva_rate(f: dict) -> str:
+    rate = (f.get("uva") or {}).get("GBps")
+    return "–" if rate is None else f"{rate:.1f} GB/s"
+
+
 def _header(result: dict) -> list[str]:
     m, s, f, v, git = result["model"], result["settings"], result["floors"], result["versions"], result["git"]
     lines = [
@@ -115,12 +128,14 @@ def _header(result: dict) -> list[str]:
         f"{('CUDA graph steps ' + ('on' if s['cuda_graphs'] else 'off')) if on_cuda(result) else 'eager steps (CPU)'}; "
         f"slot pool: {_POOL[s['budget']]}; decode attention {s.get('decode_attention', 'sdpa')}; lookahead "
         f"{'on' if s.get('lookahead') else 'off'}. "
-        f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}). "
+        f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}), "
+        f"miss copy {_uva_rate(f)} ({(f.get('uva') or {}).get('method', 'not measured in this run')}). "
         f"Experts {m['bytes_per_expert'] / 1e6:.3g} MB each; non-expert weights read per step "
         f"{m['non_expert_bytes'] / 1e6:.4g} MB; KV {m['kv_bytes_per_position'] / 1e3:.4g} kB per position per "
         "sequence.",
         "", "HBM floor = bytes the step must read / HBM bandwidth; PCIe floor = missed bytes read from host memory "
-        "per step / H2D bandwidth; ×floor = median ms/step / max of the two.",
+        "per step / H2D bandwidth; ×floor = median ms/step / max of the two; ×UVA floor = the same with the PCIe "
+        "floor's bytes at the miss copy's measured rate.",
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
@@ -129,11 +144,11 @@ def _header(result: dict) -> list[str]:
 
 def _cells_table(result: dict) -> list[str]:
     head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | "
-            "HBM floor ms | PCIe floor ms | ×floor | graph |")
-    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 11) + " |"]
+            "HBM floor ms | PCIe floor ms | ×floor | ×UVA floor | graph |")
+    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 12) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         if c.get("error"):
-            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 8)
+            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 9)
             continue
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
@@ -148,7 +163,7 @@ def _cells_table(result: dict) -> list[str]:
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
                      f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}{staged}) | "
                      f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
-                     f"{graph} |")
+                     f"{_num(c.get('ratio_to_uva_floor'))} | {graph} |")
     ahead = [c for c in result["cells"] if c.get("lookahead") is not None]
     if ahead:
         lines += ["", "Lookahead (`decode.lookahead`): the next MoE layer's router on this layer's input predicts its "

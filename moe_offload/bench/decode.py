@@ -48,7 +48,7 @@ from moe_offload import log
 from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.sweep import (cell_config, failed_cell, free_memory, oom_line, pool_slots, resident_sets,
                                      use_cache)
-from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d
+from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d, time_reps
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
 
@@ -163,21 +163,7 @@ def measure_hbm(device: torch.device) -> dict:
     nbytes = H2D_BYTES[device.type]
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for rep in range(H2D_REPS + 1):  # rep 0 warms up
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            t = time.perf_counter() - t0
-        if rep:
-            times.append(t)
+    times = time_reps(lambda: dst.copy_(src), device)
     del src, dst
     med = statistics.median(times)
     method = ("device -> device copy, CUDA events; read + write counted" if device.type == "cuda"
@@ -209,21 +195,7 @@ def measure_uva(engine, device: torch.device) -> dict:
     slot_of_E = torch.full((host_ER.shape[0],), -1, dtype=torch.int32, device=device)
     ids = torch.arange(n, device=device).view(n, 1)
     copy = serve_misses if device.type == "cuda" else serve_misses_reference
-    times = []
-    for rep in range(H2D_REPS + 1):  # rep 0 warms up (and compiles)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            copy(slot_of_E, ids, host_ER, pool_NR, 0)
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            copy(slot_of_E, ids, host_ER, pool_NR, 0)
-            t = time.perf_counter() - t0
-        if rep:
-            times.append(t)
+    times = time_reps(lambda: copy(slot_of_E, ids, host_ER, pool_NR, 0), device)
     if not torch.equal(pool_NR[-1].cpu(), store.rows(layer)[n - 1]):
         raise BenchError(f"the UVA rate measurement copied wrong bytes (layer {layer}, expert {n - 1})")
     med = statistics.median(times)

@@ -50,6 +50,27 @@ def measure_h2d(device: torch.device) -> dict:
             "GBps": nbytes / med / 1e9, "method": method}
 
 
+def time_reps(fn, device: torch.device, reps: int = H2D_REPS) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()`` after one untimed call (warm-up, compiles): CUDA events on the
+    current stream on CUDA, ``perf_counter`` elsewhere."""
+    times = []
+    for rep in range(reps + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            t = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+        if rep:
+            times.append(t)
+    return times
+
+
 class HostTimer:
     """Host wall time of the model's forward and of every experts call, from forward hooks.
 

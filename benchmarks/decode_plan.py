@@ -1,14 +1,16 @@
 """The decode step's routing launches timed alone: the router's top-k, the miss plan (workspace or register kernel),
 the tile kernels' alignment, and their fused forms (kernels/decode_route.py, decode_miss.py's plan + alignment).
 
-    python benchmarks/decode_plan.py --out DIR [--tokens 1 4 16 64] [--experts 128] [--top-k 8] [--json] [--git-sha SHA]
+    python benchmarks/decode_plan.py --out DIR [--tokens 1 4 16 64] [--experts 128] [--top-k 8] [--json]
+        [--git-sha SHA]
 
 Legend: T tokens, K top-k, E experts, M = T*K routed pairs.
 Each variant is captured in a CUDA graph ``--repeat`` times over one step's logits (all experts resident, so the miss
 copy launch copies nothing) and the graph's median replay is divided by ``--repeat``: us per step and layer,
 launch gaps inside a graph included. Why: an H100 profile at 3ad5d89 put the fused top-k + plan + alignment launch at
 48.8 us for 128 pairs, against ~10 us for the three separate launches at 10cd002; the register plan's chunk loop is
-the suspect (``decode_miss.register_plan_fits``); this bench times every form in one run. CPU: no timing (``--smoke`` checks that every variant runs and gives the separate launches' rows).
+the suspect (``decode_miss.register_plan_fits``); this bench times every form in one run.
+CPU: no timing (``--smoke`` checks that every variant runs and gives the separate launches' rows).
 """
 
 from __future__ import annotations

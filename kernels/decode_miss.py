@@ -139,7 +139,8 @@ def _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, r
              stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
              PF: tl.constexpr, DENSE: tl.constexpr, IDS_VOLATILE: tl.constexpr):
     """The body of ``_plan_kernel`` (and the plan phase of ``_plan_align_kernel`` and
-    ``decode_route._route_plan_kernel`` for steps of more pairs than one register chunk). One program. need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
+    ``decode_route._route_plan_kernel`` for steps of more pairs than one register chunk). One program.
+    need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
     counters at ``stats_ptr``, int64) also counts the step and stores its ids into ``record_ptr[0:M]`` (int32):
     adds routed pairs, missed pairs, distinct missed experts copied here to ``stats_ptr[0:3]``; with STATS >= 4
     the distinct routed experts to ``stats_ptr[3]``; with PF and STATS >= 5 the distinct missing experts read

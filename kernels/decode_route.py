@@ -115,7 +115,8 @@ def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: 
                                  slot_of_E, work, E_work, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
                                  key_MP, a.sorted_ids_P, a.block_row_B, a.num_padded_1,
                                  M, E, scratch_base, N, N * MP, RENORM=renorm, EB=EB, MC=MC, STATS=n_stats,
-                                 REGS=regs, BLOCK=_PLAN_BLOCK, ALIGN=alignment is not None, BLOCK_M=align_block_m or 1, MP=MP, **launch)
+                                 REGS=regs, BLOCK=_PLAN_BLOCK, ALIGN=alignment is not None,
+                                 BLOCK_M=align_block_m or 1, MP=MP, **launch)
     plan = MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return w_TK, ids_TK, plan

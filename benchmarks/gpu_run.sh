@@ -3,7 +3,10 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize
+#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan
+# decode_plan: benchmarks/decode_plan.py, the routing launches (top-k, register vs workspace plan, alignment, their
+# fused forms) timed alone in CUDA graphs at 1/4/16/64 tokens; no checkpoint needed (~1 min; not yet run). The miss
+# copy's rate across layouts and configs: the kernels stage with KERNELS_ARGS=--uva-only.
 # sanitize: compute-sanitizer memcheck / synccheck / racecheck over the CPU-shaped tests of the cross-program kernels
 # (they run on CUDA there), SANITIZE_K selects them; ~1-2 min a tool (not yet run).
 # set_ab: the fused small ops' GPU tests, then bench decode with --set SET_AB and with its opposite (SET_AB_OFF,
@@ -218,6 +221,11 @@ if has sanitize; then  # compute-sanitizer (Firecracker machines only, KINDS.md)
     echo "rc=$?" >> "$RES/sanitize-$tool.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
+fi
+if has decode_plan; then
+  timeout ${PLAN_TIMEOUT:-150} python3 benchmarks/decode_plan.py --out "$RES" --git-sha ${SERVE_CHECK_SHA:-unknown} \
+    > "$RES/decode_plan.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has set_ab; then  # bench decode with SET_AB (e.g. "compute.fused_qk_rope=true"), then without, same machine, back to
   # back, after the GPU tests of the fused small ops; AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1 min per side after a build

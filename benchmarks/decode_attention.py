@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))  # benchmarks/ is a script folder, not a package
 from decode_kernels import capture, events_ms  # noqa: E402
 
-from moe_offload.bench.decode import measure_hbm  # noqa: E402
+from moe_offload.bench.timing import measure_hbm  # noqa: E402
 from moe_offload.bench.env import git_info  # noqa: E402
 from moe_offload.kernels.decode_attention import DEFAULT_CONFIG, AttnConfig, decode_attention  # noqa: E402
 

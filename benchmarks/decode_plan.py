@@ -67,7 +67,7 @@ def variants(T: int, K: int, E: int, device) -> dict:
         copy_misses(plan, host, pool, E)
         return plan.rows_TK
     out["topk, plan+align (default), copy"] = plan_align
-    if route_plan_applies(T, K, E, False):
+    if route_plan_applies(T, K, False):
         for align in (False, True):
             def route(align=align):
                 return route_and_serve(logits, K, True, torch.bfloat16, slot_of_E, host, pool, E, done,

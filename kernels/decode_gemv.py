@@ -51,7 +51,16 @@ from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call, given_alignment
 from moe_offload.kernels.moe_align import MoeAlignment
-from moe_offload.kernels.moe_sum import check_residual, no_pairs, store_out, sum_pairs, zero_counters, zeroing_args
+from moe_offload.kernels.moe_sum import (
+    check_residual,
+    no_pairs,
+    store_out,
+    sum_args,
+    sum_counters,
+    sum_pairs,
+    zero_counters,
+    zeroing_args,
+)
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
     device_guard,
@@ -276,7 +285,7 @@ def _down_pair_kernel(
     part_ptr,  # [M, H] f32: each pair's weighted down projection
     N, H, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
-    cnt_ptr=None, out_ptr=None, stride_ot=0, res_ptr=None, stride_rt=0, TOPK=1,
+    cnt_ptr=None, final_ptr=None, stride_ft=0, res_ptr=None, stride_rt=0, TOPK=1,
     SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
@@ -287,7 +296,7 @@ def _down_pair_kernel(
     if (row < 0) | (row >= N):  # a pair left out: its partial is 0 for the sum
         tl.store(part_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=offs_n < H)
         if SUM_K:
-            _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n,
+            _sum_if_last(part_ptr, H, cnt_ptr, final_ptr, stride_ft, res_ptr, stride_rt, m, offs_n, pid_n,
                          tl.num_programs(0), TOPK, BLOCK_N, RESIDUAL)
         return
     offs_kb = tl.arange(0, BLOCK_K // 2)
@@ -313,12 +322,12 @@ def _down_pair_kernel(
     scale = tl.load(g_ptr + row * stride_gn + 2) * tl.load(w_ptr + m).to(tl.float32) * unshift(PTX)
     tl.store(part_ptrs, tl.sum(acc, axis=1) * scale, mask=offs_n < H)
     if SUM_K:
-        _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n, tl.num_programs(0),
-                     TOPK, BLOCK_N, RESIDUAL)
+        _sum_if_last(part_ptr, H, cnt_ptr, final_ptr, stride_ft, res_ptr, stride_rt, m, offs_n, pid_n,
+                     tl.num_programs(0), TOPK, BLOCK_N, RESIDUAL)
 
 
 @triton.jit
-def _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m, offs_n, pid_n, NT, TOPK,
+def _sum_if_last(part_ptr, H, cnt_ptr, final_ptr, stride_ft, res_ptr, stride_rt, m, offs_n, pid_n, NT, TOPK,
                  BLOCK_N: tl.constexpr, RESIDUAL: tl.constexpr):
     """``moe_sum._sum_pairs_kernel``'s work for token ``m // TOPK``'s column tile ``pid_n``, by the last of its TOPK
     pair programs to store its partial (a counter per (token, column tile), zeroed by the gate_up launch of the same
@@ -333,7 +342,7 @@ def _sum_if_last(part_ptr, H, cnt_ptr, out_ptr, stride_ot, res_ptr, stride_rt, m
         y = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k in range(0, TOPK):
             y += tl.load(part_ptr + (t * TOPK + k) * H + offs_n, mask=mask, other=0.0, volatile=True)
-        store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs_n, mask, y, RESIDUAL)
+        store_out(final_ptr, stride_ft, res_ptr, stride_rt, t, offs_n, mask, y, RESIDUAL)
 
 
 
@@ -418,10 +427,8 @@ def decode_gemv_nvfp4(
     grid_gu = (triton.cdiv(I, gu.block_n), num_blocks)
     summed, zero = {}, {}
     if config.down_per_pair and sum_in_down and K > 1:  # the per-pair down launch sums over K: no sum launch
-        counters = torch.empty(T * triton.cdiv(H, dn.block_n), dtype=torch.int32, device=dev)
-        res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
-        summed = {"cnt_ptr": counters, "out_ptr": out_TH, "stride_ot": out_TH.stride(0), "res_ptr": res,
-                  "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
+        counters = sum_counters(T, H, dn.block_n, dev)
+        summed = sum_args(counters, out_TH, residual_TH, K)
         zero = zeroing_args(counters, grid_gu[0] * grid_gu[1])
     with device_guard(dev):
         _gate_up_kernel[grid_gu](

@@ -429,7 +429,7 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
     pf_arg = slot_of_E if pf_row_E is None else pf_row_E
     EB = experts_block(E)
     regs = register_plan_fits(M, E) if registers is None else registers and EB <= PLAN_REGS_ELEMENTS
-    MC = max(1, min(triton.next_power_of_2(max(M, 1)), PLAN_REGS_ELEMENTS // EB))
+    MC = min(triton.next_power_of_2(max(M, 1)), plan_chunk(EB))
     N = pool_rows_NR.shape[0]
     if align_block_m is not None and pf_row_E is None and 0 < M <= SORTED_ALIGN_MAX_PAIRS:
         alignment = alignment_buffers(M, N, align_block_m, dev)

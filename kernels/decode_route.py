@@ -17,7 +17,6 @@ import triton.language as tl
 
 from moe_offload.kernels.decode_miss import (
     _PLAN_BLOCK,
-    PLAN_REGS_ELEMENTS,
     MissCopyConfig,
     MissPlan,
     _check,
@@ -71,10 +70,10 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
 ROUTE_PLAN_MAX_PAIRS = 128
 
 
-def route_plan_applies(T: int, K: int, E: int, lookahead: bool) -> bool:
+def route_plan_applies(T: int, K: int, lookahead: bool) -> bool:
     """Whether ``route_and_serve`` runs the router's top-k and the plan in one launch for a step of T tokens at top-K
-    over E experts (else: ``router_topk``, then ``serve_misses_plan``)."""
-    return 0 < T * K <= ROUTE_PLAN_MAX_PAIRS and not lookahead and experts_block(E) <= PLAN_REGS_ELEMENTS
+    (else: ``router_topk``, then ``serve_misses_plan``); any number of experts the router takes."""
+    return 0 < T * K <= ROUTE_PLAN_MAX_PAIRS and not lookahead
 
 
 def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype, slot_of_E: torch.Tensor,
@@ -90,7 +89,7 @@ def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: 
     T, E = logits_TE.shape
     _check(slot_of_E, ids_TK, host_rows_ER, pool_rows_NR, scratch_base)
     dev = pool_rows_NR.device
-    if not route_plan_applies(T, top_k, E, False) or host_rows_ER.shape[0] != E:
+    if not route_plan_applies(T, top_k, False) or host_rows_ER.shape[0] != E:
         raise ValueError(f"route_and_serve: T*K={T * top_k} pairs over E={E} experts (host rows for "
                          f"{host_rows_ER.shape[0]}): the one-launch form takes 1..{ROUTE_PLAN_MAX_PAIRS} pairs and the "
                          "layer's own experts; use router_topk and serve_misses_plan")

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, config_for
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs, moe_align  # noqa: F401 (re-exported)
-from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
+from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_counters, sum_pairs
 from moe_offload.kernels.nvfp4 import (
     BYTES_PER_SCALE,
     E2M1_F16_SHIFT,
@@ -372,7 +372,7 @@ def kernel_calls(hidden_TH, views, alignment: MoeAlignment, weights_M, terms_MH,
 
     counters = None
     if sum_into is not None:
-        counters = swap.sum_counters(hidden_TH.shape[0], H, config, dev)
+        counters = sum_counters(hidden_TH.shape[0], H, config.down.block_n, dev)
         sum_into = (counters, *sum_into)
 
     def gate_up():

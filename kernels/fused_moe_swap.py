@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
-from moe_offload.kernels.moe_sum import store_out, zero_counters, zeroing_args
+from moe_offload.kernels.moe_sum import store_out, sum_args, zero_counters, zeroing_args
 from moe_offload.kernels.nvfp4 import (
     SCALE_BLOCK,
     device_guard,
@@ -282,30 +282,19 @@ def sum_in_down_supported() -> tuple[bool, str]:
                    f"over K in the down launch needs Triton >= {need} (pip install -U triton)")
 
 
-def sum_counters(T: int, H: int, config, device) -> torch.Tensor:
-    """The int32 counters ``down_weighted_swap`` sums over K with: one per (token, down column tile); any contents
-    (``gate_up_silu_swap`` zeroes them)."""
-    return torch.empty(max(T * triton.cdiv(H, config.down.block_n), 1), dtype=torch.int32, device=device)
-
-
 def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_MH, I: int, config, dot_setup,
                        sum_into=None) -> None:
     """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act[pair])``. ``sum_into``:
     ``(counters, out_TH, residual_TH or None, K)``: the program that stores a token's last term of a column tile
     also writes that tile of ``out_TH`` as ``moe_sum.sum_pairs(terms_MH, K, out_TH, residual_TH)`` would (same bits;
-    ``counters`` from ``sum_counters``, zeroed by this call's gate_up launch), so no sum launch follows."""
+    ``counters`` from ``moe_sum.sum_counters``, zeroed by this call's gate_up launch), so no sum launch follows."""
     q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
     M, H = terms_MH.shape
     tiles = config.down
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
     dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
-    summed = {}
-    if sum_into is not None:
-        counters, out_TH, residual_TH, K = sum_into
-        res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
-        summed = {"cnt_ptr": counters, "final_ptr": out_TH, "stride_ft": out_TH.stride(0), "res_ptr": res,
-                  "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
+    summed = {} if sum_into is None else sum_args(*sum_into)
     with device_guard(act_split.device):
         _down_swap_kernel[grid](
             act_split, act_split.stride(0),

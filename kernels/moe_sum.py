@@ -58,6 +58,21 @@ def zero_counters(cnt_ptr, n_cnt, program, ZERO_BLOCK: tl.constexpr):
     tl.store(cnt_ptr + offs, tl.zeros((ZERO_BLOCK,), tl.int32), mask=offs < n_cnt)
 
 
+def sum_counters(T: int, H: int, block_n: int, device) -> torch.Tensor:
+    """The int32 counters of a down launch that sums over K itself: one per (token, column tile of ``block_n``); any
+    contents (the gate_up launch of the same call zeroes them, ``zero_counters``)."""
+    return torch.empty(max(T * triton.cdiv(H, block_n), 1), dtype=torch.int32, device=device)
+
+
+def sum_args(counters: torch.Tensor, out_TH: torch.Tensor, residual_TH: torch.Tensor | None, K: int) -> dict:
+    """The launch arguments of a down kernel that sums over K itself into ``out_TH`` (its ``cnt_ptr``, ``final_ptr``,
+    ``stride_ft``, ``res_ptr``, ``stride_rt``, ``TOPK``, ``SUM_K``, ``RESIDUAL``), as ``sum_pairs(terms, K, out_TH,
+    residual_TH)`` would write it; ``counters`` from ``sum_counters``."""
+    res = out_TH if residual_TH is None else residual_TH  # never read without RESIDUAL
+    return {"cnt_ptr": counters, "final_ptr": out_TH, "stride_ft": out_TH.stride(0), "res_ptr": res,
+            "stride_rt": res.stride(0), "TOPK": K, "SUM_K": True, "RESIDUAL": residual_TH is not None}
+
+
 def zeroing_args(counters: torch.Tensor, programs: int) -> dict:
     """The launch arguments of ``zero_counters`` for a kernel of ``programs`` programs that zeroes ``counters``."""
     return {"cnt_ptr": counters, "n_cnt": counters.numel(),

@@ -130,7 +130,7 @@ class DecodeResidency:
         from moe_offload.kernels.decode_route import route_plan_applies
 
         return (self.device.type == "cuda" and T <= self.max_tokens and E == self.store.num_experts
-                and route_plan_applies(T, K, E, self.lookahead is not None))
+                and route_plan_applies(T, K, self.lookahead is not None))
 
     def route(self, layer: int, logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype,
               align_block_m: int | None = None):

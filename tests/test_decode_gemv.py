@@ -300,8 +300,8 @@ v4_loads(g._down_sum_kernel, down_sig, {"KP": 8, "BLOCK_N": cfg.down.block_n, "B
                                         "EVEN_K": True, "RESIDUAL": True}, div16, cfg.down.num_warps)
 # the per-pair down that sums over K itself (compute.fused_moe_launches): its K loop as without it, then the
 # barrier, one scalar acq_rel atomic, the other programs' partials read volatile; gate_up zeroing its counters
-pair_sig = {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "out_ptr": "*bf16",
-            "stride_ot": "i32", "res_ptr": "*bf16", "stride_rt": "i32"}
+pair_sig = {**common, "act_ptr": "*fp32", "w_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32", "final_ptr": "*bf16",
+            "stride_ft": "i32", "res_ptr": "*bf16", "stride_rt": "i32"}
 names = g._down_pair_kernel.arg_names
 src = ASTSource(fn=g._down_pair_kernel, signature={n: pair_sig.get(n, "constexpr") for n in names},
                 constexprs={(names.index(k),): v for k, v in {"BLOCK_N": 32, "BLOCK_K": 256, "EVEN_K": True, "PTX": PTX,

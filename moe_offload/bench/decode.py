@@ -7,9 +7,9 @@ floors measured in the same run and against transformers fully on the GPU.
 
 One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` under ``--out``):
 1. bandwidths: pinned H2D (``timing.measure_h2d``: 1 GiB, CUDA events, median of 10) and HBM
-   (``measure_hbm``: a 1 GiB device-to-device copy, median of 10, counted as read + write: 2 x bytes /
+   (``timing.measure_hbm``: a 1 GiB device-to-device copy, median of 10, counted as read + write: 2 x bytes /
    time); on a CPU both are host memcpys of 64 MiB, so the smoke test has the same fields; after the engine is
-   built, the rate of the decode path's own miss copy from its pinned store (``measure_uva``);
+   built, the rate of the decode path's own miss copy from its pinned store (``timing.measure_uva``);
 2. one engine (one pinned store) with ``decode.max_tokens`` = the largest batch and
    ``decode.max_cache_len`` = prompt + steps + 1, greedy, no stop ids (every sequence runs every step);
 3. per residency (largest first) and batch: the resident set (``sweep.resident_sets``: nested, seeded)
@@ -48,7 +48,7 @@ from moe_offload import log
 from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.sweep import (cell_config, failed_cell, free_memory, oom_line, pool_slots, resident_sets,
                                      use_cache)
-from moe_offload.bench.timing import H2D_BYTES, H2D_REPS, measure_h2d, time_reps
+from moe_offload.bench.timing import measure_h2d, measure_hbm, measure_uva
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
 
@@ -157,55 +157,6 @@ def bench_config(a: argparse.Namespace) -> tuple[OffloadConfig, Plan, list[str]]
 
 
 # ---------------------------------------------------------------------------------------- floors
-def measure_hbm(device: torch.device) -> dict:
-    """Device memory bandwidth from one large device-to-device copy (median of ``H2D_REPS``), counting
-    read + write: ``GBps = 2 * bytes / time`` (1e9 bytes). CPU: a host memcpy of the H2D smoke size."""
-    nbytes = H2D_BYTES[device.type]
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    times = time_reps(lambda: dst.copy_(src), device)
-    del src, dst
-    med = statistics.median(times)
-    method = ("device -> device copy, CUDA events; read + write counted" if device.type == "cuda"
-              else "cpu device: host memcpy, perf_counter; read + write counted")
-    return {"bytes": nbytes, "reps": H2D_REPS, "median_s": med, "GBps": 2 * nbytes / med / 1e9, "method": method}
-
-
-UVA_ROWS = 64  # experts per timed miss copy (~170 MB of Qwen3-30B-A3B NVFP4 rows)
-
-
-def measure_uva(engine, device: torch.device) -> dict:
-    """The rate of the decode path's own miss copy: ``UVA_ROWS`` experts of the store's first MoE layer, all
-    missing, read from the pinned store by the runtime's copy (``decode_miss.serve_misses`` on CUDA: SMs reading
-    mapped host memory; the torch reference copy on a CPU) into device rows, median of ``H2D_REPS`` (CUDA events;
-    CPU: perf_counter), in GB/s. The PCIe floor stays the copy engine's (``measure_h2d``); this one says how
-    close this host lets the SMs' reads come to it: at 3ad5d89 on an H100 every cell with misses ran at ~28 GB/s
-    of missed bytes, against ~46 GB/s at 10cd002 on another H100, with the same copy code (README)."""
-    from moe_offload import uva
-    from moe_offload.kernels.decode_miss import serve_misses, serve_misses_reference
-
-    store = engine.store
-    layer = store.layers[0]
-    try:
-        host_ER = store.device_rows(layer, device) if device.type == "cuda" else store.rows(layer)
-    except uva.UvaError as exc:  # the decode path cannot read host rows here either; the cells will say so
-        return {"bytes": 0, "rows": 0, "reps": 0, "median_s": None, "GBps": None, "method": f"not measured: {exc}"}
-    n = min(UVA_ROWS, host_ER.shape[0])
-    pool_NR = torch.empty((n, host_ER.shape[1]), dtype=torch.uint8, device=device)
-    slot_of_E = torch.full((host_ER.shape[0],), -1, dtype=torch.int32, device=device)
-    ids = torch.arange(n, device=device).view(n, 1)
-    copy = serve_misses if device.type == "cuda" else serve_misses_reference
-    times = time_reps(lambda: copy(slot_of_E, ids, host_ER, pool_NR, 0), device)
-    if not torch.equal(pool_NR[-1].cpu(), store.rows(layer)[n - 1]):
-        raise BenchError(f"the UVA rate measurement copied wrong bytes (layer {layer}, expert {n - 1})")
-    med = statistics.median(times)
-    nbytes = n * host_ER.shape[1]
-    method = (f"decode_miss.serve_misses of {n} experts of layer {layer} from the pinned store, CUDA events"
-              if device.type == "cuda" else f"cpu device: the reference copy of {n} experts, perf_counter")
-    return {"bytes": nbytes, "rows": n, "reps": H2D_REPS, "median_s": med, "GBps": nbytes / med / 1e9,
-            "method": method}
-
-
 def model_bytes(engine) -> dict:
     """What every decode step reads besides the experts: the non-expert weights (the input embedding
     only for B rows, so it is left out unless tied to the LM head) and the KV bytes per position."""

@@ -38,7 +38,7 @@ class DecodeCompute:
         self.route_max_pairs = route_max_pairs if fused_launches else 0
         self.sum_in_down = fused_launches and sum_in_down
         self._stats = None
-        self._sum_in_down = True  # this Triton sums over K in the swapped down launch (checked below when fused)
+        self._triton_sums_in_down = True  # this Triton sums over K in the swapped down launch (checked when fused)
         if fused and fmt.is_quantized and device.type == "cuda":
             from moe_offload.compute import nvfp4_kernels_usable
 
@@ -51,7 +51,7 @@ class DecodeCompute:
             from moe_offload.kernels.fused_moe_swap import sum_in_down_supported
 
             self._gemv, self._tiles = decode_gemv_nvfp4, decode_moe_nvfp4
-            self._sum_in_down = sum_in_down_supported()[0]
+            self._triton_sums_in_down = sum_in_down_supported()[0]
 
     def bind(self, stats) -> None:
         self.inner.bind(stats)
@@ -65,32 +65,40 @@ class DecodeCompute:
 
         return "gemv" if T * K <= gemv_entry(device, H, I).gemv_max_pairs else "tiles"
 
-    def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
-        """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
-        (what the miss plan may align them to in its own launch), or None where it groups nothing."""
+    def _fused_call(self, hidden_TH: torch.Tensor, K: int, views):
+        """``(kernel, device, H, I, pairs)`` of the fused call for ``hidden_TH`` ([T, H]) tokens at top-K, or None
+        where the fused launches are off (``compute.fused_moe_launches``) or the kernels are not fused."""
         if not (self.fused and self.fused_launches):
             return None
         dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
-        if self.pick(dev, T, K, H, I) == "gemv":
+        return self.pick(dev, T, K, H, I), dev, H, I, T * K
+
+    def align_block_m(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
+        """The block of pairs the fused kernel for ``hidden_TH`` ([T, H]) tokens at top-K groups the routed rows in
+        (what the miss plan may align them to in its own launch), or None where it groups nothing."""
+        call = self._fused_call(hidden_TH, K, views)
+        if call is None:
+            return None
+        kernel, dev, H, I, pairs = call
+        if kernel == "gemv":
             from moe_offload.kernels.decode_gemv_tuning import gemv_config_for
 
-            block_m = gemv_config_for(dev, H, I, T * K).block_m
+            block_m = gemv_config_for(dev, H, I, pairs).block_m
             return block_m if block_m > 1 else None
         from moe_offload.kernels.decode_moe import decode_config_for
 
-        return decode_config_for(dev, H, I, T * K).block_m
+        return decode_config_for(dev, H, I, pairs).block_m
 
     def split_block_k(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The K chunk of the swapped tile kernels' split activation layout for ``hidden_TH`` ([T, H]) tokens at top-K
         (``fused_moe_swap.split_columns``), where those kernels run and H is a whole number of chunks; else None."""
-        if not (self.fused and self.fused_launches):
-            return None
-        dev, (T, H), I = hidden_TH.device, hidden_TH.shape, views["w2_q"].shape[2] * 2
-        if self.pick(dev, T, K, H, I) == "gemv":
+        call = self._fused_call(hidden_TH, K, views)
+        if call is None or call[0] == "gemv":
             return None
         from moe_offload.kernels.decode_moe import decode_config_for
 
-        config = decode_config_for(dev, H, I, T * K)
+        _, dev, H, I, pairs = call
+        config = decode_config_for(dev, H, I, pairs)
         return config.gate_up.block_k if config.swap_ab and H % config.gate_up.block_k == 0 else None
 
     def __call__(self, hidden_TH, rows_TK, weights_TK, views, num_rows, residual_TH=None, alignment=None,
@@ -105,7 +113,7 @@ class DecodeCompute:
             if self.pick(hidden_TH.device, T, K, H, I) == "gemv":
                 return self._gemv(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                   residual_TH=residual_TH, alignment=alignment, sum_in_down=self.sum_in_down)
-            if self.sum_in_down and not self._sum_in_down and self._stats is not None and K > 1:
+            if self.sum_in_down and not self._triton_sums_in_down and self._stats is not None and K > 1:
                 self._stats.declined["fused_moe_sum:triton_version"] += 1  # the kernel logs the event once
             return self._tiles(hidden_TH, rows_TK, weights_TK, views, out_dtype=hidden_TH.dtype,
                                residual_TH=residual_TH, alignment=alignment, x_split=x_split,

@@ -393,14 +393,15 @@ def plan_chunk(EB: int, num_warps: int = 4) -> int:
     return max(1, PLAN_REGS_ELEMENTS // 4 * num_warps // EB)
 
 
-def register_plan_fits(M: int, E: int, num_warps: int = 4) -> bool:
-    """Whether the register plan serves a step of M pairs over E experts: where its pairs fit one chunk. Each chunk
-    is a chain of dependent global loads (ids, then the slot table) and cross-thread reductions, twice over, in
-    one program: on an H100 at 3ad5d89 the route kernel, whose plan took 128 pairs in 16 chunks, ran 48.8 us
-    against ~10 us for the top-k, the workspace plan and the alignment apart (README). Above one chunk the
-    workspace plan (``_plan_ws``: a fixed number of barriers, 1,024 pairs a step) runs instead."""
+def register_plan_fits(M: int, E: int) -> bool:
+    """Whether the register plan serves a step of M pairs over E experts: where they fit one chunk of a one-warp
+    program (8 pairs at E = 128). Each chunk is a chain of dependent global loads (ids, then the slot table) and
+    cross-thread reductions, twice over, in one program. Timed alone on an H100 at 8bcd799
+    (``benchmarks/decode_plan.py``, README): 6.80 vs 7.16 us with the workspace plan at 8 pairs, but 8.93 vs 7.15 at
+    32 (one chunk at 4 warps), 18.4 vs 7.3 at 128 and 54.4 vs 7.3 at 512. Above that the workspace plan
+    (``_plan_ws``: a fixed number of barriers, 1,024 pairs a step) runs instead."""
     EB = experts_block(E)
-    return EB <= PLAN_REGS_ELEMENTS and M <= plan_chunk(EB, num_warps)
+    return EB <= PLAN_REGS_ELEMENTS and M <= plan_chunk(EB, num_warps=1)
 
 
 def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,

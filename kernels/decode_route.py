@@ -104,7 +104,7 @@ def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: 
     launch = topk_launch(E, top_k)
     EB = experts_block(E)
     MC = max(1, min(triton.next_power_of_2(M), plan_chunk(EB, launch["num_warps"])))
-    regs = register_plan_fits(M, E, launch["num_warps"])
+    regs = register_plan_fits(M, E)
     work, E_work = plan_workspace(E, regs, dev)
     alignment = None if align_block_m is None else alignment_buffers(M, N, align_block_m, dev)
     key_MP, MP, _ = sorted_align_launch(M, dev)

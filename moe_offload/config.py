@@ -274,9 +274,11 @@ class ComputeConfig(_Strict):
                                       "steps of up to this many routed pairs (tokens x top-k); 0 = never. Off by "
                                       "default: measured on an H100 at 3ad5d89, that launch took 48.8 us at 128 pairs "
                                       "(batch 16) against ~10 us for the three it replaces (README)")
-    moe_sum_in_down: bool = Field(True, description="with fused_moe_launches: the down launch sums each token's "
+    moe_sum_in_down: bool = Field(False, description="with fused_moe_launches: the down launch sums each token's "
                                   "top-k terms itself (kernels/fused_moe_swap.py, decode_gemv.py; Triton >= 3.5 for "
-                                  "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py)")
+                                  "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py). Off by "
+                                  "default: on an H100 at 8bcd799 the separate sum was faster at batch 16 and 64 "
+                                  "(1550.6 vs 1507.6 and 4221.5 vs 4109.7 tok/s fully resident) and level at batch 1")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

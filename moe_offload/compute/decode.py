@@ -23,7 +23,7 @@ class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
     def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True,
-                 route_max_pairs: int = 0, sum_in_down: bool = True):
+                 route_max_pairs: int = 0, sum_in_down: bool = False):
         """``fused_launches`` (``compute.fused_moe_launches``): the fused kernels take the rows grouped by the miss plan's
         launch (``align_block_m``) and the swapped tiles take their split activations from the norm before the MoE
         (``split_block_k``); with it, ``OffloadedExperts.route`` runs the router's top-k in the plan's launch for steps

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
 from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
-from moe_offload.prefill_path import plan_cache
+from moe_offload.prefill_path import link_model, plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
@@ -70,9 +71,13 @@ class OffloadMoeCache:
         self.counters = CacheStats()
         tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1
+        link = None
+        if cost_model is None:  # this host's link rates in place of the table's (prefill.measure_link)
+            cost_model, link = link_model(store, prefill_cfg, device, fused_decode, tp)
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
                                                  lookahead_rows(decode_max_tokens, store) if lookahead else 0)
+        self.routed_path = replace(self.routed_path, link=link)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
@@ -385,6 +390,9 @@ class OffloadMoeCache:
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count
         snap["routed_path"] = self.routed_path.to_dict()
+        declined = (self.routed_path.link or {}).get("declined")
+        if declined:  # a start-up decline: counted once, whatever was reset since
+            snap["declined"][f"link_measure:{declined}"] = 1
         if self.observed is not None:
             snap["routed_adaptive"] = self.observed.adaptive.to_dict()
         return snap

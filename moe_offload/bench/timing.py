@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from moe_offload.link_rates import LinkError, sm_read_times, time_reps
+
 H2D_BYTES = {"cuda": 1 << 30, "cpu": 64 << 20}  # CPU: small enough for the CI smoke test
 H2D_REPS = 10
 
@@ -51,34 +53,13 @@ def measure_h2d(device: torch.device) -> dict:
             "GBps": nbytes / med / 1e9, "method": method}
 
 
-def time_reps(fn, device: torch.device, reps: int = H2D_REPS) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn()`` after one untimed call (warm-up, compiles): CUDA events on the
-    current stream on CUDA, ``perf_counter`` elsewhere."""
-    times = []
-    for rep in range(reps + 1):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            t = start.elapsed_time(end) / 1e3
-        else:
-            t0 = time.perf_counter()
-            fn()
-            t = time.perf_counter() - t0
-        if rep:
-            times.append(t)
-    return times
-
-
 def measure_hbm(device: torch.device) -> dict:
     """Device memory bandwidth from one large device-to-device copy (median of ``H2D_REPS``), counting
     read + write: ``GBps = 2 * bytes / time`` (1e9 bytes). CPU: a host memcpy of the H2D smoke size."""
     nbytes = H2D_BYTES[device.type]
     src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    times = time_reps(lambda: dst.copy_(src), device)
+    times = time_reps(lambda: dst.copy_(src), device, H2D_REPS)
     del src, dst
     med = statistics.median(times)
     method = ("device -> device copy, CUDA events; read + write counted" if device.type == "cuda"
@@ -91,31 +72,23 @@ UVA_ROWS = 64  # experts per timed miss copy (~170 MB of Qwen3-30B-A3B NVFP4 row
 
 def measure_uva(engine, device: torch.device) -> dict:
     """The rate of the decode path's own miss copy: ``UVA_ROWS`` experts of the store's first MoE layer, all
-    missing, read from the pinned store by the runtime's copy (``decode_miss.serve_misses`` on CUDA: SMs reading
-    mapped host memory; the torch reference copy on a CPU) into device rows, median of ``H2D_REPS`` (CUDA events;
+    missing, read from the pinned store by the runtime's copy (``link_rates.sm_read_times``: SMs reading mapped
+    host memory on CUDA; the torch reference copy on a CPU) into device rows, median of ``H2D_REPS`` (CUDA events;
     CPU: perf_counter), in GB/s. The PCIe floor stays the copy engine's (``measure_h2d``); this one says how
-    close this host lets the SMs' reads come to it: at 3ad5d89 on an H100 every cell with misses ran at ~28 GB/s
-    of missed bytes, against ~46 GB/s at 10cd002 on another H100, with the same copy code (README)."""
+    close this host lets the SMs' reads come to it: 46-47 GB/s on one H100 host and 25.7 on another at
+    8bcd799/de3b3ad, with the same copy code (README)."""
     from moe_offload import uva
     from moe_offload.bench.ttft import BenchError
-    from moe_offload.kernels.decode_miss import serve_misses, serve_misses_reference
 
-    store = engine.store
-    layer = store.layers[0]
+    layer = engine.store.layers[0]
     try:
-        host_ER = store.device_rows(layer, device) if device.type == "cuda" else store.rows(layer)
+        times, nbytes = sm_read_times(engine.store, layer, device, UVA_ROWS, H2D_REPS)
     except uva.UvaError as exc:  # the decode path cannot read host rows here either; the cells will say so
         return {"bytes": 0, "rows": 0, "reps": 0, "median_s": None, "GBps": None, "method": f"not measured: {exc}"}
-    n = min(UVA_ROWS, host_ER.shape[0])
-    pool_NR = torch.empty((n, host_ER.shape[1]), dtype=torch.uint8, device=device)
-    slot_of_E = torch.full((host_ER.shape[0],), -1, dtype=torch.int32, device=device)
-    ids = torch.arange(n, device=device).view(n, 1)
-    copy = serve_misses if device.type == "cuda" else serve_misses_reference
-    times = time_reps(lambda: copy(slot_of_E, ids, host_ER, pool_NR, 0), device)
-    if not torch.equal(pool_NR[-1].cpu(), store.rows(layer)[n - 1]):
-        raise BenchError(f"the UVA rate measurement copied wrong bytes (layer {layer}, expert {n - 1})")
+    except LinkError as exc:
+        raise BenchError(str(exc)) from None
     med = statistics.median(times)
-    nbytes = n * host_ER.shape[1]
+    n = nbytes // engine.store.bytes_per_expert
     method = (f"decode_miss.serve_misses of {n} experts of layer {layer} from the pinned store, CUDA events"
               if device.type == "cuda" else f"cpu device: the reference copy of {n} experts, perf_counter")
     return {"bytes": nbytes, "rows": n, "reps": H2D_REPS, "median_s": med, "GBps": nbytes / med / 1e9,

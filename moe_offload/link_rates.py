@@ -1,0 +1,114 @@
+"""This host's two ways of moving expert rows from pinned host memory to the device, timed on the store itself.
+
+Legend: E experts of a layer, R bytes of one expert row, N rows timed.
+
+- **copy engine** (the staged path, ``staging.py``): ``copy_`` of N whole rows, one DMA;
+- **SM reads** (the routed path, ``decode_miss.serve_misses``): the decode path's own miss copy, SMs reading the
+  rows' mapped (UVA) device view into device rows.
+
+Why measure them at all: the routed-vs-staged cost model (``prefill_path.py``) divides missed bytes by these two
+rates, and the second one depends on the host, not on the GPU. On two H100 hosts with the same GPU, driver and
+copy-engine rate (49-55 GB/s), ``serve_misses`` read 46-47 GB/s on one and 25.7 GB/s on the other (8bcd799 and
+de3b3ad, ``benchmarks/results/decode-qwen3-30b-a3b-de3b3ad-r0.37-h100b.md``), and every decode cell with misses
+ran at that rate (1.00-1.06 x the floor it sets). A table keyed by GPU name cannot know this, so a cache measures
+both rates once at start-up (``prefill.measure_link``, a few tens of ms) and decides with them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+LINK_ROWS = 32  # rows timed: enough for the SM reads' steady rate (decode_kernels: 16 rows already ~1.3 x 64's time / 4)
+LINK_REPS = 5
+
+
+def time_reps(fn, device: torch.device, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()`` after one untimed call (warm-up, compiles): CUDA events on the
+    current stream on CUDA, ``perf_counter`` elsewhere."""
+    times = []
+    for rep in range(reps + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()  # a measurement: the host waits for its own events
+            t = start.elapsed_time(end) / 1e3
+        else:
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+        if rep:
+            times.append(t)
+    return times
+
+
+class LinkError(RuntimeError):
+    """A measurement copied the wrong bytes (the rows read back differ from the store's)."""
+
+
+def sm_read_times(store, layer: int, device: torch.device, rows: int, reps: int) -> tuple[list[float], int]:
+    """``(seconds per rep, bytes per rep)`` of the decode path's miss copy of the first ``rows`` experts of
+    ``layer``, all missing, from the pinned store into device rows (``serve_misses`` over the mapped view on CUDA;
+    the reference copy elsewhere). Checks the last row's bytes. Raises ``uva.UvaError`` where the device cannot
+    map the store, ``LinkError`` on wrong bytes."""
+    from moe_offload.kernels.decode_miss import serve_misses, serve_misses_reference
+
+    host_ER = store.device_rows(layer, device)
+    n = min(rows, host_ER.shape[0])
+    pool_NR = torch.empty((n, host_ER.shape[1]), dtype=torch.uint8, device=device)
+    slot_of_E = torch.full((host_ER.shape[0],), -1, dtype=torch.int32, device=device)
+    ids_N1 = torch.arange(n, device=device).view(n, 1)
+    copy = serve_misses if device.type == "cuda" else serve_misses_reference
+    times = time_reps(lambda: copy(slot_of_E, ids_N1, host_ER, pool_NR, 0), device, reps)
+    _check_row(pool_NR[n - 1], store.rows(layer)[n - 1], f"the SM read of layer {layer}, expert {n - 1}")
+    return times, n * host_ER.shape[1]
+
+
+def copy_engine_times(store, layer: int, device: torch.device, rows: int, reps: int) -> tuple[list[float], int]:
+    """``(seconds per rep, bytes per rep)`` of one ``copy_`` of the first ``rows`` experts of ``layer`` from the
+    pinned store to the device (the copy engine on CUDA). Checks the last row's bytes."""
+    host_NR = store.rows(layer)[:rows]
+    dev_NR = torch.empty(host_NR.shape, dtype=torch.uint8, device=device)
+    times = time_reps(lambda: dev_NR.copy_(host_NR, non_blocking=True), device, reps)
+    n = host_NR.shape[0]
+    _check_row(dev_NR[n - 1], host_NR[n - 1], f"the copy-engine copy of layer {layer}, expert {n - 1}")
+    return times, host_NR.numel()
+
+
+def _check_row(got_R: torch.Tensor, want_R: torch.Tensor, what: str) -> None:
+    if not torch.equal(got_R.cpu(), want_R):  # a start-up measurement, not a hot path: the sync is fine
+        raise LinkError(f"{what} gave wrong bytes: the link measurement is void (the decode path's copies would be "
+                        "wrong too); check the device and driver")
+
+
+@dataclass(frozen=True)
+class LinkRates:
+    """Both rates in GB/s (1e9 B/s), from ``rows`` rows of ``row_bytes`` each, median of ``reps``."""
+
+    h2d_GBps: float
+    uva_GBps: float
+    rows: int
+    row_bytes: int
+    reps: int
+    layer: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int = LINK_REPS) -> LinkRates:
+    """Both rates on the store's first MoE layer (see the module docstring). Raises ``uva.UvaError`` where the
+    device cannot map the store and ``LinkError`` on wrong bytes; the temporary device rows are freed on return."""
+    layer = store.layers[0]
+    uva_t, uva_bytes = sm_read_times(store, layer, device, rows, reps)
+    h2d_t, h2d_bytes = copy_engine_times(store, layer, device, rows, reps)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the temporary rows must not shrink what the budget plan sees as free
+    return LinkRates(h2d_GBps=h2d_bytes / statistics.median(h2d_t) / 1e9,
+                     uva_GBps=uva_bytes / statistics.median(uva_t) / 1e9,
+                     rows=min(rows, store.num_experts), row_bytes=store.bytes_per_expert, reps=reps, layer=layer)

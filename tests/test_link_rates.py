@@ -1,0 +1,106 @@
+"""This host's link rates (moe_offload/link_rates.py) and the cost model that decides with them (prefill.measure_link).
+On a CPU the SM reads are the reference copy and the rates are host memcpy rates: these tests check the bytes, the
+substitution into the model and the events, not the numbers (tests/gpu/test_link_rates_gpu.py times a real link)."""
+
+import io
+import json
+import logging
+
+import pytest
+import torch
+
+from moe_offload import log, uva
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig, load_config
+from moe_offload.host_store import ExpertStore
+from moe_offload.kernels import decode_miss
+from moe_offload.link_rates import LinkError, measure_link
+from moe_offload.prefill_path import cost_model, link_model, measured_link_model
+
+H200 = "NVIDIA H200"
+QWEN3 = (128, 8, 2654224)  # experts, top-k, NVFP4 row bytes of the qwen3-30b-a3b preset
+
+
+@pytest.fixture(scope="module")
+def store(tiny_ckpt):
+    return ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+
+
+def test_both_rates_are_measured_on_the_store_s_own_rows(store):
+    rates = measure_link(store, torch.device("cpu"), rows=8, reps=2)
+    assert rates.h2d_GBps > 0 and rates.uva_GBps > 0
+    assert (rates.rows, rates.row_bytes, rates.layer) == (8, store.bytes_per_expert, store.layers[0])
+
+
+def test_a_copy_that_gives_wrong_bytes_voids_the_measurement_with_a_named_error(store, monkeypatch):
+    real = decode_miss.serve_misses_reference
+
+    def corrupt(slot_of_E, ids, host_ER, pool_NR, base, *args):  # fault: one flipped byte in the last row
+        rows = real(slot_of_E, ids, host_ER, pool_NR, base, *args)
+        pool_NR[-1, 0] ^= 0xFF
+        return rows
+
+    monkeypatch.setattr(decode_miss, "serve_misses_reference", corrupt)
+    with pytest.raises(LinkError, match="SM read of layer .* expert 7 gave wrong bytes"):
+        measure_link(store, torch.device("cpu"), rows=8, reps=1)
+
+
+def test_a_slow_sm_read_link_lowers_the_routed_threshold():
+    """The host at de3b3ad read mapped memory at 25.7 GB/s (the table: 47.99): fewer tokens pay for SM reads."""
+    table, _ = cost_model(H200, *QWEN3)
+    from dataclasses import replace
+
+    slow = replace(table, uva_GBps=25.7)
+    assert slow.threshold(*QWEN3, 0.37, 4096) < table.threshold(*QWEN3, 0.37, 4096)
+
+
+def test_the_measured_rates_replace_the_table_s_in_the_model_with_one_event(store):
+    table = cost_model(H200, *QWEN3)
+    buf = io.StringIO()
+    log.configure("INFO", "json", stream=buf)
+    try:
+        (model, entry), link = measured_link_model(store, torch.device("cpu"), table)
+    finally:
+        log.configure("WARNING", "text")
+    assert (model.h2d_GBps, model.uva_GBps) == (link["h2d_GBps"], link["uva_GBps"])
+    assert model.routed_fixed_s == table[0].routed_fixed_s  # only the two rates change
+    assert entry == f"{table[1]} (link measured)" and link["table_uva_GBps"] == table[0].uva_GBps
+    events = [r for r in map(json.loads, buf.getvalue().splitlines()) if r["event"] == "link_rates_measured"]
+    assert len(events) == 1 and events[0]["change_with"] == "prefill.measure_link"
+
+
+def test_a_device_that_cannot_map_the_store_keeps_the_table_s_rates_with_one_event(store, monkeypatch, caplog):
+    def unmappable(layer, device):  # fault: what uva.mapped_device_view raises where the GPU cannot map host memory
+        raise uva.UvaError("cannot map host memory")
+
+    monkeypatch.setattr(store, "device_rows", unmappable)
+    log.reset_once_keys()
+    with caplog.at_level(logging.WARNING, logger=log.LOGGER_NAME):
+        model, link = measured_link_model(store, torch.device("cpu"), cost_model(H200, *QWEN3))
+    assert model is None and link["declined"] == "uva_unavailable"
+    events = [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "link_measure_declined"]
+    assert len(events) == 1 and events[0].event_fields["setting"] == "prefill.measure_link"
+
+
+def test_nothing_is_measured_on_a_cpu_with_a_fixed_threshold_or_when_switched_off(store, monkeypatch):
+    assert link_model(store, PrefillConfig(), torch.device("cpu"), True, False) == (None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H200)
+    cuda = torch.device("cuda", 0)
+    assert link_model(store, PrefillConfig(routed_max_tokens=64), cuda, True, False) == (None, None)
+    assert link_model(store, PrefillConfig(measure_link=False), cuda, True, False)[1] == {
+        "off": "prefill.measure_link is false"}
+    assert "tensor parallelism" in link_model(store, PrefillConfig(), cuda, True, True)[1]["off"]
+
+
+def test_a_declined_measurement_is_counted_in_stats(store, monkeypatch):
+    cache = OffloadMoeCache(store, CacheConfig(budget=0.5), PrefillConfig(), "cpu")
+    assert cache.stats()["routed_path"]["link"] is None  # a CPU measures nothing
+    from dataclasses import replace
+
+    cache.routed_path = replace(cache.routed_path, link={"declined": "uva_unavailable"})
+    assert cache.stats()["declined"]["link_measure:uva_unavailable"] == 1
+
+
+def test_measure_link_is_a_config_key_that_defaults_on():
+    assert load_config(None).prefill.measure_link is True
+    assert load_config(None, ["prefill.measure_link=false"]).prefill.measure_link is False

@@ -146,8 +146,9 @@ class PrefillConfig(_Strict):
         "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
         f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
     measure_link: bool = Field(True, description="with routed_max_tokens auto on CUDA: the cache times this host's "
-                               "copy-engine copy and the decode path's SM reads of mapped host memory on 32 experts "
-                               "of the pinned store at start-up (tens of ms) and the cost model decides with those two "
+                               "copy-engine copy and the decode path's SM reads of mapped host memory on 8 and 32 "
+                               "experts of the pinned store at start-up (the slope between them; tens of ms; stores "
+                               "too small to time keep the table's rates) and the cost model decides with those two "
                                "rates instead of the table's (moe_offload/link_rates.py): the SM-read rate depends on "
                                "the host (46-47 vs 25.7 GB/s on two H100 hosts, README); false = the table's rates")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "

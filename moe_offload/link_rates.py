@@ -9,9 +9,10 @@ Legend: E experts of a layer, R bytes of one expert row, N rows timed.
 Why measure them at all: the routed-vs-staged cost model (``prefill_path.py``) divides missed bytes by these two
 rates, and the second one depends on the host, not on the GPU. On two H100 hosts with the same GPU, driver and
 copy-engine rate (49-55 GB/s), ``serve_misses`` read 46-47 GB/s on one and 25.7 GB/s on the other (8bcd799 and
-de3b3ad, ``benchmarks/results/decode-qwen3-30b-a3b-de3b3ad-r0.37-h100b.md``), and every decode cell with misses
-ran at that rate (1.00-1.06 x the floor it sets). A table keyed by GPU name cannot know this, so a cache measures
-both rates once at start-up (``prefill.measure_link``, a few tens of ms) and decides with them.
+de3b3ad, ``benchmarks/results/decode-qwen3-30b-a3b-de3b3ad-r0.37-h100b.md``), and the decode cells with many
+misses (batch 16 and 64) ran at 1.00-1.06 x the floor that rate sets. A table keyed by GPU name cannot know this,
+so a cache measures both rates once at start-up (``prefill.measure_link``; tens of ms once the copy kernels are
+compiled) and decides with them. Each rate is the slope between two sizes (:class:`LinkRates`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-LINK_ROWS = 32  # rows timed: enough for the SM reads' steady rate (decode_kernels: 16 rows already ~1.3 x 64's time / 4)
+LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 rows; the smaller one takes a quarter)
 LINK_REPS = 5
+LINK_MIN_BYTES = 16 << 20  # below this the larger copy is mostly fixed cost (a 2.65 MB expert: ~60 us at 45 GB/s)
 
 
 def time_reps(fn, device: torch.device, reps: int) -> list[float]:
@@ -88,7 +90,9 @@ def _check_row(got_R: torch.Tensor, want_R: torch.Tensor, what: str) -> None:
 
 @dataclass(frozen=True)
 class LinkRates:
-    """Both rates in GB/s (1e9 B/s), from ``rows`` rows of ``row_bytes`` each, median of ``reps``."""
+    """Both rates in GB/s (1e9 B/s): the slope between ``rows // 4`` and ``rows`` rows of ``row_bytes`` each (median
+    of ``reps`` at each size), so that a copy's fixed cost (launches, the first bytes' latency), which the cost
+    model carries apart (``uva_fixed_s``), does not lower the rate."""
 
     h2d_GBps: float
     uva_GBps: float
@@ -101,14 +105,36 @@ class LinkRates:
         return asdict(self)
 
 
-def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int = LINK_REPS) -> LinkRates:
-    """Both rates on the store's first MoE layer (see the module docstring). Raises ``uva.UvaError`` where the
-    device cannot map the store and ``LinkError`` on wrong bytes; the temporary device rows are freed on return."""
-    layer = store.layers[0]
-    uva_t, uva_bytes = sm_read_times(store, layer, device, rows, reps)
-    h2d_t, h2d_bytes = copy_engine_times(store, layer, device, rows, reps)
+class LinkUnmeasurable(RuntimeError):
+    """The store is too small for a rate to stand out of the timing noise (or the two sizes timed out of order)."""
+
+
+def link_bytes(store, rows: int = LINK_ROWS) -> int:
+    """Bytes of the larger of the two timed copies."""
+    return min(rows, store.num_experts) * store.bytes_per_expert
+
+
+def _slope(times, small: int, large: int, what: str) -> float:
+    (t_small, b_small), (t_large, b_large) = [(statistics.median(t), b) for t, b in (times(small), times(large))]
+    if t_large <= t_small:
+        raise LinkUnmeasurable(f"{what}: {b_large} bytes took no longer than {b_small} ({t_large:.6f} vs "
+                               f"{t_small:.6f} s): timing noise")
+    return (b_large - b_small) / (t_large - t_small) / 1e9
+
+
+def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int = LINK_REPS,
+                 min_bytes: int = LINK_MIN_BYTES) -> LinkRates:
+    """Both rates on the store's first MoE layer (see the module docstring and :class:`LinkRates`). Raises
+    ``LinkUnmeasurable`` where ``rows`` rows hold fewer than ``min_bytes`` (tiny test models: latency, not rate)
+    or the timing is out of order, ``uva.UvaError`` where the device cannot map the store and ``LinkError`` on
+    wrong bytes; the temporary device rows are freed on return."""
+    if link_bytes(store, rows) < min_bytes:
+        raise LinkUnmeasurable(f"{link_bytes(store, rows)} bytes in {min(rows, store.num_experts)} expert rows, "
+                               f"fewer than the {min_bytes} a rate needs")
+    layer, n = store.layers[0], min(rows, store.num_experts)
+    small = max(1, n // 4)
+    uva = _slope(lambda k: sm_read_times(store, layer, device, k, reps), small, n, "the SM reads")
+    h2d = _slope(lambda k: copy_engine_times(store, layer, device, k, reps), small, n, "the copy engine")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the temporary rows must not shrink what the budget plan sees as free
-    return LinkRates(h2d_GBps=h2d_bytes / statistics.median(h2d_t) / 1e9,
-                     uva_GBps=uva_bytes / statistics.median(uva_t) / 1e9,
-                     rows=min(rows, store.num_experts), row_bytes=store.bytes_per_expert, reps=reps, layer=layer)
+    return LinkRates(h2d_GBps=h2d, uva_GBps=uva, rows=n, row_bytes=store.bytes_per_expert, reps=reps, layer=layer)

@@ -329,9 +329,10 @@ def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: 
     the fused NVFP4 decode compute), the table's model for this GPU and shape with this host's copy-engine and
     SM-read rates measured on the store (``link_rates.measure_link``) in place of the table's, and what was
     measured; ``(None, why not)`` elsewhere (the table's model then decides, as before). Under tensor parallelism
-    nothing is measured: every rank must choose the same path, and ranks measure different rates. A device that
-    cannot map the store declines with one ``link_measure_declined`` event (``stats()['declined']``); wrong bytes
-    raise ``link_rates.LinkError``."""
+    nothing is measured: every rank must choose the same path, and ranks measure different rates; nor on a store
+    whose rows are too small to time (tiny test models). A device that cannot map the store, or timings out of
+    order, decline with one ``link_measure_declined`` event (``stats()['declined']``); wrong bytes raise
+    ``link_rates.LinkError``."""
     if prefill_cfg.routed_max_tokens != "auto" or device.type != "cuda" or not (fused_decode and
                                                                                  store.format.is_quantized):
         return None, None
@@ -339,6 +340,11 @@ def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: 
         return None, {"off": "prefill.measure_link is false"}
     if tensor_parallel:
         return None, {"off": "tensor parallelism (every rank must choose the same path)"}
+    from moe_offload.link_rates import LINK_MIN_BYTES, link_bytes
+
+    if link_bytes(store) < LINK_MIN_BYTES:
+        return None, {"off": f"the store's rows are too small to time a rate ({link_bytes(store)} bytes timed, "
+                              f"{LINK_MIN_BYTES} needed)"}
     import torch
 
     model = cost_model(torch.cuda.get_device_name(device), store.num_experts, store.geometry.top_k,
@@ -349,18 +355,19 @@ def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: 
 def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tuple[CostModel, str] | None, dict]:
     """``link_model``'s measurement (any device; the CPU tests run the reference copy): ``model`` with the rates
     measured on ``store`` in place of its ``h2d_GBps`` / ``uva_GBps`` and one ``link_rates_measured`` event, or
-    ``(None, declined)`` with one ``link_measure_declined`` event where the device cannot map the store."""
+    ``(None, declined)`` with one ``link_measure_declined`` event where the device cannot map the store or the
+    timing is out of order."""
     from moe_offload import uva
-    from moe_offload.link_rates import measure_link
+    from moe_offload.link_rates import LinkUnmeasurable, measure_link
 
     model, entry = model
     try:
         rates = measure_link(store, device)
-    except uva.UvaError as exc:
-        log.log_once("link_measure_declined:uva_unavailable", "link_measure_declined", logging.WARNING,
-                     reason="uva_unavailable", fallback="the table's rates", detail=str(exc)[:300],
-                     setting="prefill.measure_link")
-        return None, {"declined": "uva_unavailable", "detail": str(exc)[:300]}
+    except (uva.UvaError, LinkUnmeasurable) as exc:
+        reason = "uva_unavailable" if isinstance(exc, uva.UvaError) else "unmeasurable"
+        log.log_once(f"link_measure_declined:{reason}", "link_measure_declined", logging.WARNING, reason=reason,
+                     fallback="the table's rates", detail=str(exc)[:300], setting="prefill.measure_link")
+        return None, {"declined": reason, "detail": str(exc)[:300]}
     link = {**rates.to_dict(), "table_h2d_GBps": model.h2d_GBps, "table_uva_GBps": model.uva_GBps}
     log.info_rank0("link_rates_measured", h2d_GBps=round(rates.h2d_GBps, 2), uva_GBps=round(rates.uva_GBps, 2),
                    table_h2d_GBps=model.h2d_GBps, table_uva_GBps=model.uva_GBps, entry=entry, rows=rates.rows,

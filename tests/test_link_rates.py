@@ -9,12 +9,12 @@ import logging
 import pytest
 import torch
 
-from moe_offload import log, uva
+from moe_offload import link_rates, log, uva
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig, load_config
 from moe_offload.host_store import ExpertStore
 from moe_offload.kernels import decode_miss
-from moe_offload.link_rates import LinkError, measure_link
+from moe_offload.link_rates import LinkError, LinkUnmeasurable, measure_link
 from moe_offload.prefill_path import cost_model, link_model, measured_link_model
 
 H200 = "NVIDIA H200"
@@ -26,13 +26,33 @@ def store(tiny_ckpt):
     return ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
 
 
-def test_both_rates_are_measured_on_the_store_s_own_rows(store):
-    rates = measure_link(store, torch.device("cpu"), rows=8, reps=2)
+@pytest.fixture(scope="module")
+def big(qwen3_layer_store):
+    return qwen3_layer_store(pin=False)
+
+
+def test_both_rates_are_measured_on_the_store_s_own_rows(big):
+    rates = measure_link(big, torch.device("cpu"))
     assert rates.h2d_GBps > 0 and rates.uva_GBps > 0
-    assert (rates.rows, rates.row_bytes, rates.layer) == (8, store.bytes_per_expert, store.layers[0])
+    assert (rates.rows, rates.row_bytes, rates.layer) == (32, big.bytes_per_expert, big.layers[0])
 
 
-def test_a_copy_that_gives_wrong_bytes_voids_the_measurement_with_a_named_error(store, monkeypatch):
+def test_a_rate_is_the_slope_between_two_sizes_so_a_fixed_cost_does_not_lower_it():
+    times = {100: ([1.0, 1.1, 0.9], 100), 400: ([2.0, 2.2, 1.9], 400)}  # 1 s fixed + 100 bytes a second
+    assert link_rates._slope(times.get, 100, 400, "x") == pytest.approx(300 / 1.0 / 1e9)
+    with pytest.raises(LinkUnmeasurable, match="x: 400 bytes took no longer than 100"):
+        link_rates._slope({100: ([2.0], 100), 400: ([2.0], 400)}.get, 100, 400, "x")
+
+
+def test_a_store_too_small_to_time_is_not_measured(store, monkeypatch):
+    with pytest.raises(LinkUnmeasurable, match="fewer than the 16777216 a rate needs"):
+        measure_link(store, torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H200)
+    model, link = link_model(store, PrefillConfig(), torch.device("cuda", 0), True, False)
+    assert model is None and "too small to time a rate" in link["off"]
+
+
+def test_a_copy_that_gives_wrong_bytes_voids_the_measurement_with_a_named_error(big, monkeypatch):
     real = decode_miss.serve_misses_reference
 
     def corrupt(slot_of_E, ids, host_ER, pool_NR, base, *args):  # fault: one flipped byte in the last row
@@ -41,8 +61,8 @@ def test_a_copy_that_gives_wrong_bytes_voids_the_measurement_with_a_named_error(
         return rows
 
     monkeypatch.setattr(decode_miss, "serve_misses_reference", corrupt)
-    with pytest.raises(LinkError, match="SM read of layer .* expert 7 gave wrong bytes"):
-        measure_link(store, torch.device("cpu"), rows=8, reps=1)
+    with pytest.raises(LinkError, match="SM read of layer 0, expert 7 gave wrong bytes"):
+        measure_link(big, torch.device("cpu"), rows=32, reps=1)
 
 
 def test_a_slow_sm_read_link_lowers_the_routed_threshold():
@@ -54,12 +74,12 @@ def test_a_slow_sm_read_link_lowers_the_routed_threshold():
     assert slow.threshold(*QWEN3, 0.37, 4096) < table.threshold(*QWEN3, 0.37, 4096)
 
 
-def test_the_measured_rates_replace_the_table_s_in_the_model_with_one_event(store):
+def test_the_measured_rates_replace_the_table_s_in_the_model_with_one_event(big):
     table = cost_model(H200, *QWEN3)
     buf = io.StringIO()
     log.configure("INFO", "json", stream=buf)
     try:
-        (model, entry), link = measured_link_model(store, torch.device("cpu"), table)
+        (model, entry), link = measured_link_model(big, torch.device("cpu"), table)
     finally:
         log.configure("WARNING", "text")
     assert (model.h2d_GBps, model.uva_GBps) == (link["h2d_GBps"], link["uva_GBps"])
@@ -69,14 +89,14 @@ def test_the_measured_rates_replace_the_table_s_in_the_model_with_one_event(stor
     assert len(events) == 1 and events[0]["change_with"] == "prefill.measure_link"
 
 
-def test_a_device_that_cannot_map_the_store_keeps_the_table_s_rates_with_one_event(store, monkeypatch, caplog):
+def test_a_device_that_cannot_map_the_store_keeps_the_table_s_rates_with_one_event(big, monkeypatch, caplog):
     def unmappable(layer, device):  # fault: what uva.mapped_device_view raises where the GPU cannot map host memory
         raise uva.UvaError("cannot map host memory")
 
-    monkeypatch.setattr(store, "device_rows", unmappable)
+    monkeypatch.setattr(big, "device_rows", unmappable)
     log.reset_once_keys()
     with caplog.at_level(logging.WARNING, logger=log.LOGGER_NAME):
-        model, link = measured_link_model(store, torch.device("cpu"), cost_model(H200, *QWEN3))
+        model, link = measured_link_model(big, torch.device("cpu"), cost_model(H200, *QWEN3))
     assert model is None and link["declined"] == "uva_unavailable"
     events = [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "link_measure_declined"]
     assert len(events) == 1 and events[0].event_fields["setting"] == "prefill.measure_link"

@@ -87,6 +87,20 @@ def test_the_measured_rates_replace_the_table_s_in_the_model_with_one_event(big)
     assert entry == f"{table[1]} (link measured)" and link["table_uva_GBps"] == table[0].uva_GBps
     events = [r for r in map(json.loads, buf.getvalue().splitlines()) if r["event"] == "link_rates_measured"]
     assert len(events) == 1 and events[0]["change_with"] == "prefill.measure_link"
+    assert events[0]["hint"] == link.get("hint")
+
+
+def test_sm_reads_far_below_the_copy_engine_get_a_hint_naming_decode_path_auto(big, monkeypatch):
+    from moe_offload.link_rates import LinkRates
+
+    slow = LinkRates(h2d_GBps=49.4, uva_GBps=25.7, rows=32, row_bytes=big.bytes_per_expert, reps=5, layer=0)
+    fast = LinkRates(h2d_GBps=54.9, uva_GBps=46.8, rows=32, row_bytes=big.bytes_per_expert, reps=5, layer=0)
+    links = []
+    for rates in (slow, fast):  # the measurement replaced by the two hosts' measured rates (README)
+        monkeypatch.setattr(link_rates, "measure_link", lambda store, device, r=rates: r)
+        links.append(measured_link_model(big, torch.device("cpu"), cost_model(H200, *QWEN3))[1])
+    assert "0.52 x" in links[0]["hint"] and "decode.path: auto" in links[0]["hint"]
+    assert "hint" not in links[1]
 
 
 def test_a_device_that_cannot_map_the_store_keeps_the_table_s_rates_with_one_event(big, monkeypatch, caplog):

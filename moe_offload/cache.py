@@ -37,7 +37,8 @@ from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
 from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
-from moe_offload.prefill_path import link_model, plan_cache
+from moe_offload.link_rates import link_model
+from moe_offload.prefill_path import plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats

@@ -12,16 +12,21 @@ copy-engine rate (49-55 GB/s), ``serve_misses`` read 46-47 GB/s on one and 25.7 
 de3b3ad, ``benchmarks/results/decode-qwen3-30b-a3b-de3b3ad-r0.37-h100b.md``), and the decode cells with many
 misses (batch 16 and 64) ran at 1.00-1.06 x the floor that rate sets. A table keyed by GPU name cannot know this,
 so a cache measures both rates once at start-up (``prefill.measure_link``; tens of ms once the copy kernels are
-compiled) and decides with them. Each rate is the slope between two sizes (:class:`LinkRates`).
+compiled) and decides with them (``link_model``: the table's model with the two measured rates in place of its
+own). Each rate is the slope between two sizes (:class:`LinkRates`).
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from moe_offload import log
+from moe_offload.prefill_path import CostModel, cost_model
 
 LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 rows; the smaller one takes a quarter)
 LINK_REPS = 5
@@ -138,3 +143,59 @@ def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int =
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the temporary rows must not shrink what the budget plan sees as free
     return LinkRates(h2d_GBps=h2d, uva_GBps=uva, rows=n, row_bytes=store.bytes_per_expert, reps=reps, layer=layer)
+
+
+#: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured``: 0.6 sits between the
+#: 0.85 of the H100 host at 8bcd799 (46.8 vs 54.9 GB/s) and the 0.52 of the one at de3b3ad (25.7 vs 49.4)
+SLOW_SM_READS = 0.6
+
+
+def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: bool
+               ) -> tuple[tuple[CostModel, str] | None, dict | None]:
+    """``(model, link)``: with ``prefill.measure_link`` where the cost model decides (``routed_max_tokens`` auto, CUDA,
+    the fused NVFP4 decode compute), the table's model for this GPU and shape with this host's copy-engine and
+    SM-read rates measured on the store (``measure_link``) in place of the table's, and what was
+    measured; ``(None, why not)`` elsewhere (the table's model then decides, as before). Under tensor parallelism
+    nothing is measured: every rank must choose the same path, and ranks measure different rates; nor on a store
+    whose rows are too small to time (tiny test models). A device that cannot map the store, or timings out of
+    order, decline with one ``link_measure_declined`` event (``stats()['declined']``); wrong bytes raise
+    ``LinkError``."""
+    if prefill_cfg.routed_max_tokens != "auto" or device.type != "cuda" or not (fused_decode and
+                                                                                 store.format.is_quantized):
+        return None, None
+    if not prefill_cfg.measure_link:
+        return None, {"off": "prefill.measure_link is false"}
+    if tensor_parallel:
+        return None, {"off": "tensor parallelism (every rank must choose the same path)"}
+    if link_bytes(store) < LINK_MIN_BYTES:
+        return None, {"off": f"the store's rows are too small to time a rate ({link_bytes(store)} bytes timed, "
+                              f"{LINK_MIN_BYTES} needed)"}
+    model = cost_model(torch.cuda.get_device_name(device), store.num_experts, store.geometry.top_k,
+                       store.bytes_per_expert)
+    return measured_link_model(store, device, model)
+
+
+def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tuple[CostModel, str] | None, dict]:
+    """``link_model``'s measurement (any device; the CPU tests run the reference copy): ``model`` with the rates
+    measured on ``store`` in place of its ``h2d_GBps`` / ``uva_GBps`` and one ``link_rates_measured`` event, or
+    ``(None, declined)`` with one ``link_measure_declined`` event where the device cannot map the store or the
+    timing is out of order."""
+    from moe_offload import uva
+
+    model, entry = model
+    try:
+        rates = measure_link(store, device)
+    except (uva.UvaError, LinkUnmeasurable) as exc:
+        reason = "uva_unavailable" if isinstance(exc, uva.UvaError) else "unmeasurable"
+        log.log_once(f"link_measure_declined:{reason}", "link_measure_declined", logging.WARNING, reason=reason,
+                     fallback="the table's rates", detail=str(exc)[:300], setting="prefill.measure_link")
+        return None, {"declined": reason, "detail": str(exc)[:300]}
+    link = {**rates.to_dict(), "table_h2d_GBps": model.h2d_GBps, "table_uva_GBps": model.uva_GBps}
+    if rates.uva_GBps < SLOW_SM_READS * rates.h2d_GBps:
+        link["hint"] = (f"this host's SM reads of mapped memory run at {rates.uva_GBps / rates.h2d_GBps:.2f} x its "
+                        "copy engine's rate: decode steps with many misses (large batches at low residency) may run "
+                        "faster staged over the copy engine (decode.path: auto)")
+    log.info_rank0("link_rates_measured", h2d_GBps=round(rates.h2d_GBps, 2), uva_GBps=round(rates.uva_GBps, 2),
+                   table_h2d_GBps=model.h2d_GBps, table_uva_GBps=model.uva_GBps, entry=entry, rows=rates.rows,
+                   hint=link.get("hint"), change_with="prefill.measure_link")
+    return (replace(model, h2d_GBps=rates.h2d_GBps, uva_GBps=rates.uva_GBps), f"{entry} (link measured)"), link

@@ -32,9 +32,9 @@ record, is logged as one ``prefill_path_chosen`` event and reported by ``cache.s
 
 **This host's rates (``prefill.measure_link``, the ``auto`` threshold on CUDA only).** ``uva`` and ``h2d`` are not
 properties of the GPU: two H100 hosts at 8bcd799/de3b3ad read mapped host memory at 46-47 and 25.7 GB/s with the
-same copy engine rate. A cache therefore times both on its own pinned store at start-up (``link_rates.py``) and
-decides with them (``link_model``); the table's other constants stand. Not under tensor parallelism (ranks would
-measure different rates and choose different paths).
+same copy engine rate. A cache therefore times both on its own pinned store at start-up and decides with them
+(``link_rates.link_model``); the table's other constants stand. Not under tensor parallelism (ranks would measure
+different rates and choose different paths).
 
 **Observed routing (``prefill.routed_adaptive_max_tokens``, the ``auto`` threshold only).** Uniform routing is
 the worst case; real and synthetic routers are skewed, and a single prompt's tokens route to far fewer experts
@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -321,67 +320,6 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
                    adaptive_max_tokens=choice.adaptive_max_tokens, adaptive_off=choice.adaptive_off,
                    change_with="prefill.routed_max_tokens")
     return choice
-
-
-#: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured``: 0.6 sits between the
-#: 0.85 of the H100 host at 8bcd799 (46.8 vs 54.9 GB/s) and the 0.52 of the one at de3b3ad (25.7 vs 49.4)
-SLOW_SM_READS = 0.6
-
-
-def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: bool
-               ) -> tuple[tuple[CostModel, str] | None, dict | None]:
-    """``(model, link)``: with ``prefill.measure_link`` where the cost model decides (``routed_max_tokens`` auto, CUDA,
-    the fused NVFP4 decode compute), the table's model for this GPU and shape with this host's copy-engine and
-    SM-read rates measured on the store (``link_rates.measure_link``) in place of the table's, and what was
-    measured; ``(None, why not)`` elsewhere (the table's model then decides, as before). Under tensor parallelism
-    nothing is measured: every rank must choose the same path, and ranks measure different rates; nor on a store
-    whose rows are too small to time (tiny test models). A device that cannot map the store, or timings out of
-    order, decline with one ``link_measure_declined`` event (``stats()['declined']``); wrong bytes raise
-    ``link_rates.LinkError``."""
-    if prefill_cfg.routed_max_tokens != "auto" or device.type != "cuda" or not (fused_decode and
-                                                                                 store.format.is_quantized):
-        return None, None
-    if not prefill_cfg.measure_link:
-        return None, {"off": "prefill.measure_link is false"}
-    if tensor_parallel:
-        return None, {"off": "tensor parallelism (every rank must choose the same path)"}
-    from moe_offload.link_rates import LINK_MIN_BYTES, link_bytes
-
-    if link_bytes(store) < LINK_MIN_BYTES:
-        return None, {"off": f"the store's rows are too small to time a rate ({link_bytes(store)} bytes timed, "
-                              f"{LINK_MIN_BYTES} needed)"}
-    import torch
-
-    model = cost_model(torch.cuda.get_device_name(device), store.num_experts, store.geometry.top_k,
-                       store.bytes_per_expert)
-    return measured_link_model(store, device, model)
-
-
-def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tuple[CostModel, str] | None, dict]:
-    """``link_model``'s measurement (any device; the CPU tests run the reference copy): ``model`` with the rates
-    measured on ``store`` in place of its ``h2d_GBps`` / ``uva_GBps`` and one ``link_rates_measured`` event, or
-    ``(None, declined)`` with one ``link_measure_declined`` event where the device cannot map the store or the
-    timing is out of order."""
-    from moe_offload import uva
-    from moe_offload.link_rates import LinkUnmeasurable, measure_link
-
-    model, entry = model
-    try:
-        rates = measure_link(store, device)
-    except (uva.UvaError, LinkUnmeasurable) as exc:
-        reason = "uva_unavailable" if isinstance(exc, uva.UvaError) else "unmeasurable"
-        log.log_once(f"link_measure_declined:{reason}", "link_measure_declined", logging.WARNING, reason=reason,
-                     fallback="the table's rates", detail=str(exc)[:300], setting="prefill.measure_link")
-        return None, {"declined": reason, "detail": str(exc)[:300]}
-    link = {**rates.to_dict(), "table_h2d_GBps": model.h2d_GBps, "table_uva_GBps": model.uva_GBps}
-    if rates.uva_GBps < SLOW_SM_READS * rates.h2d_GBps:
-        link["hint"] = (f"this host's SM reads of mapped memory run at {rates.uva_GBps / rates.h2d_GBps:.2f} x its "
-                        "copy engine's rate: decode steps with many misses (large batches at low residency) may run "
-                        "faster staged over the copy engine (decode.path: auto)")
-    log.info_rank0("link_rates_measured", h2d_GBps=round(rates.h2d_GBps, 2), uva_GBps=round(rates.uva_GBps, 2),
-                   table_h2d_GBps=model.h2d_GBps, table_uva_GBps=model.uva_GBps, entry=entry, rows=rates.rows,
-                   hint=link.get("hint"), change_with="prefill.measure_link")
-    return (replace(model, h2d_GBps=rates.h2d_GBps, uva_GBps=rates.uva_GBps), f"{entry} (link measured)"), link
 
 
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,

@@ -14,8 +14,8 @@ from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig, load_config
 from moe_offload.host_store import ExpertStore
 from moe_offload.kernels import decode_miss
-from moe_offload.link_rates import LinkError, LinkUnmeasurable, measure_link
-from moe_offload.prefill_path import cost_model, link_model, measured_link_model
+from moe_offload.link_rates import LinkError, LinkUnmeasurable, link_model, measure_link, measured_link_model
+from moe_offload.prefill_path import cost_model
 
 H200 = "NVIDIA H200"
 QWEN3 = (128, 8, 2654224)  # experts, top-k, NVFP4 row bytes of the qwen3-30b-a3b preset

@@ -14,13 +14,14 @@ For every routed pair (t, k) with expert ``e = topk_ids_TK[t, k]``:
 
 Two launches, no host sync, grids sized from host-known shapes only (CUDA-graph capturable; the table
 and the ids are read at replay time):
-1. ``_plan_regs_kernel``, one program: the missing experts marked in registers (a max over an ``[pairs, E]``
-   match matrix, pairs taken a chunk at a time), scanned into scratch indices and a list of missing experts
-   (+ their count), then ``rows_TK`` (each pair's scratch index a sum over its match row); no global workspace,
-   so no store -> barrier -> load round trips (the plan took 5.1 us a layer at batch 1 in the 10cd002 H100
-   profile; not re-timed). ``_plan_kernel`` does the same through an [E] workspace in global memory, phases
-   separated by ``tl.debug_barrier()`` (one CTA: global writes before the barrier are visible after it); it
-   serves layers of more than 4,096 experts and the lookahead's dense plan, and the tests check the two agree.
+1. The plan, one program, in one of two kernels that the tests check agree. ``_plan_kernel`` marks the missing
+   experts in an [E] workspace in global memory, phases separated by ``tl.debug_barrier()`` (one CTA: global
+   writes before the barrier are visible after it), and scans them into scratch indices, a list of missing
+   experts (+ their count) and ``rows_TK``; it also serves the lookahead's dense plan. ``_plan_regs_kernel`` does
+   the same in registers (a max over an ``[pairs, E]`` match matrix, pairs taken a chunk at a time; each pair's
+   scratch index a sum over its match row), with no store -> barrier -> load round trips, but each chunk is a
+   chain of dependent loads: it runs only where ``register_plan_fits`` (one one-warp chunk, batch 1 at E = 128;
+   timed alone on an H100 at 8bcd799, ``benchmarks/decode_plan.py``).
 2. ``_copy_kernel``, persistent: (missing expert, chunk of its row) work items, ``count * C`` of them,
    spread over a fixed grid (``ctas_per_sm`` x SMs), so one miss still uses many SMs. Rows are copied
    as int32 words where the rows allow it, with the alignment of the row starts passed as a constexpr so
@@ -139,7 +140,7 @@ def _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, r
              stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
              PF: tl.constexpr, DENSE: tl.constexpr, IDS_VOLATILE: tl.constexpr):
     """The body of ``_plan_kernel`` (and the plan phase of ``_plan_align_kernel`` and
-    ``decode_route._route_plan_kernel`` for steps of more pairs than one register chunk). One program.
+    ``decode_route._route_plan_kernel`` where ``register_plan_fits`` says no). One program.
     need[E] and scratch_of[E] are workspaces (any initial contents). STATS > 0 (the number of
     counters at ``stats_ptr``, int64) also counts the step and stores its ids into ``record_ptr[0:M]`` (int32):
     adds routed pairs, missed pairs, distinct missed experts copied here to ``stats_ptr[0:3]``; with STATS >= 4
@@ -208,7 +209,8 @@ def _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, r
 def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
                M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, PF: tl.constexpr,
                IDS_VOLATILE: tl.constexpr):
-    """The body of ``_plan_regs_kernel`` (and the plan phase of ``_plan_align_kernel`` and ``decode_route._route_plan_kernel``)."""
+    """The body of ``_plan_regs_kernel`` (and the plan phase of ``_plan_align_kernel`` and
+    ``decode_route._route_plan_kernel`` where ``register_plan_fits``)."""
     offs_e = tl.arange(0, EB)
     routed_e = tl.zeros((EB,), tl.int32)  # experts a valid pair routes to
     copy_e = tl.zeros((EB,), tl.int32)  # missing experts copied by this step (ascending id -> scratch index)
@@ -258,8 +260,8 @@ def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_pt
 def _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
                 M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr, REGS: tl.constexpr,
                 BLOCK: tl.constexpr, IDS_VOLATILE: tl.constexpr):
-    """The plan (no lookahead row map) inside a larger launch: the register plan (REGS: the step's pairs fit one
-    ``[MC, EB]`` chunk), else the workspace plan over ``work_ptr`` (``[2, E_work]`` int32: need, scratch_of)."""
+    """The plan (no lookahead row map) inside a larger launch: the register plan (REGS: ``register_plan_fits``),
+    else the workspace plan over ``work_ptr`` (``[2, E_work]`` int32: need, scratch_of)."""
     if REGS:
         _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, slot_ptr, M, E,
                    scratch_base, EB, MC, STATS, False, IDS_VOLATILE)

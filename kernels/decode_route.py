@@ -4,7 +4,7 @@
 Legend: T tokens, E experts, K top-k, M = T*K routed pairs, N rows of the slot pool.
 
 One program per token runs ``router.topk_row`` (the router kernel's row, same warps, so the same fp32 sums); the
-program that finishes last (a barrier, then an acq_rel counter) runs the register plan and, when asked, the tile
+program that finishes last (a barrier, then an acq_rel counter) runs the plan and, when asked, the tile
 kernels' sorted alignment over every token's ids, read past L1. Same outputs, bit for bit, as ``router.router_topk``
 followed by ``decode_miss.serve_misses_plan``; then the same copy of the missing experts.
 """
@@ -48,7 +48,7 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
     (a counter at ``done_ptr``, int32, 0 between launches: that program sets it back) then runs
     ``_plan_align_kernel``'s phases over every token's ids. The order: all threads' stores, a barrier, then
     the counter's acq_rel atomic (release: the stores before it are visible to whoever acquires it), and the
-    last program reads the ids past L1 (volatile). REGS: the register plan (the step's pairs fit one chunk), else
+    last program reads the ids past L1 (volatile). REGS: the register plan (``register_plan_fits``), else
     the workspace plan over ``work_ptr``."""
     t = tl.program_id(0)
     topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t.to(tl.int64), E, K, RENORM, EP, KP)

@@ -411,9 +411,12 @@ def test_a_gpu_of_a_tuned_die_borrows_its_tiles_and_an_unknown_one_gets_the_defa
 
     table = load_tuning(DECODE_TUNING_PATH)
     h200 = table.lookup("NVIDIA H200", 2048, 768, 128)
-    if "NVIDIA H100 80GB HBM3" not in table.devices:  # until an H100 is tuned, it borrows the H200's tiles
-        assert table.lookup("NVIDIA H100 80GB HBM3", 2048, 768, 128) == h200  # the same GH100 die
-        assert table.lookup("NVIDIA H100 80GB HBM3", 2048, 768, 128) != table.lookup("default", 2048, 768, 128)
+    # the same GH100 die: an H100 variant with no entry of its own borrows the H200's tiles, not the defaults
+    assert "NVIDIA H100 PCIe" not in table.devices
+    assert table.lookup("NVIDIA H100 PCIe", 2048, 768, 128) == h200
+    assert h200 != table.lookup("default", 2048, 768, 128)
+    if "NVIDIA H100 80GB HBM3" in table.devices:  # tuned on a lent H100 (9867ced): its own entry wins
+        assert table.lookup("NVIDIA H100 80GB HBM3", 2048, 768, 128) != h200
     assert table.lookup("Some Future GPU", 2048, 768, 128) == table.lookup("default", 2048, 768, 128)
     keys = {"default": None, "NVIDIA H200": None}  # a table's device keys: its own entry wins over a borrowed one
     assert fmt.tiles_key("NVIDIA H200 NVL", keys, "k.json") == "NVIDIA H200"

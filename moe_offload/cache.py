@@ -37,7 +37,7 @@ from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
 from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
-from moe_offload.link_rates import link_model
+from moe_offload.link_rates import link_model, routed_copy
 from moe_offload.prefill_path import plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
@@ -78,7 +78,10 @@ class OffloadMoeCache:
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
                                                  lookahead_rows(decode_max_tokens, store) if lookahead else 0)
-        self.routed_path = replace(self.routed_path, link=link)
+        copy, why = routed_copy(prefill_cfg.routed_copy, device, link)
+        self.routed_path = replace(self.routed_path, link=link, routed_copy=copy, routed_copy_reason=why)
+        log.info_rank0("prefill_routed_copy_chosen", copy=copy, reason=why, setting=prefill_cfg.routed_copy,
+                       change_with="prefill.routed_copy")
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
@@ -107,6 +110,7 @@ class OffloadMoeCache:
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs
         self._pass_open = False  # a pass announced by prefill_pass() whose first layer is not staged yet
+        self._routed_fills = False  # a forward whose experts calls stage only their routed misses (routed_fills)
         self._closed = False
         self._finalizer = weakref.finalize(self, _close_streams, self.streams)
         log.info_rank0("cache_ready", device=str(device), slots=self.num_slots, slot_bytes=self.plan.slot_bytes,
@@ -155,7 +159,10 @@ class OffloadMoeCache:
             self.observed.end(ok)
 
     def takes_routed_path(self, tokens: int) -> bool:
-        """Whether an experts call of ``tokens`` tokens reads only its routed experts (else it is staged)."""
+        """Whether an experts call of ``tokens`` tokens reads only its routed experts (else it is staged; a
+        routed-fill forward stages only its routed misses)."""
+        if self._routed_fills:
+            return False
         if self.observed is None:
             return tokens <= self.routed_max_tokens
         return self.observed.routed(tokens)
@@ -229,21 +236,42 @@ class OffloadMoeCache:
         return FullLayerCopy()
 
     # ------------------------------------------------------------------ prefill
+    @property
+    def routed_fills(self) -> bool:
+        """Whether prefills that read only their routed experts get the missing ones over the copy engine, one
+        host sync a layer (``prefill.routed_copy`` resolved; ``staging.py``), instead of SM reads in a graph."""
+        return self.routed_path.routed_copy == "copy_engine"
+
     @contextlib.contextmanager
-    def prefill_pass(self):
-        """One prefill pass (one model forward on the prefill path): the first layer's copy starts now,
-        overlapping whatever the caller runs before the first MoE layer. On an exception the compute
-        stream is joined behind every copy in flight (no host sync)."""
-        self._begin()
-        self._pass_open = True
+    def routed_fill_forward(self):
+        """Experts calls inside take the staged path, whatever their token count (a routed-fill forward being
+        captured piecewise: its experts calls split the capture, ``prefill_graph.py``)."""
+        saved, self._routed_fills = self._routed_fills, True
         try:
             yield self
-        except BaseException:
-            self.streams.current_joins_copies()
-            self.staging.computing = None
-            raise
         finally:
-            self._pass_open = False
+            self._routed_fills = saved
+
+    @contextlib.contextmanager
+    def prefill_pass(self, routed_fills: bool = False):
+        """One prefill pass (one model forward on the prefill path): the first layer's copy starts now,
+        overlapping whatever the caller runs before the first MoE layer. On an exception the compute
+        stream is joined behind every copy in flight (no host sync). ``routed_fills``: every experts call of the
+        pass stages only the missing experts its tokens routed, just in time (``staging.py``): nothing is copied
+        ahead."""
+        self.staging.routed_fills = routed_fills
+        with self.routed_fill_forward() if routed_fills else contextlib.nullcontext():
+            self._begin()
+            self._pass_open = True
+            try:
+                yield self
+            except BaseException:
+                self.streams.current_joins_copies()
+                self.staging.computing = None
+                raise
+            finally:
+                self._pass_open = False
+                self.staging.routed_fills = False
 
     def _begin(self) -> None:
         self.resolve_hit_path()
@@ -259,7 +287,8 @@ class OffloadMoeCache:
             self.counters.fallback(res.decline[0])
         if self.device.type == "cuda" and res.batch_h2d_reason is not None:
             self.counters.declined[f"batch_h2d:{res.batch_h2d_reason}"] += 1
-        if self.prefill_cfg.overlap:  # both buffers: layers 0 and 1 (later ones are refilled at release, ``done``)
+        if self.prefill_cfg.overlap and not self.staging.routed_fills:  # both buffers: layers 0 and 1 (later ones
+            # are refilled at release, ``done``); a routed-fill pass copies each layer once its routing is known
             b0 = self.staging.prefetch(self.store.layers[0])
             if len(self.store.layers) > 1:  # into the other buffer: a reusable fill of layer 0 is kept
                 self.staging.prefetch(self.store.layers[1], into=1 - b0)
@@ -272,18 +301,19 @@ class OffloadMoeCache:
             return views
         return {k: v.index_select(0, index_N.long()) for k, v in views.items()}
 
-    def stage_rows(self, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def stage_rows(self, layer: int, ids_TK: torch.Tensor | None = None
+                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """``(views, index_N)`` of ``layer`` for compute (the compute stream waits for them): its staged
         views ``[E, ...]`` and None, or, when every expert of it is resident and ``prefill.read_in_place``
         is on, the pool's views and the layer's device slot table row (``staging.py``). The next layer's
         assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
-        a pass itself."""
+        a pass itself. ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
         if layer == self.store.layers[0]:
             if self._pass_open:
                 self._pass_open = False
             else:
                 self._begin()
-        return self.staging.wait(layer)
+        return self.staging.wait(layer, ids_TK)
 
     def done(self, layer: int) -> None:
         """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released and (with
@@ -292,7 +322,7 @@ class OffloadMoeCache:
         reaches the next experts call: a host held back by a long launch queue (the linear-attention layers
         of qwen3_next) no longer delays the copy engine (README "Decisions", prefetch at release)."""
         refill = None
-        if self.prefill_cfg.overlap:
+        if self.prefill_cfg.overlap and not self.staging.routed_fills:
             lp = self.pool.layer_pos[layer] + 2
             refill = self.store.layers[lp] if lp < len(self.store.layers) else None
         self.staging.done(layer, refill)

@@ -160,9 +160,13 @@ class OffloadedExperts(nn.Module):
         return self.staged(hidden_TH, topk_ids_TK, topk_w_TK)
 
     def staged(self, hidden_TH, topk_ids_TK, topk_w_TK):
-        """The staged (prefill) path of one call, eagerly: the layer's bank from the cache's pass, the compute,
-        the release (``cache.done``). Before the TP reduce (``forward`` applies it)."""
-        views, index_N = self.cache.stage_rows(self.layer_idx)
+        """The staged (prefill) path of one call, eagerly: the layer's bank from the cache's pass (in a routed-fill
+        pass only the routed misses, ``staging.py``), the compute, the release (``cache.done``). Before the TP reduce
+        (``forward`` applies it)."""
+        src_T = self.cache.pad_src_N
+        if src_T is not None and src_T.shape[0] == topk_ids_TK.shape[0]:  # a padded routed-fill prefill: pad rows
+            topk_ids_TK = topk_ids_TK.index_select(0, src_T)  # route as their sequence's last real row (as _decode)
+        views, index_N = self.cache.stage_rows(self.layer_idx, topk_ids_TK)
         out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)
         return out

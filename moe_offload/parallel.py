@@ -63,7 +63,7 @@ from moe_offload.config import ConfigError
 ProcessGroup = dist.ProcessGroup
 
 #: copy paths whose bytes cross the host link (the rest stay on the device)
-_H2D_PATHS = ("decode_h2d", "prefill_full_h2d", "prefill_miss_h2d")
+_H2D_PATHS = ("decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "prefill_routed_h2d")
 
 
 class ResidencyDivergence(RuntimeError):

@@ -25,6 +25,12 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   Why: eager, such a prefill's host time (~1.7-2.5 ms per layer on the lent H200s, nearly all outside the
   experts call) set residency 0.75's TTFT (1.12-1.63 x its PCIe floor); a replayed stretch costs ~10-20 us.
 
+- ``routed_fills``: a prefill the rules above would route, where the cache gets routed misses over the copy
+  engine (``cache.routed_fills``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
+  call reads its layer's routing on the host (one sync a layer) and stages only the routed missing experts
+  (``staging.py``). Pad rows route as in ``routed``. For hosts whose SM reads of mapped memory run far below
+  the copy engine's rate (README "e9c32fa / 9867ced on a third H100").
+
 A single prompt whose length the observed routing (``observed_routing.py``) may still route but has not yet
 learned is not captured piecewise (its padded forward would not be observed): it runs eagerly, observed, and is
 declined as ``observing_routing`` until its length bucket is learned.
@@ -203,15 +209,16 @@ class PrefillGraphs:
         limit = min(MAX_BUCKET, dec.engine.cfg.prefill.chunk_tokens, dec.max_len - 1)
         # every input is the same on every TP rank (thresholds, residency, config; observed routing is off
         # under TP), so the ranks pad alike and their all-reduces see the same shapes
+        routed = "routed_fills" if cache.routed_fills and cache.prefill_cfg.piecewise_graphs else "routed"
         Tb = bucket(T, min(cache.routed_max_tokens // B, limit))
         if Tb is not None:
-            return Tb, "routed"
+            return Tb, routed
         obs = cache.observed  # a single prompt the observed routing sends down the routed path (adaptive)
         if obs is not None and B == 1 and T > obs.decode_max_tokens and obs.would_route(T):
             Tb = bucket(T, min(cache.decode.max_tokens, limit))  # what the routing record and scratch rows hold
             if Tb is not None:
                 obs.adaptive.routed += 1  # the forward's path, counted as its begin() would
-                return Tb, "routed"
+                return Tb, routed
         mode = "in_place"
         if not (cache.holds_every_expert() and _in_place_allowed(cache)):
             if not cache.prefill_cfg.piecewise_graphs:
@@ -262,11 +269,15 @@ class PrefillGraphs:
         if dec._positions:
             kw.update(cache_position=st["pos"], position_ids=st["pos"][None].expand(st["ids"].shape[0], Tb))
         dec.set_window(Tb)
-        cache.pad_src_N = st["src"] if mode == "routed" else None
+        cache.pad_src_N = st["src"] if mode in ("routed", "routed_fills") else None
         n = st["ids"].numel()
         try:
             if mode == "routed":  # every experts call routed, eager or captured (no staged pass announced)
                 with _planned(cache, n, routed=True):
+                    return engine.model(**kw).logits
+            if mode == "routed_fills":  # staged calls of the routed misses only: split under capture, else a pass
+                fills = cache.routed_fill_forward() if capture else cache.prefill_pass(routed_fills=True)
+                with _planned(cache, n, routed=False), fills:
                     return engine.model(**kw).logits
             if capture and mode == "piecewise":  # staged: each experts call splits the capture (Segments)
                 with _planned(cache, n, routed=False):
@@ -308,9 +319,14 @@ class PrefillGraphs:
             return self._forward(st, Tb, mode, capture=False)[:, 0].clone()
         graph, logits, graph_mode = entry  # an in-place graph only while every expert is resident: plan() checks
         self._graphs.move_to_end(key)
-        if graph_mode == "piecewise":  # the stretches replayed, the experts calls eager, in one staging pass
-            with cache.prefill_pass():
-                graph.replay()
+        if graph_mode in ("piecewise", "routed_fills"):  # the stretches replayed, the experts calls eager, in one
+            fills = graph_mode == "routed_fills"  # staging pass (of the routed misses only, with the pad rows' map)
+            cache.pad_src_N = st["src"] if fills else None
+            try:
+                with cache.prefill_pass(routed_fills=fills):
+                    graph.replay()
+            finally:
+                cache.pad_src_N = None
             counters["prefill_graph_replays"] += 1
             counters["prefill_graph_piecewise_replays"] += 1
             return logits[:, 0].clone()
@@ -336,7 +352,7 @@ class PrefillGraphs:
         side.wait_stream(cur)
         cache = dec.engine.cache
         try:
-            if mode == "piecewise":
+            if mode in ("piecewise", "routed_fills"):
                 graph = Segments(self._pool, side)
                 cache.prefill_split = graph
                 try:

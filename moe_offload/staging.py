@@ -33,6 +33,15 @@ index). The hits cost no copy at all (the SM gather moved ~1 GB per layer at Fla
 SMs and HBM the compute uses); the same slot-stability argument as above holds, and ``begin`` drops such fills
 too. The admission (``_admit_free``) copies only misses, whose rows the buffer holds. Counted per layer use in
 ``stats()["compute"]["prefill_mixed_layers"]``.
+
+Routed fills (``prefill.routed_copy``: copy_engine, a pass opened with ``routed_fills``): nothing is copied ahead.
+``wait(layer, ids_TK)`` reads the call's routed ids on the host (HOST SYNC, one a layer) and copies only the routed
+missing experts into the buffer over the copy engine, a mixed fill whose other missing experts' rows are stale (no
+routed token reads them). For short prompts on hosts whose SM reads of mapped memory are slow, where the routed
+path would read its misses at that rate. Such a fill is dropped at the next ``begin`` like any mixed fill, and
+its admission takes only the experts it copied. Needs mixed fills (read in place, a device hit path); elsewhere
+the layer is assembled whole. Counted in ``stats()["compute"]["prefill_routed_fills"]`` and the bytes as
+``prefill_routed_h2d``.
 """
 
 from __future__ import annotations
@@ -65,6 +74,8 @@ class PrefillStaging:
         self.staged: list[int | None] = [None, None]  # the layer a buffer holds (its fill is enqueued)
         self.in_place: list[torch.Tensor | None] = [None, None]  # slot table row of a fill read in place
         self.mixed = [False, False]  # a fill holding only its layer's misses (hits read in place from their slots)
+        self.copied: list[np.ndarray | None] = [None, None]  # a routed fill's copied experts (its only valid rows)
+        self.routed_fills = False  # the pass stages each layer's routed misses when its ids are known (``wait``)
         self.read_in_place = True  # prefill.read_in_place (set by the cache)
         self.used = [(0, 0), (0, 0)]  # (hits, misses) of the fill a buffer holds
         self.computing: int | None = None  # the buffer the layer being computed reads
@@ -117,7 +128,7 @@ class PrefillStaging:
         hit_e = np.flatnonzero(resident_E >= 0)
         miss_e = np.flatnonzero(resident_E < 0)
         self.used[b] = (int(hit_e.size), int(miss_e.size))
-        self.in_place[b], self.mixed[b] = None, False
+        self.in_place[b], self.mixed[b], self.copied[b] = None, False, None
         if self.hit.name == FULL_LAYER_COPY or hit_e.size == 0:
             self._copy_full(layer, b)
             return
@@ -157,11 +168,39 @@ class PrefillStaging:
             s.record(self.misses_done[b], s.copy)
         self.stats.layer(layer).bytes["prefill_full_h2d"] += self.rows[b].numel()
 
-    def wait(self, layer: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    def _fill_routed(self, layer: int, ids_TK: torch.Tensor) -> int:
+        """A routed fill of ``layer`` (module docstring) into the buffer not being computed; returns it."""
+        b = 1 - (self.computing if self.computing is not None else self.last_filled)
+        s, R = self.streams, self.store.bytes_per_expert
+        self.staged[b] = None
+        s.wait(s.hit, self.released[b], self.misses_done[b])
+        s.wait(s.copy, self.released[b], self.hits_done[b])
+        routed_e = np.unique(ids_TK.reshape(-1).cpu().numpy())  # HOST SYNC: the layer's routing
+        resident_E = self.pool.resident(layer)
+        miss_e = routed_e[resident_E[routed_e] < 0]
+        with s.on(s.copy):
+            if miss_e.size:
+                self.h2d.copy([RowCopy(self.rows[b], self.store.rows(layer), miss_e, miss_e)], coalesce=True)
+            s.record(self.misses_done[b], s.copy)
+        s.record(self.hits_done[b], s.hit)
+        self.stats.layer(layer).bytes["prefill_routed_h2d"] += int(miss_e.size) * R
+        self.stats.compute["prefill_routed_fills"] += 1
+        self.used[b] = (int(routed_e.size - miss_e.size), int(miss_e.size))
+        self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
+        self.staged[b], self.last_filled = layer, b
+        return b
+
+    def wait(self, layer: int, ids_TK: torch.Tensor | None = None
+             ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """``(views, index_N)`` of ``layer`` for compute; the compute stream waits until it is whole. A staged
         layer: typed views ``[E, ...]`` of its buffer and None; one read in place: the pool's views and the
-        layer's slot table row ``[E]`` (row e of the bank is pool row ``index_N[e]``)."""
+        layer's slot table row ``[E]`` (row e of the bank is pool row ``index_N[e]``). ``ids_TK``: the call's
+        routed ids; in a routed-fill pass (with mixed fills possible) only the routed misses are staged, now."""
         b = self.buffer_for(layer)
+        if (b is None and self.routed_fills and ids_TK is not None and self.read_in_place
+                and self.hit.name != FULL_LAYER_COPY):
+            self.streams.join_current()
+            b = self._fill_routed(layer, ids_TK)
         if b is None:
             self.streams.join_current()
             b = self.prefetch(layer)
@@ -200,6 +239,8 @@ class PrefillStaging:
         if self.pool.num_free() == 0 or self.in_place[b] is not None:  # an in-place fill holds no rows of its own
             return
         new_e = np.flatnonzero(self.pool.resident(layer) < 0)
+        if self.copied[b] is not None:  # a routed fill: its other missing experts' rows are stale
+            new_e = np.intersect1d(new_e, self.copied[b])
         if new_e.size == 0:
             return
         from moe_offload.kernels.copy import gather_rows

@@ -207,7 +207,7 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
         "hit_path": stats["hit_path"],
         "hit_d2d_fallbacks": stats["hit_d2d_fallbacks"],
         "prefills": stats["prefills"],
-        "bytes": {"h2d": b["prefill_full_h2d"] + b["prefill_miss_h2d"],
+        "bytes": {"h2d": b["prefill_full_h2d"] + b["prefill_miss_h2d"] + b["prefill_routed_h2d"],
                   "d2d": b["prefill_hit_d2d"] + b["prefill_hit_gather"], "uva": b["decode_uva"],
                   **{k: v for k, v in b.items() if k.startswith("prefill_")}},
         "host": {"forward_s": statistics.median(host_fwd), "experts_per_layer_s": statistics.median(host_layer)},
@@ -216,8 +216,11 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
 
 def taken_path(stats: dict) -> str:
     """``staged`` (every forward of the pass staged its layers), ``routed`` (every forward read only its
-    routed experts: the decode path) or ``mixed`` (a chunked prompt whose chunks went both ways)."""
+    routed experts: the decode path), ``routed_fills`` (staged passes that copied only the routed misses,
+    ``prefill.routed_copy``) or ``mixed`` (a chunked prompt whose chunks went both ways)."""
     staged, routed = stats["prefills"] > 0, stats["decode_steps"] > 0
+    if staged and not routed and stats["compute"].get("prefill_routed_fills", 0):
+        return "routed_fills"
     return "mixed" if staged and routed else "staged" if staged else "routed"
 
 

@@ -128,3 +128,30 @@ def test_a_piecewise_capture_that_fails_is_declined_and_the_prefill_runs_eagerly
         torch.testing.assert_close(g.float(), want.float(), atol=0.1, rtol=0.05)
     assert not torch.cuda.is_current_stream_capturing()
     dec.step(got[-1].argmax(-1))  # the decoder's own capture stream still works
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
+def test_a_routed_fill_prefill_replays_piecewise_equal_to_its_eager_forward_and_near_the_routed_graph(tiny_ckpt, fmt):
+    """prefill.routed_copy=copy_engine: a prompt the routed path would take is captured piecewise; each replay's
+    experts calls read their layer's routing on the host and copy only the routed misses (pad rows route as
+    their last real row). Replays equal the padded eager forward bit for bit, the decode that follows works,
+    and the logits agree with the UVA-routed graph's within the decode kernels' tolerance."""
+    path = tiny_ckpt("tiny-qwen3-moe", fmt)
+    prompt = list(range(9, 22))
+    eng = _engine(path, "cache.budget=8 slots", "cache.admit_per_step=0", "prefill.routed_copy=copy_engine")
+    assert eng.cache.routed_fills
+    dec = StaticDecoder(eng, 1, 128, graphs=True)
+    assert dec.prefill_graphs.plan(1, len(prompt))[1] == "routed_fills"
+    eager, *replays = _prefills(dec, prompt, 4)
+    st = eng.cache.stats()
+    assert st["compute"]["prefill_graph_captures"] == 1 and st["compute"]["prefill_graph_piecewise_replays"] == 3
+    assert st["compute"]["prefill_routed_fills"] > 0 and st["total"]["bytes"]["prefill_routed_h2d"] > 0
+    assert st["total"]["bytes"]["prefill_miss_h2d"] == 0 and st["decode_steps"] == 0
+    assert not any(k.startswith("prefill_graph") for k in st["declined"]), st["declined"]
+    for i, r in enumerate(replays):
+        assert torch.equal(eager, r), f"replay {i} differs"
+    assert torch.isfinite(replays[-1]).all()
+    dec.step(replays[-1].argmax(-1))  # decode after it: the routed (UVA) decode path, graph-captured
+    uva = StaticDecoder(_engine(path, "cache.budget=8 slots", "cache.admit_per_step=0"), 1, 128, graphs=True)
+    want = _prefills(uva, prompt, 3)[-1]
+    torch.testing.assert_close(replays[-1].float(), want.float(), atol=0.1, rtol=0.05)

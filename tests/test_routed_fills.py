@@ -1,0 +1,117 @@
+"""Routed fills (``prefill.routed_copy``: copy_engine, moe_offload/staging.py): a prefill pass that stages, per
+layer, only the missing experts its tokens routed, once the routing is known. On the CPU the copy engine is a host
+copy; the piecewise graphs that run these passes on CUDA are tested in tests/gpu/test_prefill_graph_gpu.py."""
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload import log
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig, load_config
+from moe_offload.engine import Engine
+from moe_offload.host_store import ExpertStore
+from moe_offload.link_rates import SLOW_SM_READS, routed_copy
+
+
+def _cache(store, budget, **prefill):
+    return OffloadMoeCache(store, CacheConfig(budget=budget), PrefillConfig(**prefill), "cpu")
+
+
+def test_auto_takes_the_copy_engine_only_where_this_hosts_sm_reads_were_measured_slow():
+    cuda = torch.device("cuda", 0)
+    slow = {"h2d_GBps": 49.6, "uva_GBps": 27.9}  # the H100 host of 9867ced
+    fast = {"h2d_GBps": 54.9, "uva_GBps": 46.8}  # the one of 8bcd799
+    assert routed_copy("auto", cuda, slow)[0] == "copy_engine"
+    assert routed_copy("auto", cuda, fast)[0] == "uva"
+    edge = {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS}
+    assert routed_copy("auto", cuda, edge)[0] == "uva"  # at the share itself: not slow
+    assert routed_copy("auto", cuda, {"off": "tensor parallelism"}) == ("uva", "no measured link rates "
+                                                                        "(prefill.measure_link)")
+    assert routed_copy("auto", cuda, None)[0] == "uva"
+    assert routed_copy("auto", torch.device("cpu"), slow) == ("uva", "cpu_device")
+    for setting in ("uva", "copy_engine"):  # a setting is taken as it is, on any device
+        assert routed_copy(setting, torch.device("cpu"), None) == (setting, "setting")
+
+
+def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_stats(tiny_ckpt, caplog):
+    with pytest.raises(Exception, match="routed_copy"):
+        load_config(None, ["prefill.routed_copy=dma"])
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        cache = _cache(store, "1.0", routed_copy="copy_engine")
+    chosen = [r.event_fields for r in caplog.records
+              if getattr(r, "event_fields", {}).get("event") == "prefill_routed_copy_chosen"]
+    assert len(chosen) == 1 and chosen[0]["copy"] == "copy_engine" and chosen[0]["change_with"] == "prefill.routed_copy"
+    assert cache.routed_fills and cache.stats()["routed_path"]["routed_copy"] == "copy_engine"
+    assert not _cache(store, "1.0").routed_fills  # the default: uva
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
+def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_copied(tiny_ckpt, fmt):
+    """Residency: every other expert. Each layer's call routes a random subset of experts: every routed expert's
+    rows (hit or miss) read through (views, index_N) equal the store's bytes; only routed misses cross (counted as
+    prefill_routed_h2d), nothing is copied ahead, and the free slots take only experts a fill copied."""
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", fmt), progress=False)
+    E, K, R = store.num_experts, store.geometry.top_k, store.bytes_per_expert
+    cache = _cache(store, "1.0", hit_copy="gather", routed_copy="copy_engine")
+    cache.set_residency({layer: list(range(0, E, 4)) for layer in store.layers})  # a quarter: free slots remain
+    before = cache.pool.slot_of_LE.copy()
+    rng = np.random.default_rng(0)
+    routed_misses, routed_hits = {}, {}
+    with cache.prefill_pass(routed_fills=True):
+        assert not cache.takes_routed_path(1)  # every experts call of the pass is staged (by its routed misses)
+        for layer in store.layers:
+            ids_TK = torch.from_numpy(rng.choice(E // 2, size=(3, K), replace=True)).long()  # experts 0..E/2-1 only
+            routed = np.unique(ids_TK.numpy())
+            lp = cache.pool.layer_pos[layer]
+            routed_misses[layer] = routed[before[lp, routed] < 0]
+            routed_hits[layer] = routed[before[lp, routed] >= 0]
+            views, index_N = cache.stage_rows(layer, ids_TK)
+            assert index_N is not None  # one bank: slots for hits, the buffer's rows for the copied misses
+            want = store.views(layer)
+            for e in routed.tolist():
+                for name, view in views.items():
+                    assert torch.equal(view[int(index_N[e])], want[name][e]), (layer, e, name)
+            cache.done(layer)
+    assert cache.takes_routed_path(1)  # after the pass, decode steps route again
+    st = cache.stats()
+    copied = sum(m.size for m in routed_misses.values())
+    assert copied > 0
+    assert st["total"]["bytes"]["prefill_routed_h2d"] == copied * R
+    assert st["total"]["bytes"].get("prefill_miss_h2d", 0) == 0 and st["total"]["bytes"].get("prefill_full_h2d", 0) == 0
+    assert st["total"]["prefill_misses"] == copied
+    assert st["total"]["prefill_hits"] == sum(h.size for h in routed_hits.values())
+    assert st["compute"]["prefill_routed_fills"] == len(store.layers)
+    for layer in store.layers:  # admitted: a subset of what was copied, never an expert the fill left stale
+        lp = cache.pool.layer_pos[layer]
+        new_e = np.flatnonzero((before[lp] < 0) & (cache.pool.slot_of_LE[lp] >= 0))
+        assert set(new_e.tolist()) <= set(routed_misses[layer].tolist())
+        assert new_e.size == routed_misses[layer].size  # free slots were plenty
+        slots = cache.pool.slot_of_LE[lp, new_e]
+        for e, slot in zip(new_e.tolist(), slots.tolist()):  # the admitted slot holds the expert's bytes
+            assert torch.equal(cache.pool.rows_SR[slot], store.rows(layer)[e])
+    assert np.array_equal(cache.pool.table_LE.cpu().numpy(), cache.pool.slot_of_LE)
+
+
+def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt):
+    """The whole model, one prefill forward at residency 0.25: staging every missing expert vs only the routed
+    ones gives the same logits, bit for bit (the same compute reads the same bytes for every routed expert)."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    outs = []
+    for fills in (False, True):
+        cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "cache.budget=1.0",
+                                 "prefill.hit_copy=gather", "prefill.routed_max_tokens=1", "decode.max_tokens=1",
+                                 "logging.level=WARNING", f"prefill.routed_copy={'copy_engine' if fills else 'uva'}"])
+        eng = Engine.from_config(cfg, progress=False)
+        E = eng.cache.E
+        eng.cache.set_residency({layer: list(range(0, E, 4)) for layer in eng.cache.layers})
+        ids = torch.tensor([list(range(5, 29))])
+        with torch.no_grad(), eng.cache.prefill_pass(routed_fills=fills):
+            outs.append(eng.model(input_ids=ids).logits)
+        st = eng.cache.stats()
+        assert (st["compute"].get("prefill_routed_fills", 0) == len(eng.cache.layers)) == fills
+        assert (st["total"]["bytes"].get("prefill_routed_h2d", 0) > 0) == fills
+    assert torch.equal(outs[0], outs[1])

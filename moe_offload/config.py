@@ -152,12 +152,13 @@ class PrefillConfig(_Strict):
                                "rates instead of the table's (moe_offload/link_rates.py): the SM-read rate depends on "
                                "the host (46-47 vs 25.7 GB/s on two H100 hosts, README); false = the table's rates")
     routed_copy: Literal["uva", "copy_engine", "auto"] = Field(
-        "uva", description="how a prefill that reads only its routed experts gets the missing ones: uva = SMs read "
+        "auto", description="how a prefill that reads only its routed experts gets the missing ones: uva = SMs read "
         "them from mapped host memory inside the graph (no host sync); copy_engine = a piecewise graph (one per "
-        "stretch between experts calls) whose experts calls read the layer's routing on the host (one sync a layer) "
-        "and copy only the routed missing experts over the copy engine; auto = copy_engine where prefill.measure_link "
-        "measured SM reads below 0.6 x the copy engine's rate (slow-SM hosts: README), else uva. Decode steps always "
-        "read over UVA (moe_offload/prefill_graph.py)")
+        "stretch between experts calls) whose experts calls read the layer's routing on the host (one sync a layer, "
+        "~0.28 ms) and copy only the routed missing experts over the copy engine; auto = on a host where "
+        "prefill.measure_link measured SM reads below 0.6 x the copy engine's rate (README), copy_engine for the "
+        "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
+        "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "

@@ -194,20 +194,29 @@ def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tu
     if rates.uva_GBps < SLOW_SM_READS * rates.h2d_GBps:
         link["hint"] = (f"this host's SM reads of mapped memory run at {rates.uva_GBps / rates.h2d_GBps:.2f} x its "
                         "copy engine's rate: decode steps with many misses (large batches at low residency) may run "
-                        "faster staged over the copy engine (decode.path: auto)")
+                        "faster staged over the copy engine (decode.path: auto); short prompts get their misses over "
+                        "the copy engine where that pays (prefill.routed_copy: auto)")
     log.info_rank0("link_rates_measured", h2d_GBps=round(rates.h2d_GBps, 2), uva_GBps=round(rates.uva_GBps, 2),
                    table_h2d_GBps=model.h2d_GBps, table_uva_GBps=model.uva_GBps, entry=entry, rows=rates.rows,
                    hint=link.get("hint"), change_with="prefill.measure_link")
     return (replace(model, h2d_GBps=rates.h2d_GBps, uva_GBps=rates.uva_GBps), f"{entry} (link measured)"), link
 
 
+#: a routed fill's per-layer cost beyond its copy (the piecewise stretch boundary, the host sync on the layer's routed
+#: ids, the host's planning and launches): 0.28 / 0.26 ms on an H100 at b703e18, from 16 / 64-token prompts fully
+#: resident (19.5 / 20.6 ms with routed fills against 6.1 / 7.9 ms as one routed graph, 48 layers)
+ROUTED_FILL_FIXED_S = 0.28e-3
+
+
 def routed_copy(setting: str, device: torch.device, link: dict | None) -> tuple[str, str]:
     """``(copy, reason)``: how routed prefill forwards get their missing experts (``prefill.routed_copy``):
-    ``"copy_engine"`` (routed fills, ``staging.py``: one host sync a layer, the copy engine's rate) or ``"uva"`` (SM
-    reads inside the graph). ``auto`` takes the copy engine only where this host's SM reads were measured below
-    ``SLOW_SM_READS`` x its copy engine's rate (``link``, ``measure_link``): on the H100 at 9867ced (27.9 vs 49.6
-    GB/s) a 16-token prompt at residency 0.37 read its misses at the SM rate, 61.0 ms against 30.4 ms of routed bytes
-    at the copy engine's; on a fast host the host sync per layer would cost about what the faster rate saves."""
+    ``"copy_engine"`` (routed fills, ``staging.py``: one host sync a layer, the copy engine's rate), ``"uva"`` (SM
+    reads inside the graph) or ``"per_prompt"`` (``auto`` on a host whose SM reads were measured below
+    ``SLOW_SM_READS`` x its copy engine's rate: ``routed_fills_pay`` decides per prompt). On the H100 at 9867ced (27.9
+    vs 49.6 GB/s) a 16-token prompt at residency 0.37 read its misses at the SM rate: 61.0 ms against 30.4 ms of
+    routed bytes at the copy engine's rate. On a fast host (the H100 at b703e18: SM reads at 48.5, copy engine 45.1
+    GB/s) routed fills were 3-19 % slower than the routed graph at 16-256 tokens: the host sync a layer costs more
+    than the faster copy saves, so ``auto`` keeps SM reads there."""
     if setting != "auto":
         return setting, "setting"
     if device.type != "cuda":
@@ -215,7 +224,14 @@ def routed_copy(setting: str, device: torch.device, link: dict | None) -> tuple[
     rates = link or {}
     if "uva_GBps" not in rates:
         return "uva", "no measured link rates (prefill.measure_link)"
-    if rates["uva_GBps"] < SLOW_SM_READS * rates["h2d_GBps"]:
-        return "copy_engine", f"SM reads at {rates['uva_GBps'] / rates['h2d_GBps']:.2f} x the copy engine's rate"
-    return "uva", f"SM reads at {rates['uva_GBps'] / rates['h2d_GBps']:.2f} x the copy engine's rate"
+    share = rates["uva_GBps"] / rates["h2d_GBps"]
+    if share < SLOW_SM_READS:
+        return "per_prompt", f"SM reads at {share:.2f} x the copy engine's rate"
+    return "uva", f"SM reads at {share:.2f} x the copy engine's rate"
 
+
+def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int) -> bool:
+    """Whether a layer whose routed tokens miss ``missing_experts`` experts of ``row_bytes`` each is cheaper as a
+    routed fill (copy engine plus ``ROUTED_FILL_FIXED_S``) than read by SMs at this host's measured rates."""
+    moved = missing_experts * row_bytes
+    return ROUTED_FILL_FIXED_S + moved / (link["h2d_GBps"] * 1e9) < moved / (link["uva_GBps"] * 1e9)

@@ -26,7 +26,7 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   experts call) set residency 0.75's TTFT (1.12-1.63 x its PCIe floor); a replayed stretch costs ~10-20 us.
 
 - ``routed_fills``: a prefill the rules above would route, where the cache gets routed misses over the copy
-  engine (``cache.routed_fills``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
+  engine (``cache.routed_fills_for``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
   call reads its layer's routing on the host (one sync a layer) and stages only the routed missing experts
   (``staging.py``). Pad rows route as in ``routed``. For hosts whose SM reads of mapped memory run far below
   the copy engine's rate (README "e9c32fa / 9867ced on a third H100").
@@ -209,7 +209,7 @@ class PrefillGraphs:
         limit = min(MAX_BUCKET, dec.engine.cfg.prefill.chunk_tokens, dec.max_len - 1)
         # every input is the same on every TP rank (thresholds, residency, config; observed routing is off
         # under TP), so the ranks pad alike and their all-reduces see the same shapes
-        routed = "routed_fills" if cache.routed_fills and cache.prefill_cfg.piecewise_graphs else "routed"
+        routed = "routed_fills" if cache.prefill_cfg.piecewise_graphs and cache.routed_fills_for(B * T) else "routed"
         Tb = bucket(T, min(cache.routed_max_tokens // B, limit))
         if Tb is not None:
             return Tb, routed

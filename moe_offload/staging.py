@@ -34,7 +34,7 @@ SMs and HBM the compute uses); the same slot-stability argument as above holds, 
 too. The admission (``_admit_free``) copies only misses, whose rows the buffer holds. Counted per layer use in
 ``stats()["compute"]["prefill_mixed_layers"]``.
 
-Routed fills (``prefill.routed_copy``: copy_engine, a pass opened with ``routed_fills``): nothing is copied ahead.
+Routed fills (``prefill.routed_copy``, a pass opened with ``routed_fills``): nothing is copied ahead.
 ``wait(layer, ids_TK)`` reads the call's routed ids on the host (HOST SYNC, one a layer) and copies only the routed
 missing experts into the buffer over the copy engine, a mixed fill whose other missing experts' rows are stale (no
 routed token reads them). For short prompts on hosts whose SM reads of mapped memory are slow, where the routed

@@ -24,7 +24,7 @@ def test_auto_takes_the_copy_engine_only_where_this_hosts_sm_reads_were_measured
     cuda = torch.device("cuda", 0)
     slow = {"h2d_GBps": 49.6, "uva_GBps": 27.9}  # the H100 host of 9867ced
     fast = {"h2d_GBps": 54.9, "uva_GBps": 46.8}  # the one of 8bcd799
-    assert routed_copy("auto", cuda, slow)[0] == "copy_engine"
+    assert routed_copy("auto", cuda, slow)[0] == "per_prompt"  # routed_fills_pay decides each prompt
     assert routed_copy("auto", cuda, fast)[0] == "uva"
     edge = {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS}
     assert routed_copy("auto", cuda, edge)[0] == "uva"  # at the share itself: not slow
@@ -45,8 +45,10 @@ def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_sta
     chosen = [r.event_fields for r in caplog.records
               if getattr(r, "event_fields", {}).get("event") == "prefill_routed_copy_chosen"]
     assert len(chosen) == 1 and chosen[0]["copy"] == "copy_engine" and chosen[0]["change_with"] == "prefill.routed_copy"
-    assert cache.routed_fills and cache.stats()["routed_path"]["routed_copy"] == "copy_engine"
-    assert not _cache(store, "1.0").routed_fills  # the default: uva
+    cache.set_residency({layer: [0] for layer in store.layers})
+    assert cache.routed_fills_for(8) and cache.stats()["routed_path"]["routed_copy"] == "copy_engine"
+    cache.set_residency({layer: list(range(store.num_experts)) for layer in store.layers})
+    assert not cache.routed_fills_for(8)  # every expert resident: nothing to copy, the routed graph reads in place
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
@@ -115,3 +117,18 @@ def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt
         assert (st["compute"].get("prefill_routed_fills", 0) == len(eng.cache.layers)) == fills
         assert (st["total"]["bytes"].get("prefill_routed_h2d", 0) > 0) == fills
     assert torch.equal(outs[0], outs[1])
+
+
+def test_per_prompt_routed_fills_pay_where_the_slow_reads_cost_more_than_the_fixed_cost_of_a_fill():
+    """At the slow H100 host's rates (27.9 GB/s SM reads, 49.6 GB/s copy engine) and Qwen3's 2.65 MB rows: a fill
+    costs ROUTED_FILL_FIXED_S more per layer, and saves (1/27.9 - 1/49.6) s per GB: it pays from ~7 missing experts a
+    layer (a short prompt at residency 0.37), not for 1-2; at a fast host's rates it does not pay at any count."""
+    from moe_offload.link_rates import ROUTED_FILL_FIXED_S, routed_fills_pay
+
+    R = 2654224
+    slow, fast = {"h2d_GBps": 49.6, "uva_GBps": 27.9}, {"h2d_GBps": 45.1, "uva_GBps": 48.5}
+    even = ROUTED_FILL_FIXED_S / (R / 27.9e9 - R / 49.6e9)  # missing experts at which both cost the same
+    assert 6 < even < 8
+    assert routed_fills_pay(slow, 10, R) and routed_fills_pay(slow, 128, R)
+    assert not routed_fills_pay(slow, 2, R) and not routed_fills_pay(slow, 0, R)
+    assert not any(routed_fills_pay(fast, n, R) for n in (1, 10, 128))

@@ -139,7 +139,7 @@ def test_a_routed_fill_prefill_replays_piecewise_equal_to_its_eager_forward_and_
     path = tiny_ckpt("tiny-qwen3-moe", fmt)
     prompt = list(range(9, 22))
     eng = _engine(path, "cache.budget=8 slots", "cache.admit_per_step=0", "prefill.routed_copy=copy_engine")
-    assert eng.cache.routed_fills
+    assert eng.cache.routed_fills_for(len(prompt))
     dec = StaticDecoder(eng, 1, 128, graphs=True)
     assert dec.prefill_graphs.plan(1, len(prompt))[1] == "routed_fills"
     eager, *replays = _prefills(dec, prompt, 4)

@@ -8,7 +8,10 @@ single prompts above it may be routed by the routing the cache observed, ``obser
   the routed-only (decode) path: no host sync, resident experts read in place from their slots, the
   routed misses read from mapped host memory into scratch rows; capturable in a CUDA graph;
 - longer forwards take the staged (prefill) path: the whole layer assembled in a staging buffer, the
-  next layer's assembly overlapping this layer's compute.
+  next layer's assembly overlapping this layer's compute;
+- a prefill the routed path would take, on a host where SM reads of mapped memory are slow
+  (``prefill.routed_copy``, ``cache.routed_fills_for``), is staged too, but each call stages only its routed
+  misses over the copy engine once its routing is known (routed fills: ``staging.py``, ``prefill_graph.py``).
 
 Legend: T tokens, K top-k, H hidden, N rows of the bank views the compute reads.
 """

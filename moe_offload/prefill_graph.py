@@ -29,7 +29,7 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   engine (``cache.routed_fills_for``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
   call reads its layer's routing on the host (one sync a layer) and stages only the routed missing experts
   (``staging.py``). Pad rows route as in ``routed``. For hosts whose SM reads of mapped memory run far below
-  the copy engine's rate (README "e9c32fa / 9867ced on a third H100").
+  the copy engine's rate (README "e9c32fa / 9867ced / b703e18 on two more H100s").
 
 A single prompt whose length the observed routing (``observed_routing.py``) may still route but has not yet
 learned is not captured piecewise (its padded forward would not be observed): it runs eagerly, observed, and is

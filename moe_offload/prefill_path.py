@@ -181,7 +181,7 @@ class RoutedPath:
     adaptive_max_tokens: int = 0  # observed routing may route single prompts up to this many tokens (0: off)
     adaptive_off: str | None = None  # why observed routing is off, when the setting asked for it
     link: dict | None = None  # prefill.measure_link: the rates measured (and the table's), or why not measured
-    routed_copy: str = "uva"  # prefill.routed_copy resolved: how routed prefills get their misses (uva, copy_engine)
+    routed_copy: str = "uva"  # prefill.routed_copy resolved: uva, copy_engine or per_prompt (link_rates.routed_copy)
     routed_copy_reason: str = "setting"
 
     @property

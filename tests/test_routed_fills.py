@@ -132,3 +132,22 @@ def test_per_prompt_routed_fills_pay_where_the_slow_reads_cost_more_than_the_fix
     assert routed_fills_pay(slow, 10, R) and routed_fills_pay(slow, 128, R)
     assert not routed_fills_pay(slow, 2, R) and not routed_fills_pay(slow, 0, R)
     assert not any(routed_fills_pay(fast, n, R) for n in (1, 10, 128))
+
+
+def test_a_cache_on_a_slow_host_takes_routed_fills_per_prompt_at_real_row_sizes(qwen3_layer_store):
+    """One Qwen3-30B-A3B layer (128 x 2.65 MB rows), a cache of 8 slots (its minimum). With the slow H100 host's
+    measured rates resolved as ``per_prompt`` (what ``auto`` resolves to there on CUDA), a 16-token prompt (~82
+    distinct experts, ~77 of them missing) takes routed fills; with a fast host's rates it does not. (The rates are
+    given: this CPU has no mapped-memory reads to measure.)"""
+    from dataclasses import replace
+
+    store = qwen3_layer_store(pin=False)
+    slow, fast = {"h2d_GBps": 49.6, "uva_GBps": 27.9}, {"h2d_GBps": 45.1, "uva_GBps": 48.5}
+    cache = _cache(store, "8 slots")
+    assert cache.routed_path.routed_copy == "uva"  # auto on a CPU
+    cache.routed_path = replace(cache.routed_path, routed_copy=routed_copy("auto", torch.device("cuda", 0), slow)[0],
+                                link=slow)
+    assert cache.routed_path.routed_copy == "per_prompt"
+    assert cache.routed_fills_for(16)
+    cache.routed_path = replace(cache.routed_path, link=fast)
+    assert not cache.routed_fills_for(16)

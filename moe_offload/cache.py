@@ -236,12 +236,14 @@ class OffloadMoeCache:
         return FullLayerCopy()
 
     # ------------------------------------------------------------------ prefill
-    def routed_fills_for(self, tokens: int) -> bool:
-        """Whether a prefill of ``tokens`` tokens that reads only its routed experts gets the missing ones over the copy
-        engine, one host sync a layer (routed fills, ``staging.py``), instead of SM reads in a graph
-        (``prefill.routed_copy`` resolved): never while every expert is resident (nothing to copy); per prompt,
-        ``link_rates.routed_fills_pay`` with the layer's expected routed misses (the observed routing's spread
-        for this length where learned, else uniform routing)."""
+    def routed_fills_for(self, tokens: int, rows: int | None = None) -> bool:
+        """Whether a prefill of ``tokens`` tokens (``rows`` rows once padded) that reads only its routed experts gets
+        the missing ones over the copy engine, one host sync a layer (routed fills, ``staging.py``), instead of SM
+        reads in a graph (``prefill.routed_copy`` resolved): never while every expert is resident (nothing to copy);
+        per prompt, ``link_rates.routed_fills_pay`` with the layer's routed misses: as earlier fills of as many rows
+        found them (the host learns each fill's routing), else expected (the observed routing's spread for this
+        length where learned, else uniform routing, which overestimates a skewed router's misses: a wrong first
+        choice corrects itself after one forward)."""
         copy = self.routed_path.routed_copy
         if copy == "uva" or self.holds_every_expert():
             return False
@@ -250,10 +252,14 @@ class OffloadMoeCache:
         from moe_offload.link_rates import routed_fills_pay
         from moe_offload.prefill_path import resident_fraction
 
-        E, K = self.E, self.store.geometry.top_k
-        share = self.observed.adaptive.share(tokens) if self.observed is not None else None
-        distinct = E * (1.0 - (1.0 - min(K, E) / E) ** (tokens * (share or 1.0)))  # D(t), prefill_path.py
-        missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * distinct
+        seen = self.staging.fill_missing.get(rows if rows is not None else tokens)
+        if seen is not None:
+            missing = seen[0] / seen[1]
+        else:
+            E, K = self.E, self.store.geometry.top_k
+            share = self.observed.adaptive.share(tokens) if self.observed is not None else None
+            distinct = E * (1.0 - (1.0 - min(K, E) / E) ** (tokens * (share or 1.0)))  # D(t), prefill_path.py
+            missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * distinct
         return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert)
 
     @contextlib.contextmanager

@@ -209,16 +209,19 @@ class PrefillGraphs:
         limit = min(MAX_BUCKET, dec.engine.cfg.prefill.chunk_tokens, dec.max_len - 1)
         # every input is the same on every TP rank (thresholds, residency, config; observed routing is off
         # under TP), so the ranks pad alike and their all-reduces see the same shapes
-        routed = "routed_fills" if cache.prefill_cfg.piecewise_graphs and cache.routed_fills_for(B * T) else "routed"
+        def routed(Tb: int) -> str:  # the misses over the copy engine (routed fills) or by SM reads in the graph
+            fills = cache.prefill_cfg.piecewise_graphs and cache.routed_fills_for(B * T, B * Tb)
+            return "routed_fills" if fills else "routed"
+
         Tb = bucket(T, min(cache.routed_max_tokens // B, limit))
         if Tb is not None:
-            return Tb, routed
+            return Tb, routed(Tb)
         obs = cache.observed  # a single prompt the observed routing sends down the routed path (adaptive)
         if obs is not None and B == 1 and T > obs.decode_max_tokens and obs.would_route(T):
             Tb = bucket(T, min(cache.decode.max_tokens, limit))  # what the routing record and scratch rows hold
             if Tb is not None:
                 obs.adaptive.routed += 1  # the forward's path, counted as its begin() would
-                return Tb, routed
+                return Tb, routed(Tb)
         mode = "in_place"
         if not (cache.holds_every_expert() and _in_place_allowed(cache)):
             if not cache.prefill_cfg.piecewise_graphs:

@@ -54,6 +54,10 @@ from moe_offload.hit_copy import FULL_LAYER_COPY
 from moe_offload.host_store import bank_views
 
 
+#: per layer fill, the weight of older fills in ``fill_missing`` (~50 layers: about one forward of a 48-layer model)
+FILL_DECAY = 0.98
+
+
 class PrefillStaging:
     """Two ``[E, R]`` staging buffers and the pass that fills them (owned by ``OffloadMoeCache``)."""
 
@@ -76,6 +80,8 @@ class PrefillStaging:
         self.mixed = [False, False]  # a fill holding only its layer's misses (hits read in place from their slots)
         self.copied: list[np.ndarray | None] = [None, None]  # a routed fill's copied experts (its only valid rows)
         self.routed_fills = False  # the pass stages each layer's routed misses when its ids are known (``wait``)
+        # routed fills' missing experts per layer, by the call's row count: decayed (sum, weight) over ~50 layers
+        self.fill_missing: dict[int, tuple[float, float]] = {}
         self.read_in_place = True  # prefill.read_in_place (set by the cache)
         self.used = [(0, 0), (0, 0)]  # (hits, misses) of the fill a buffer holds
         self.computing: int | None = None  # the buffer the layer being computed reads
@@ -184,6 +190,8 @@ class PrefillStaging:
             s.record(self.misses_done[b], s.copy)
         s.record(self.hits_done[b], s.hit)
         self.stats.layer(layer).bytes["prefill_routed_h2d"] += int(miss_e.size) * R
+        total, weight = self.fill_missing.get(ids_TK.shape[0], (0.0, 0.0))
+        self.fill_missing[ids_TK.shape[0]] = (FILL_DECAY * total + miss_e.size, FILL_DECAY * weight + 1.0)
         self.stats.compute["prefill_routed_fills"] += 1
         self.used[b] = (int(routed_e.size - miss_e.size), int(miss_e.size))
         self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e

@@ -151,3 +151,24 @@ def test_a_cache_on_a_slow_host_takes_routed_fills_per_prompt_at_real_row_sizes(
     assert cache.routed_fills_for(16)
     cache.routed_path = replace(cache.routed_path, link=fast)
     assert not cache.routed_fills_for(16)
+
+
+def test_per_prompt_choice_follows_the_misses_earlier_fills_of_as_many_rows_found(qwen3_layer_store):
+    """Uniform routing overestimates a skewed router's misses: a first choice of routed fills is corrected by what
+    the fills saw. 12 missing experts a layer pay at the slow host's rates, 2 do not; each row count keeps its own."""
+    from dataclasses import replace
+
+    store = qwen3_layer_store(pin=False)
+    cache = _cache(store, "8 slots", hit_copy="gather")
+    cache.routed_path = replace(cache.routed_path, routed_copy="per_prompt", link={"h2d_GBps": 49.6, "uva_GBps": 27.9})
+    layer, E, K = store.layers[0], store.num_experts, store.geometry.top_k
+    assert cache.routed_fills_for(16, 16)  # nothing seen yet: uniform routing, ~77 missing
+    for rows, experts in ((16, range(100, 102)), (32, range(100, 112))):  # skewed: 2 / 12 experts, none resident
+        ids = torch.tensor([[e for e in experts][i % len(experts)] for i in range(rows * K)]).view(rows, K)
+        with cache.prefill_pass(routed_fills=True):
+            cache.stage_rows(layer, ids)
+            cache.done(layer)
+        assert cache.stats()["compute"]["prefill_routed_fills"] >= 1
+    assert not cache.routed_fills_for(16, 16)  # 2 missing a layer: SM reads are cheaper than the fill's fixed cost
+    assert cache.routed_fills_for(24, 32)  # 12 missing a layer: the fill pays
+    assert cache.routed_fills_for(8, 8)  # a row count never filled: still the uniform estimate

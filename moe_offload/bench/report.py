@@ -207,7 +207,8 @@ def _header(result: dict) -> list[str]:
         "(what staging copies); routed floor = bytes of the distinct missing experts the prompt routed (every "
         "layer) / H2D bandwidth (what any path must copy); ×routed = TTFT / max(routed floor, compute floor); "
         "path = the path the forward took (staged: whole layers staged; routed: only the routed experts read, "
-        f"resident ones in place). Prefill paths measured: {', '.join(s.get('prefill_paths', ['auto']))}.",
+        "resident ones in place; routed_fills: only the routed missing experts copied over the copy engine, one "
+        f"host sync a layer, prefill.routed_copy). Prefill paths measured: {', '.join(s.get('prefill_paths', ['auto']))}.",
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; the floor and ×floor columns are n/a and no target has a verdict.**"]

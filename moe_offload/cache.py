@@ -250,16 +250,16 @@ class OffloadMoeCache:
         if copy == "copy_engine":
             return True
         from moe_offload.link_rates import routed_fills_pay
-        from moe_offload.prefill_path import resident_fraction
+        from moe_offload.prefill_path import distinct, resident_fraction
 
         seen = self.staging.fill_missing.get(rows if rows is not None else tokens)
         if seen is not None:
             missing = seen[0] / seen[1]
         else:
-            E, K = self.E, self.store.geometry.top_k
+            E = self.E
             share = self.observed.adaptive.share(tokens) if self.observed is not None else None
-            distinct = E * (1.0 - (1.0 - min(K, E) / E) ** (tokens * (share or 1.0)))  # D(t), prefill_path.py
-            missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * distinct
+            routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
+            missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * routed
         return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert)
 
     @contextlib.contextmanager

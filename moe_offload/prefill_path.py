@@ -67,6 +67,11 @@ TABLE_PATH = Path(__file__).with_name("prefill_path_table.json")
 DEFAULT = "default"
 
 
+def distinct(T: float, E: int, K: int) -> float:
+    """``D(T)``: expected distinct experts routed by T tokens at top-K of E (uniform routing)."""
+    return E * (1.0 - (1.0 - min(K, E) / E) ** T) if T > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Per-layer costs in seconds (see the module docstring); bandwidths in GB/s (1e9 bytes/s)."""
@@ -83,9 +88,8 @@ class CostModel:
     staged_pair_s: float
     max_tokens: int
 
-    def distinct(self, T: int, E: int, K: int) -> float:
-        """Expected distinct experts routed by T tokens at top-K of E (uniform routing)."""
-        return E * (1.0 - (1.0 - min(K, E) / E) ** T) if T > 0 else 0.0
+    def distinct(self, T: float, E: int, K: int) -> float:
+        return distinct(T, E, K)
 
     def staged_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
         copy = (1.0 - resident) * E * R / (self.h2d_GBps * 1e9)

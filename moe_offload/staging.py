@@ -110,9 +110,10 @@ class PrefillStaging:
         self.in_place = [None, None]
         self.mixed = [False, False]
 
-    def prefetch(self, layer: int, into: int | None = None) -> int:
+    def prefetch(self, layer: int, into: int | None = None, ids_TK: torch.Tensor | None = None) -> int:
         """Enqueue the assembly of ``layer`` into buffer ``into`` (default: the buffer not being computed);
-        a buffer that already holds ``layer`` is reused as is. Returns the buffer."""
+        a buffer that already holds ``layer`` is reused as is. Returns the buffer. ``ids_TK``: a routed fill of
+        those routed ids instead of the whole layer's misses (module docstring)."""
         b = self.buffer_for(layer)
         if b is not None:
             return b
@@ -122,7 +123,10 @@ class PrefillStaging:
         # Waits first, before either event of b is recorded again (see the module docstring).
         s.wait(s.hit, self.released[b], self.misses_done[b])
         s.wait(s.copy, self.released[b], self.hits_done[b])
-        self._assemble(layer, b)
+        if ids_TK is None:
+            self._assemble(layer, b)
+        else:
+            self._assemble_routed(layer, b, ids_TK)
         self.staged[b] = layer
         self.last_filled = b
         return b
@@ -174,13 +178,9 @@ class PrefillStaging:
             s.record(self.misses_done[b], s.copy)
         self.stats.layer(layer).bytes["prefill_full_h2d"] += self.rows[b].numel()
 
-    def _fill_routed(self, layer: int, ids_TK: torch.Tensor) -> int:
-        """A routed fill of ``layer`` (module docstring) into the buffer not being computed; returns it."""
-        b = 1 - (self.computing if self.computing is not None else self.last_filled)
+    def _assemble_routed(self, layer: int, b: int, ids_TK: torch.Tensor) -> None:
+        """A routed fill of ``layer`` into buffer ``b`` (module docstring)."""
         s, R = self.streams, self.store.bytes_per_expert
-        self.staged[b] = None
-        s.wait(s.hit, self.released[b], self.misses_done[b])
-        s.wait(s.copy, self.released[b], self.hits_done[b])
         routed_e = np.unique(ids_TK.reshape(-1).cpu().numpy())  # HOST SYNC: the layer's routing
         resident_E = self.pool.resident(layer)
         miss_e = routed_e[resident_E[routed_e] < 0]
@@ -195,8 +195,6 @@ class PrefillStaging:
         self.stats.compute["prefill_routed_fills"] += 1
         self.used[b] = (int(routed_e.size - miss_e.size), int(miss_e.size))
         self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
-        self.staged[b], self.last_filled = layer, b
-        return b
 
     def wait(self, layer: int, ids_TK: torch.Tensor | None = None
              ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -205,13 +203,10 @@ class PrefillStaging:
         layer's slot table row ``[E]`` (row e of the bank is pool row ``index_N[e]``). ``ids_TK``: the call's
         routed ids; in a routed-fill pass (with mixed fills possible) only the routed misses are staged, now."""
         b = self.buffer_for(layer)
-        if (b is None and self.routed_fills and ids_TK is not None and self.read_in_place
-                and self.hit.name != FULL_LAYER_COPY):
-            self.streams.join_current()
-            b = self._fill_routed(layer, ids_TK)
         if b is None:
             self.streams.join_current()
-            b = self.prefetch(layer)
+            routed = self.routed_fills and self.read_in_place and self.hit.name != FULL_LAYER_COPY
+            b = self.prefetch(layer, ids_TK=ids_TK if routed else None)
         self.computing = b
         s = self.streams
         s.wait(s.current(), self.misses_done[b], self.hits_done[b])

@@ -19,7 +19,6 @@ own). Each rate is the slope between two sizes (:class:`LinkRates`).
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -30,14 +29,16 @@ from moe_offload.prefill_path import CostModel, cost_model
 
 LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 rows; the smaller one takes a quarter)
 LINK_REPS = 5
+LINK_WARMUP = 3  # untimed copies first: at b703e18 one was too few on a fast H100 host (h2d 40-45 GB/s at start-up
+# against 55.0 for the bench's 1 GiB copy in the same run, README "e9c32fa / 9867ced / b703e18")
 LINK_MIN_BYTES = 16 << 20  # below this the larger copy is mostly fixed cost (a 2.65 MB expert: ~60 us at 45 GB/s)
 
 
-def time_reps(fn, device: torch.device, reps: int) -> list[float]:
-    """Seconds of each of ``reps`` calls of ``fn()`` after one untimed call (warm-up, compiles): CUDA events on the
-    current stream on CUDA, ``perf_counter`` elsewhere."""
+def time_reps(fn, device: torch.device, reps: int, warmup: int = 1) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed calls (compiles, a link waking from
+    idle): CUDA events on the current stream on CUDA, ``perf_counter`` elsewhere."""
     times = []
-    for rep in range(reps + 1):
+    for rep in range(reps + warmup):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -49,7 +50,7 @@ def time_reps(fn, device: torch.device, reps: int) -> list[float]:
             t0 = time.perf_counter()
             fn()
             t = time.perf_counter() - t0
-        if rep:
+        if rep >= warmup:
             times.append(t)
     return times
 
@@ -71,7 +72,7 @@ def sm_read_times(store, layer: int, device: torch.device, rows: int, reps: int)
     slot_of_E = torch.full((host_ER.shape[0],), -1, dtype=torch.int32, device=device)
     ids_N1 = torch.arange(n, device=device).view(n, 1)
     copy = serve_misses if device.type == "cuda" else serve_misses_reference
-    times = time_reps(lambda: copy(slot_of_E, ids_N1, host_ER, pool_NR, 0), device, reps)
+    times = time_reps(lambda: copy(slot_of_E, ids_N1, host_ER, pool_NR, 0), device, reps, LINK_WARMUP)
     _check_row(pool_NR[n - 1], store.rows(layer)[n - 1], f"the SM read of layer {layer}, expert {n - 1}")
     return times, n * host_ER.shape[1]
 
@@ -81,7 +82,7 @@ def copy_engine_times(store, layer: int, device: torch.device, rows: int, reps: 
     pinned store to the device (the copy engine on CUDA). Checks the last row's bytes."""
     host_NR = store.rows(layer)[:rows]
     dev_NR = torch.empty(host_NR.shape, dtype=torch.uint8, device=device)
-    times = time_reps(lambda: dev_NR.copy_(host_NR, non_blocking=True), device, reps)
+    times = time_reps(lambda: dev_NR.copy_(host_NR, non_blocking=True), device, reps, LINK_WARMUP)
     n = host_NR.shape[0]
     _check_row(dev_NR[n - 1], host_NR[n - 1], f"the copy-engine copy of layer {layer}, expert {n - 1}")
     return times, host_NR.numel()
@@ -95,8 +96,8 @@ def _check_row(got_R: torch.Tensor, want_R: torch.Tensor, what: str) -> None:
 
 @dataclass(frozen=True)
 class LinkRates:
-    """Both rates in GB/s (1e9 B/s): the slope between ``rows // 4`` and ``rows`` rows of ``row_bytes`` each (median
-    of ``reps`` at each size), so that a copy's fixed cost (launches, the first bytes' latency), which the cost
+    """Both rates in GB/s (1e9 B/s): the slope between ``rows // 4`` and ``rows`` rows of ``row_bytes`` each (the
+    fastest of ``reps`` at each size: the rep least disturbed by the rest of the host), so that a copy's fixed cost (launches, the first bytes' latency), which the cost
     model carries apart (``uva_fixed_s``), does not lower the rate."""
 
     h2d_GBps: float
@@ -120,7 +121,7 @@ def link_bytes(store, rows: int = LINK_ROWS) -> int:
 
 
 def _slope(times, small: int, large: int, what: str) -> float:
-    (t_small, b_small), (t_large, b_large) = [(statistics.median(t), b) for t, b in (times(small), times(large))]
+    (t_small, b_small), (t_large, b_large) = [(min(t), b) for t, b in (times(small), times(large))]
     if t_large <= t_small:
         raise LinkUnmeasurable(f"{what}: {b_large} bytes took no longer than {b_small} ({t_large:.6f} vs "
                                f"{t_small:.6f} s): timing noise")

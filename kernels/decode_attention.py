@@ -44,6 +44,8 @@ import torch
 try:  # importing triton touches no CUDA
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -91,7 +93,8 @@ if triton is not None:
                         Hkv, G, S, D, per_split, scale,
                         MASK_KIND: tl.constexpr, GP: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
                         DOT_DTYPE: tl.constexpr, PREC: tl.constexpr, BOUND: tl.constexpr, MAXT: tl.constexpr,
-                        DIRECT: tl.constexpr):
+                        DIRECT: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         bh = tl.program_id(0)
         sp = tl.program_id(1)
         nsp = tl.num_programs(1)
@@ -141,10 +144,11 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(m_in, l_in, acc_in, out_ptr, sob, soh, sog,
                         Hkv, G, D, SP,
-                        GP: tl.constexpr, DP: tl.constexpr, BLOCK_D: tl.constexpr):
+                        GP: tl.constexpr, DP: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr = False):
         """Program (row x KV head, BLOCK_D columns of D): the SP partials merged. Every program recomputes the
         (tiny) max and sum over the splits, so each output element is the same arithmetic whatever BLOCK_D is;
         only the real G query rows of a partial's accumulator are read (padding rows are never stored)."""
+        pdl_enter(USE_PDL)
         bh = tl.program_id(0)
         b = (bh // Hkv).to(tl.int64)
         h = (bh % Hkv).to(tl.int64)
@@ -286,10 +290,10 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
                                        MASK_KIND=kind, GP=GP, DP=DP, BLOCK=block, DOT_DTYPE=dot_dtype, PREC=precision,
                                        BOUND=cfg.bound,
                                        MAXT=triton.next_power_of_2(per_split // block) if cfg.bound and kind else 1,
-                                       DIRECT=direct, num_warps=cfg.warps, num_stages=cfg.stages)
+                                       DIRECT=direct, num_warps=cfg.warps, num_stages=cfg.stages, **pdl.launch_kwargs())
         if not direct:
             block_d = min(DP, cfg.combine_block_d)
             _combine_kernel[(B * Hkv, DP // block_d)](m_part, l_part, acc_part, out, out.stride(0), out.stride(1),
                                                       out.stride(2), Hkv, G, D, sp, GP=GP, DP=DP, BLOCK_D=block_d,
-                                                      num_warps=4 if block_d * GP >= 2048 else 2)
+                                                      num_warps=4 if block_d * GP >= 2048 else 2, **pdl.launch_kwargs())
     return out

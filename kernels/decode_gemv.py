@@ -69,6 +69,8 @@ from moe_offload.kernels.nvfp4 import (
     ptx_conversion,
     unshift,
 )
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,8 +158,9 @@ def _gate_up_kernel(
     x_odd_off,  # SPLIT_X: x is [2, T, H/2] (even columns, then odd), stride_xt = H/2; this is T * H/2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     SPLIT_X: tl.constexpr, SPLIT_ACT: tl.constexpr, PTX: tl.constexpr,
-    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0,
+    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     if ZERO_BLOCK:  # the per-pair down launch's (token, column tile) counters start each call at 0 (SUM_K)
@@ -235,8 +238,9 @@ def _down_sum_kernel(
     res_ptr, stride_rt,  # [T, H] residual added to the output (RESIDUAL only)
     N, H, I, TOPK,
     KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, RESIDUAL: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     t = tl.program_id(1).to(tl.int64)
     # R = KP * BLOCK_N tile rows: row r is output n = r % BLOCK_N of the token's pair k = r // BLOCK_N
@@ -286,8 +290,9 @@ def _down_pair_kernel(
     N, H, I,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PTX: tl.constexpr,
     cnt_ptr=None, final_ptr=None, stride_ft=0, res_ptr=None, stride_rt=0, TOPK=1,
-    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -440,6 +445,7 @@ def decode_gemv_nvfp4(
             M, N, H, I, K, x_odd_off,
             BLOCK_M=config.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, EVEN_K=H % gu.block_k == 0,
             SPLIT_X=config.split_x, SPLIT_ACT=config.down_per_pair, PTX=ptx, num_warps=gu.num_warps, **zero,
+            **pdl.launch_kwargs()
         )
         if config.down_per_pair:
             part_MH = torch.empty((M, H), dtype=torch.float32, device=dev)
@@ -451,7 +457,7 @@ def decode_gemv_nvfp4(
                 rows_M, weights_M, part_MH,
                 N, H, I,
                 BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0, PTX=ptx,
-                num_warps=dn.num_warps, **summed,
+                num_warps=dn.num_warps, **summed, **pdl.launch_kwargs()
             )
             return out_TH if summed else sum_pairs(part_MH, K, out_TH, residual_TH)
         _down_sum_kernel[(triton.cdiv(H, dn.block_n), T)](
@@ -464,6 +470,6 @@ def decode_gemv_nvfp4(
             *((out_TH, 0) if residual_TH is None else (residual_TH, residual_TH.stride(0))),
             N, H, I, K,
             KP=triton.next_power_of_2(K), BLOCK_N=dn.block_n, BLOCK_K=dn.block_k, EVEN_K=I % dn.block_k == 0,
-            RESIDUAL=residual_TH is not None, PTX=ptx, num_warps=dn.num_warps,
+            RESIDUAL=residual_TH is not None, PTX=ptx, num_warps=dn.num_warps, **pdl.launch_kwargs()
         )
     return out_TH

@@ -56,6 +56,8 @@ from moe_offload.kernels.decode_moe import (
 )
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 _PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -129,8 +131,9 @@ def _add_counts(stats_ptr, n_pairs, n_missed, n_copied, n_routed, n_pf, STATS: t
 @triton.jit
 def _plan_kernel(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr,
                  stats_ptr, record_ptr, pf_ptr, M, E, scratch_base, BLOCK: tl.constexpr, STATS: tl.constexpr,
-                 PF: tl.constexpr, DENSE: tl.constexpr):
+                 PF: tl.constexpr, DENSE: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The workspace plan, one program (``_plan_ws``)."""
+    pdl_enter(USE_PDL)
     _plan_ws(slot_ptr, ids_ptr, need_ptr, scratch_of_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
              pf_ptr, M, E, scratch_base, BLOCK, STATS, PF, DENSE, False)
 
@@ -246,12 +249,13 @@ def _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, reco
 @triton.jit
 def _plan_regs_kernel(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr,
                       M, E, scratch_base, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
-                      PF: tl.constexpr):
+                      PF: tl.constexpr, USE_PDL: tl.constexpr = False):
     """``_plan_kernel``'s non-DENSE result, bit for bit, with the per-expert marks kept in registers (``[EB]``
     vectors, EB >= E) instead of an [E] workspace in global memory: no barriers and no store -> load round trips,
     one gather of the slot table (and of the lookahead map with PF). Pairs are taken MC at a time as an
     ``[MC, EB]`` match matrix (``ids[m] == e``): a max over pairs marks the experts, a sum picks each pair's
     scratch index. Same arguments and STATS/PF meaning as ``_plan_kernel``."""
+    pdl_enter(USE_PDL)
     _plan_regs(slot_ptr, ids_ptr, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, pf_ptr, M, E, scratch_base,
                EB, MC, STATS, PF, False)
 
@@ -274,10 +278,12 @@ def _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_p
 def _plan_align_kernel(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr,
                        key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
                        M, E, scratch_base, N, last_key, EB: tl.constexpr, MC: tl.constexpr, STATS: tl.constexpr,
-                       REGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr):
+                       REGS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, MP: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     """One program, two phases: the plan (``_plan_phase``), then, after a barrier (one CTA sees its own global
     writes after it), ``decode_moe._align_sorted_kernel`` over the rows it just wrote: the plan and the tile
     kernels' alignment of a decode step in one launch instead of two, with the same outputs."""
+    pdl_enter(USE_PDL)
     _plan_phase(slot_ptr, ids_ptr, work_ptr, E_work, miss_ptr, count_ptr, rows_ptr, stats_ptr, record_ptr, M, E,
                 scratch_base, EB, MC, STATS, REGS, BLOCK, False)
     tl.debug_barrier()
@@ -291,9 +297,10 @@ PLAN_REGS_ELEMENTS = 4096
 
 @triton.jit
 def _copy_kernel(src_ptr, dst_ptr, miss_ptr, count_ptr, row_words, src_stride_v, dst_stride_v, scratch_base,
-                 chunks, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                 chunks, BLOCK: tl.constexpr, VEC: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Work item w = (x, c): words [c*BLOCK, (c+1)*BLOCK) of host row miss[x] -> pool row scratch_base + x.
     Strides are in units of VEC words, so every row start is known to be VEC-word aligned."""
+    pdl_enter(USE_PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = tl.load(count_ptr) * chunks
@@ -443,18 +450,18 @@ def plan_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER
                                      record_MK, key_MP, alignment.sorted_ids_P, alignment.block_row_B,
                                      alignment.num_padded_1, M, E, scratch_base, N, N * MP, EB=EB, MC=MC,
                                      STATS=n_stats, REGS=regs, BLOCK=_PLAN_BLOCK, BLOCK_M=align_block_m, MP=MP,
-                                     num_warps=warps)
+                                     num_warps=warps, **pdl.launch_kwargs())
         return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     with device_guard(dev):
         if regs:
             _plan_regs_kernel[(1,)](slot_of_E, ids_M, miss_experts_X, num_missing_1, rows_TK, counts_3, record_MK,
                                     pf_arg, M, E, scratch_base, EB=EB, MC=MC, STATS=n_stats,
-                                    PF=pf_row_E is not None, num_warps=4)
+                                    PF=pf_row_E is not None, num_warps=4, **pdl.launch_kwargs())
         else:
             work, E_work = plan_workspace(E, False, dev)
             _plan_kernel[(1,)](slot_of_E, ids_M, work, work[E_work:], miss_experts_X, num_missing_1, rows_TK,
                                counts_3, record_MK, pf_arg, M, E, scratch_base, BLOCK=_PLAN_BLOCK, STATS=n_stats,
-                               PF=pf_row_E is not None, DENSE=False, num_warps=4)
+                               PF=pf_row_E is not None, DENSE=False, num_warps=4, **pdl.launch_kwargs())
     alignment = None if align_block_m is None or M == 0 else decode_align(rows_TK, N, align_block_m)
     return MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
 
@@ -483,7 +490,8 @@ def prefetch_misses(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, hos
     with device_guard(dev):
         _plan_kernel[(1,)](slot_of_E, ids_M, need_E, row_of_E, miss_experts_X, num_missing_1, num_missing_1,
                            num_missing_1 if counts_1 is None else counts_1, num_missing_1, row_of_E, M, E, base,
-                           BLOCK=_PLAN_BLOCK, STATS=int(counts_1 is not None), PF=False, DENSE=True, num_warps=4)
+                           BLOCK=_PLAN_BLOCK, STATS=int(counts_1 is not None), PF=False, DENSE=True, num_warps=4,
+                           **pdl.launch_kwargs())
     copy_misses(MissPlan(predicted_ids_TK, miss_experts_X, num_missing_1), host_rows_ER, pool_rows_NR, base, config)
 
 
@@ -556,7 +564,7 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
     with device_guard(dev):
         _copy_kernel[grid](src, dst, plan.miss_experts_X, plan.num_missing_1, row_words,
                            src.stride(0) // vec, dst.stride(0) // vec, scratch_base, chunks,
-                           BLOCK=block, VEC=vec, num_warps=config.num_warps)
+                           BLOCK=block, VEC=vec, num_warps=config.num_warps, **pdl.launch_kwargs())
 
 
 def serve_misses(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,

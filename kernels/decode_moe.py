@@ -35,6 +35,8 @@ from moe_offload.kernels.fused_moe import run_fused
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 DECODE_TUNING_PATH = TUNING_PATH.with_name("decode_moe_tuning.json")
 _ALIGN_BLOCK = 1024  # elements per step of the align program's loops (elementwise; not tuned)
@@ -48,8 +50,9 @@ def decode_config_for(device: torch.device, hidden: int, inter: int, pairs: int)
 
 @triton.jit
 def _align_kernel(rows_ptr, counts_ptr, cursor_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr,
-                  M, N, P, NB, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+                  M, N, P, NB, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program: the three kernels and three fills of ``fused_moe.moe_align`` in one launch."""
+    pdl_enter(USE_PDL)
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
         tl.store(counts_ptr + offs, tl.zeros((BLOCK,), tl.int32), mask=offs < N)
@@ -121,12 +124,13 @@ def _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_p
 
 @triton.jit
 def _align_sorted_kernel(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
-                         BLOCK_M: tl.constexpr, MP: tl.constexpr):
+                         BLOCK_M: tl.constexpr, MP: tl.constexpr, USE_PDL: tl.constexpr = False):
     """One program, every pair in registers (M <= MP): sort the pairs by (row, pair id), then each pair's
     padded position is its sorted position plus the padding of the groups before it. Loops over nothing
     of size N or P; writes only the used slots [0, num_padded) (the GEMM programs of blocks at or past
     ``num_padded`` exit before reading). ``key_ptr[MP]`` int64 is a workspace (the neighbour of a sorted
     element is read back through it); ``last_key`` = N * MP, above every valid key (row * MP + pair id)."""
+    pdl_enter(USE_PDL)
     _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key, BLOCK_M, MP, False)
 
 
@@ -157,11 +161,12 @@ def decode_align(rows_TK: torch.Tensor, num_rows: int, block_m: int,
         if 0 < M <= min(sorted_max_pairs, SORTED_ALIGN_MAX_PAIRS):
             key_MP, MP, warps = sorted_align_launch(M, dev)
             _align_sorted_kernel[(1,)](rows_M, key_MP, sorted_ids_P, block_row_B, num_padded_1, M, num_rows,
-                                       num_rows * MP, BLOCK_M=block_m, MP=MP, num_warps=warps)
+                                       num_rows * MP, BLOCK_M=block_m, MP=MP, num_warps=warps, **pdl.launch_kwargs())
         else:
             work_2N = torch.empty((2, max(num_rows, 1)), dtype=torch.int32, device=dev)  # counts, cursor
             _align_kernel[(1,)](rows_M, work_2N[0], work_2N[1], sorted_ids_P, block_row_B, num_padded_1,
-                                M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4)
+                                M, num_rows, P, P // block_m, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK, num_warps=4,
+                                **pdl.launch_kwargs())
     return alignment
 
 

@@ -33,6 +33,8 @@ from moe_offload.kernels.decode_moe import _align_sorted, alignment_buffers, sor
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
 from moe_offload.kernels.router import router_outputs, topk_launch, topk_row
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -42,7 +44,7 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
                        M, E, scratch_base, N, last_key,
                        RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, MC: tl.constexpr,
                        STATS: tl.constexpr, REGS: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr,
-                       BLOCK_M: tl.constexpr, MP: tl.constexpr):
+                       BLOCK_M: tl.constexpr, MP: tl.constexpr, USE_PDL: tl.constexpr = False):
     """The router's top-k and the miss plan (+ with ALIGN the tile kernels' alignment) of a decode step in one
     launch, one program per token. Each program runs ``router.topk_row`` for its token; the last one to finish
     (a counter at ``done_ptr``, int32, 0 between launches: that program sets it back) then runs
@@ -50,6 +52,7 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
     the counter's acq_rel atomic (release: the stores before it are visible to whoever acquires it), and the
     last program reads the ids past L1 (volatile). REGS: the register plan (``register_plan_fits``), else
     the workspace plan over ``work_ptr``."""
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, t.to(tl.int64), E, K, RENORM, EP, KP)
     tl.debug_barrier()
@@ -115,7 +118,7 @@ def route_and_serve(logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: 
                                  key_MP, a.sorted_ids_P, a.block_row_B, a.num_padded_1,
                                  M, E, scratch_base, N, N * MP, RENORM=renorm, EB=EB, MC=MC, STATS=n_stats,
                                  REGS=regs, BLOCK=_PLAN_BLOCK, ALIGN=alignment is not None,
-                                 BLOCK_M=align_block_m or 1, MP=MP, **launch)
+                                 BLOCK_M=align_block_m or 1, MP=MP, **launch, **pdl.launch_kwargs())
     plan = MissPlan(rows_TK, miss_experts_X, num_missing_1, alignment)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return w_TK, ids_TK, plan

@@ -50,6 +50,8 @@ from moe_offload.kernels.nvfp4 import (
     device_guard,
     e2m1_to_f32,
 )
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -130,8 +132,9 @@ def _gate_up_silu_kernel(
     sorted_ids_ptr, block_row_ptr, num_padded_ptr,
     M, H, I, TOPK, num_blocks_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -177,8 +180,9 @@ def _down_kernel(
     sorted_ids_ptr, block_row_ptr, num_padded_ptr,
     M, H, I, num_blocks_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -404,7 +408,7 @@ def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, confi
             M, H, I, topk, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **tiles.launch_options(),
+            **tiles.launch_options(), **pdl.launch_kwargs()
         )
 
 
@@ -430,7 +434,7 @@ def down_weighted(act_MI, views, weights_M, align: MoeAlignment, terms_MH, confi
             M, H, I, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **tiles.launch_options(),
+            **tiles.launch_options(), **pdl.launch_kwargs()
         )
 
 

@@ -41,6 +41,8 @@ from moe_offload.kernels.nvfp4 import (
     per_byte,
     unshift,
 )
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 
 @triton.jit
@@ -103,8 +105,9 @@ def _gate_up_swap_kernel(
     M, H, I, TOPK, num_blocks_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ACT_BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0,
+    cnt_ptr=None, n_cnt=0, ZERO_BLOCK: tl.constexpr = 0, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     if ZERO_BLOCK:  # the down kernel's per-(token, column tile) counters start each call at 0 (SUM_K)
         zero_counters(cnt_ptr, n_cnt, tl.program_id(0), ZERO_BLOCK)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(I, BLOCK_N), GROUP_M)
@@ -159,8 +162,9 @@ def _down_swap_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     cnt_ptr=None, final_ptr=None, stride_ft=0, res_ptr=None, stride_rt=0, TOPK=1,
-    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False,
+    SUM_K: tl.constexpr = False, RESIDUAL: tl.constexpr = False, USE_PDL: tl.constexpr = False
 ):
+    pdl_enter(USE_PDL)
     pid_m, pid_n = _block_coords(tl.program_id(0), num_blocks_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -263,7 +267,7 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
             M, H, I, topk, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             ACT_BLOCK_K=config.down.block_k, EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision, **zero, **tiles.launch_options(),
+            INPUT_PRECISION=precision, **zero, **tiles.launch_options(), **pdl.launch_kwargs()
         )
 
 
@@ -307,5 +311,5 @@ def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_M
             M, H, I, num_blocks_m,
             BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
             EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **summed, **tiles.launch_options(),
+            **summed, **tiles.launch_options(), **pdl.launch_kwargs()
         )

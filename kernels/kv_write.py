@@ -20,6 +20,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -28,7 +30,9 @@ if triton is not None:
     @triton.jit
     def _kv_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, start_ptr, stride_start, H, T, P,
                          skb, skh, skt, svb, svh, svt, sckb, sckh, sckp, scvb, scvh, scvp,
-                         DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                         DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         r = tl.program_id(0).to(tl.int64)  # row (b, h, t) of the new states; int64: h * stride may pass 2^31
         t = r % T
         h = (r // T) % H
@@ -115,4 +119,5 @@ def launch(keys_RHPD, values_RHPD, k_BHTD, v_BHTD, start_B) -> None:
         _kv_write_kernel[(B * H * T,)](
             k_BHTD, v_BHTD, keys_RHPD, values_RHPD, start_B, start_B.stride(0), H, T, keys_RHPD.shape[2],
             *k_BHTD.stride()[:3], *v_BHTD.stride()[:3], *keys_RHPD.stride()[:3], *values_RHPD.stride()[:3],
-            DK=DK, DV=DV, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=triton.next_power_of_2(DV), num_warps=1)
+            DK=DK, DV=DV, BLOCK_K=triton.next_power_of_2(DK), BLOCK_V=triton.next_power_of_2(DV), num_warps=1,
+            **pdl.launch_kwargs())

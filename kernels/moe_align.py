@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 
 def max_padded_pairs(pairs: int, num_rows: int, block_m: int) -> int:
@@ -39,7 +41,8 @@ class MoeAlignment:
 
 
 @triton.jit
-def _count_rows_kernel(rows_ptr, counts_ptr, M, N, BLOCK: tl.constexpr):
+def _count_rows_kernel(rows_ptr, counts_ptr, M, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
     ok = (offs < M) & (rows >= 0) & (rows < N)
@@ -47,8 +50,10 @@ def _count_rows_kernel(rows_ptr, counts_ptr, M, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_starts_kernel(counts_ptr, cursor_ptr, num_padded_ptr, N, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def _row_starts_kernel(counts_ptr, cursor_ptr, num_padded_ptr, N, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr = False):
     """One program: padded group starts (exclusive prefix sum of counts rounded up to BLOCK_M)."""
+    pdl_enter(USE_PDL)
     total = tl.full((), 0, tl.int32)
     for n0 in range(0, N, BLOCK):
         offs = n0 + tl.arange(0, BLOCK)
@@ -60,7 +65,9 @@ def _row_starts_kernel(counts_ptr, cursor_ptr, num_padded_ptr, N, BLOCK_M: tl.co
 
 
 @triton.jit
-def _place_pairs_kernel(rows_ptr, cursor_ptr, sorted_ids_ptr, block_row_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK: tl.constexpr):
+def _place_pairs_kernel(rows_ptr, cursor_ptr, sorted_ids_ptr, block_row_ptr, M, N, BLOCK_M: tl.constexpr,
+                        BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rows = tl.load(rows_ptr + offs, mask=offs < M, other=0)
     ok = (offs < M) & (rows >= 0) & (rows < N)
@@ -92,11 +99,13 @@ def moe_align(rows_TK: torch.Tensor, num_rows: int, block_m: int) -> MoeAlignmen
     block_row_B = torch.full((P // block_m,), -1, dtype=torch.int32, device=dev)
     grid = (triton.cdiv(M, _ALIGN_BLOCK),)
     with device_guard(dev):
-        _count_rows_kernel[grid](rows_M, counts_N, M, num_rows, BLOCK=_ALIGN_BLOCK)
+        _count_rows_kernel[grid](rows_M, counts_N, M, num_rows, BLOCK=_ALIGN_BLOCK, **pdl.launch_kwargs())
         _row_starts_kernel[(1,)](
-            counts_N, cursor_N, num_padded_1, num_rows, BLOCK_M=block_m, BLOCK=min(1024, triton.next_power_of_2(num_rows))
+            counts_N, cursor_N, num_padded_1, num_rows, BLOCK_M=block_m,
+            BLOCK=min(1024, triton.next_power_of_2(num_rows)), **pdl.launch_kwargs()
         )
-        _place_pairs_kernel[grid](rows_M, cursor_N, sorted_ids_P, block_row_B, M, num_rows, BLOCK_M=block_m, BLOCK=_ALIGN_BLOCK)
+        _place_pairs_kernel[grid](rows_M, cursor_N, sorted_ids_P, block_row_B, M, num_rows, BLOCK_M=block_m,
+                                  BLOCK=_ALIGN_BLOCK, **pdl.launch_kwargs())
     return MoeAlignment(sorted_ids_P, block_row_B, num_padded_1, block_m)
 
 

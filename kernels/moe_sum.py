@@ -23,6 +23,8 @@ import triton
 import triton.language as tl
 
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 
 SUM_BLOCK = 1024  # outputs per program (H = 2048: 2 programs a token)
 
@@ -40,7 +42,8 @@ def store_out(out_ptr, stride_ot, res_ptr, stride_rt, t, offs, mask, y, RESIDUAL
 
 @triton.jit
 def _sum_pairs_kernel(part_ptr, stride_pm, res_ptr, stride_rt, out_ptr, stride_ot, H, TOPK,
-                      RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                      RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0).to(tl.int64)  # tokens on the first grid axis (up to 2^31 - 1 of them)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < H
@@ -112,5 +115,5 @@ def sum_pairs(part_MH: torch.Tensor, topk: int, out_TH: torch.Tensor, residual_T
         _sum_pairs_kernel[(T, triton.cdiv(H, SUM_BLOCK))](part_MH, part_MH.stride(0), res, res.stride(0),
                                                           out_TH, out_TH.stride(0), H, topk,
                                                           RESIDUAL=residual_TH is not None, BLOCK=SUM_BLOCK,
-                                                          num_warps=4)
+                                                          num_warps=4, **pdl.launch_kwargs())
     return out_TH

@@ -29,6 +29,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -56,7 +58,9 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kernel(y_ptr, syb, syt, qw_ptr, kw_ptr, eps, cos_ptr, sin_ptr, scb, sct, q_ptr,
                              kc_ptr, vc_ptr, skb, skh, skp, svb, svh, svp, start_ptr, stride_start, P, Hq, Hk, T, Dr,
-                             D: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr):
+                             D: tl.constexpr, BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         r = tl.program_id(0).to(tl.int64)  # rows (b, h, t) of q (contiguous [B, Hq, T, D]), then of k
         rows_q = tl.num_programs(0).to(tl.int64) // (Hq + Hk) * Hq  # B * T * Hq
         is_q = r < rows_q
@@ -126,5 +130,5 @@ def qk_norm_rope_write(y_BTN: torch.Tensor, heads: tuple[int, int], q_weight: to
             y, y.stride(0), y.stride(1), q_weight, k_weight, float(eps), cos, sin, cos.stride(0), cos.stride(1), q,
             keys_RHPD, values_RHPD, *keys_RHPD.stride()[:3], *values_RHPD.stride()[:3], start_B, start_B.stride(0),
             P, Hq, Hk, T, D, D=D, BLOCK=block, HALF_BLOCK=triton.next_power_of_2(D // 2), num_warps=num_warps(block),
-            **LAUNCH_OPTIONS)
+            **LAUNCH_OPTIONS, **pdl.launch_kwargs())
     return q

@@ -20,6 +20,8 @@ import torch
 try:  # importing triton touches no CUDA
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -46,7 +48,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, x_stride, inner_n, inner_stride, out_stride, eps,
-                         ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr):
+                         ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         row = tl.program_id(0)  # input row (row // inner_n, row % inner_n) of x viewed as [R, inner_n, H]
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -59,9 +62,11 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, split_ptr, H, x_stride, r_stride, eps,
-                             ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr):
+                             ONE_PLUS: tl.constexpr, BLOCK: tl.constexpr, SPLIT_K: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
         """SPLIT_K > 0: the normalized row is also stored at ``split_ptr`` in ``fused_moe_swap.split_columns``'
         layout for chunks of SPLIT_K columns (H a multiple of SPLIT_K): each chunk's even columns, then its odd."""
+        pdl_enter(USE_PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < H
@@ -127,7 +132,7 @@ def add_rms_norm_split(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
         _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, h, out, out if split is None else split, H, x2.stride(0),
                                              r2.stride(0), float(eps), ONE_PLUS=scale == "one_plus_weight",
                                              BLOCK=block, SPLIT_K=split_k or 0, num_warps=num_warps(block),
-                                             **LAUNCH_OPTIONS)
+                                             **LAUNCH_OPTIONS, **pdl.launch_kwargs())
     return h, out, split
 
 
@@ -164,7 +169,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale: str = "we
     with device_guard(x.device):
         _rms_norm_kernel[(rows,)](x3, weight, out, H, x3.stride(0), n, x3.stride(1), out.stride(0), float(eps),
                                   ONE_PLUS=scale == "one_plus_weight", BLOCK=block,
-                                  num_warps=num_warps(block), **LAUNCH_OPTIONS)
+                                  num_warps=num_warps(block), **LAUNCH_OPTIONS, **pdl.launch_kwargs())
     return out.view(x.shape)
 
 

@@ -21,6 +21,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -55,7 +57,8 @@ if triton is not None:
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, Hq, Hk, T,
                        sqb, sqh, sqt, skb, skh, skt, scb, sct,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+                       HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         r = tl.program_id(0).to(tl.int64)  # rows (b, h, t) of q's output (contiguous [B, Hq, T, D]), then of k's
         rows_q = tl.num_programs(0).to(tl.int64) // (Hq + Hk) * Hq  # B * T * Hq
         is_q = r < rows_q
@@ -102,7 +105,8 @@ def apply_rotary(q_BHTD: torch.Tensor, k_BHTD: torch.Tensor, cos_BTD: torch.Tens
         _rotary_kernel[(B * T * (Hq + Hk),)](q, k, cos_BTD, sin_BTD, q_out, k_out, Hq, Hk, T,
                                              q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                              k.stride(2), cos_BTD.stride(0), cos_BTD.stride(1),
-                                             HALF=half, BLOCK=triton.next_power_of_2(half), **LAUNCH_OPTIONS)
+                                             HALF=half, BLOCK=triton.next_power_of_2(half), **LAUNCH_OPTIONS,
+                                             **pdl.launch_kwargs())
     return q_out, k_out
 
 

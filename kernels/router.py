@@ -22,6 +22,8 @@ import torch
 try:  # importing triton touches no CUDA
     import triton
     import triton.language as tl
+    from moe_offload.kernels import pdl
+    from moe_offload.kernels.pdl import pdl_enter
 except ImportError:
     triton = None
 
@@ -55,7 +57,8 @@ if triton is not None:
 
     @triton.jit
     def _router_topk_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, E, K,
-                            RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr):
+                            RENORM: tl.constexpr, EP: tl.constexpr, KP: tl.constexpr, USE_PDL: tl.constexpr = False):
+        pdl_enter(USE_PDL)
         topk_row(logits_ptr, stride_t, w_ptr, ids_ptr, tl.program_id(0).to(tl.int64), E, K, RENORM, EP, KP)
 
 
@@ -70,7 +73,7 @@ def router_topk(logits_TE: torch.Tensor, k: int, renorm: bool, out_dtype: torch.
 
     with device_guard(logits_TE.device):
         _router_topk_kernel[(T,)](logits_TE, logits_TE.stride(0), w_TK, ids_TK, E, k, RENORM=renorm,
-                                  **topk_launch(E, k))
+                                  **topk_launch(E, k), **pdl.launch_kwargs())
     return w_TK, ids_TK
 
 

@@ -105,6 +105,26 @@ class Engine:
         for c in self._computes:
             c.bind(cache.counters)
         attach_routers(cache, model)  # decode.lookahead (a no-op when off)
+        self.pdl = cfg.compute.pdl and self._pdl_supported()
+
+    def _pdl_supported(self) -> bool:
+        from moe_offload.kernels.pdl import unsupported
+
+        why = unsupported(self.device)
+        if why is not None:
+            log.log_once("pdl_declined", "pdl_declined", logging.WARNING, reason=why, fallback="plain launches",
+                         setting="compute.pdl")
+        return why is None
+
+    def pdl_launches(self):
+        """Context for a decode-path forward or its capture: its Triton kernels use PDL where ``compute.pdl`` is on
+        and the device can (``kernels/pdl.py``); plain launches otherwise, counted per forward as declined where
+        ``compute.pdl`` asked for it."""
+        from moe_offload.kernels.pdl import launches
+
+        if self.cfg.compute.pdl and not self.pdl:
+            self.cache.counters.declined["pdl:unsupported"] += 1
+        return launches(self.pdl)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -210,7 +230,8 @@ class Engine:
                     with self.cache.prefill_pass():
                         logits = self.model(**kwargs).logits
                 else:
-                    logits = self.model(**kwargs).logits
+                    with self.pdl_launches():
+                        logits = self.model(**kwargs).logits
                 ok = True
                 return logits
             finally:

@@ -181,3 +181,37 @@ def test_decode_path_auto_runs_batches_above_its_threshold_eagerly_staged_with_a
     assert sum(a == b for a, b in zip(got, want)) >= 3, (got, want)  # at most one stream flips at a tie
     auto.generate(prompts[0], 4)
     assert auto.cache.stats()["compute"].get("decode_graph_replays", 0) > 0
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "tiles"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_programmatic_dependent_launch_changes_no_bit(tiny_ckpt, monkeypatch, kernel, batch):
+    """``compute.pdl`` (kernels/pdl.py) on against off: every decode-path Triton launch carries the PDL switch when
+    on and none when off; the same logits at every step, bit for bit, eager and replayed, while admissions change
+    the residency. A kernel that touched memory before its wait would race its predecessor: at 8 of 64 experts
+    resident, every step's miss copy writes the rows the next launches read."""
+    from moe_offload.kernels import pdl
+
+    if pdl.unsupported(torch.device("cuda")):
+        pytest.skip(pdl.unsupported(torch.device("cuda")))
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    prompt = [list(range(10 + b, 42 + b)) for b in range(batch)]
+    runs, counts = [], []
+    for on in (True, False):
+        eng = _engine(path, "cache.budget=8 slots", "prefill.cuda_graphs=false", f"compute.decode_kernel={kernel}",
+                      f"compute.pdl={str(on).lower()}")
+        assert eng.pdl is on
+        launches = []
+        real = pdl.launch_kwargs
+        monkeypatch.setattr(pdl, "launch_kwargs", lambda: launches.append(bool(r := real())) or r)
+        eng.cache.reset()
+        runs.append([_run(StaticDecoder(eng, batch, 64, graphs=g), prompt, 6) for g in (False, True)])
+        st = eng.cache.stats()
+        assert st["declined"] == {} and st["compute"].get("decode_graph_captures") == 1
+        counts.append(eng.cache.decode.counts())
+        assert launches and any(launches) == on  # the prefill's launches run without it either way
+        monkeypatch.undo()
+    for graphs in (0, 1):
+        for i, (a, b) in enumerate(zip(runs[0][graphs], runs[1][graphs])):
+            assert torch.equal(a, b), f"graphs={graphs} step {i} differs"
+    assert counts[0] == counts[1]

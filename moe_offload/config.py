@@ -293,11 +293,13 @@ class ComputeConfig(_Strict):
                                   "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py). Off by "
                                   "default: on an H100 at 8bcd799 the separate sum was faster at batch 16 and 64 "
                                   "(1550.6 vs 1507.6 and 4221.5 vs 4109.7 tok/s fully resident) and level at batch 1")
-    pdl: bool = Field(False, description="on CUDA sm_90+, the decode step's Triton kernels (every kernel of "
-                      "kernels/ a decode-path forward launches) use programmatic dependent launch: each may be launched "
-                      "while the one before it runs, waits for it to complete before reading or writing anything, so "
-                      "launch gaps shrink and results keep their bits (kernels/pdl.py). Elsewhere: one pdl_declined "
-                      "event. Off until a GPU A/B shows it pays (README Decisions)")
+    pdl_max_tokens: int = Field(1, ge=0, le=4096, description="on CUDA sm_90+, decode-path forwards of at most "
+                                "this many tokens launch their Triton kernels (kernels/ in a decode step) with "
+                                "programmatic dependent launch: each may be launched while the one before it runs and "
+                                "waits for it to complete before touching memory, so launch gaps shrink and results "
+                                "keep their bits (kernels/pdl.py); 0 = never. 1 from H100 A/Bs at 3e491a3: batch 1 "
+                                "+5.5-14 %, batch 16 and 64 -2 to -7 % (README). A CUDA device without it: one "
+                                "pdl_declined event")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

@@ -234,7 +234,7 @@ class StaticDecoder:
         self.capture_stream.wait_stream(cur)
         try:
             with (torch.cuda.graph(graph, stream=self.capture_stream, capture_error_mode="thread_local"),
-                  self.engine.pdl_launches()):
+                  self.engine.pdl_launches(self.batch)):
                 out = self.engine.model(**self._step_kwargs())
                 logits_BV = out.logits[:, -1]
         except Exception as exc:  # an op that syncs or cannot be captured: eager from now on

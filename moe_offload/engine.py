@@ -105,26 +105,31 @@ class Engine:
         for c in self._computes:
             c.bind(cache.counters)
         attach_routers(cache, model)  # decode.lookahead (a no-op when off)
-        self.pdl = cfg.compute.pdl and self._pdl_supported()
+        self.pdl = self._pdl_usable()
 
-    def _pdl_supported(self) -> bool:
+    def _pdl_usable(self) -> bool:
+        """Whether ``compute.pdl_max_tokens`` can take effect here: never on a CPU (a CUDA launch attribute, like
+        ``decode.cuda_graphs``: nothing to decline); on a CUDA device that cannot, one ``pdl_declined`` event."""
         from moe_offload.kernels.pdl import unsupported
 
+        if self.cfg.compute.pdl_max_tokens == 0 or self.device.type != "cuda":
+            return False
         why = unsupported(self.device)
         if why is not None:
-            log.log_once("pdl_declined", "pdl_declined", logging.WARNING, reason=why, fallback="plain launches",
-                         setting="compute.pdl")
+            log.log_once("pdl_declined", "pdl_declined", logging.INFO, reason=why, fallback="plain launches",
+                         setting="compute.pdl_max_tokens")
         return why is None
 
-    def pdl_launches(self):
-        """Context for a decode-path forward or its capture: its Triton kernels use PDL where ``compute.pdl`` is on
-        and the device can (``kernels/pdl.py``); plain launches otherwise, counted per forward as declined where
-        ``compute.pdl`` asked for it."""
+    def pdl_launches(self, tokens: int):
+        """Context for a decode-path forward of ``tokens`` tokens or its capture: its Triton kernels use PDL where
+        ``tokens <= compute.pdl_max_tokens`` and the device can (``kernels/pdl.py``), plain launches otherwise
+        (counted per forward as declined where the device cannot)."""
         from moe_offload.kernels.pdl import launches
 
-        if self.cfg.compute.pdl and not self.pdl:
+        wanted = tokens <= self.cfg.compute.pdl_max_tokens and self.device.type == "cuda"
+        if wanted and not self.pdl:
             self.cache.counters.declined["pdl:unsupported"] += 1
-        return launches(self.pdl)
+        return launches(wanted and self.pdl)
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
@@ -230,7 +235,7 @@ class Engine:
                     with self.cache.prefill_pass():
                         logits = self.model(**kwargs).logits
                 else:
-                    with self.pdl_launches():
+                    with self.pdl_launches(num_tokens):
                         logits = self.model(**kwargs).logits
                 ok = True
                 return logits

@@ -1,6 +1,7 @@
-"""``compute.pdl`` (kernels/pdl.py): programmatic dependent launch for the decode step's Triton kernels.
+"""``compute.pdl_max_tokens`` (kernels/pdl.py): programmatic dependent launch for the decode step's Triton kernels.
 
-On CPU the launches cannot use it: the engine declines it once (an event and a count) and decodes as without it.
+On CPU it never takes effect (a CUDA launch attribute); a CUDA device that cannot use it declines it (one event, a
+count per forward that asked for it).
 What can be checked without a GPU is the contract each kernel keeps: every kernel a decode-path forward launches
 takes ``USE_PDL`` and starts with ``pdl_enter``, and compiled for sm_90 its wait comes before any memory access.
 The launches themselves are tested on CUDA (tests/gpu/test_decode_gpu.py: the same bits with and without it,
@@ -101,14 +102,35 @@ def _engine(path, *extra):
     return Engine.from_config(cfg, progress=False)
 
 
-def test_on_a_cpu_the_engine_declines_it_once_and_decodes_the_same_tokens(tiny_ckpt, caplog):
+def test_on_a_cpu_it_is_off_and_the_tokens_are_those_without_it(tiny_ckpt, caplog):
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     prompt = list(range(10, 30))
-    want = _engine(path, "cache.budget=0.37").generate(prompt, 8).token_ids
-    with caplog.at_level(logging.WARNING, logger=log.LOGGER_NAME):
-        eng = _engine(path, "cache.budget=0.37", "compute.pdl=true")
-    events = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "pdl_declined"]
-    assert len(events) == 1 and events[0]["setting"] == "compute.pdl" and "CUDA" in events[0]["reason"]
+    want = _engine(path, "cache.budget=0.37", "compute.pdl_max_tokens=0").generate(prompt, 8).token_ids
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        eng = _engine(path, "cache.budget=0.37", "compute.pdl_max_tokens=64")
+        assert eng.pdl is False
+        assert eng.generate(prompt, 8).token_ids == want
+    assert not [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "pdl_declined"]
+    assert "pdl:unsupported" not in eng.cache.stats()["declined"]
+
+
+def test_a_cuda_device_that_cannot_declines_it_once_and_counts_each_forward_that_asked(monkeypatch, caplog):
+    """Fault injection: a CUDA device whose check fails (an sm_80 GPU, or a Triton without ``launch_pdl``) on a
+    stand-in engine (no GPU here); the launches stay plain."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from moe_offload.config import OffloadConfig
+
+    monkeypatch.setattr(pdl, "unsupported", lambda device: "PDL needs compute capability 9.0 (Hopper) or later")
+    eng = SimpleNamespace(cfg=OffloadConfig(), device=torch.device("cuda", 0),
+                          cache=SimpleNamespace(counters=SimpleNamespace(declined=Counter())))
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        eng.pdl = Engine._pdl_usable(eng)
     assert eng.pdl is False
-    assert eng.generate(prompt, 8).token_ids == want
-    assert eng.cache.stats()["declined"]["pdl:unsupported"] == 7  # each decode-path forward: 7 steps after the prefill
+    events = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "pdl_declined"]
+    assert len(events) == 1 and events[0]["setting"] == "compute.pdl_max_tokens" and "9.0" in events[0]["reason"]
+    for tokens in (1, 1, 16):  # the default asks for it at 1 token
+        with Engine.pdl_launches(eng, tokens):
+            assert pdl.launch_kwargs() == {}
+    assert eng.cache.counters.declined == {"pdl:unsupported": 2}

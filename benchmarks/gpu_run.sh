@@ -234,12 +234,17 @@ if has set_ab; then  # bench decode with SET_AB (e.g. "compute.fused_qk_rope=tru
   # the off side sets SET_AB_OFF, by default SET_AB with =true turned into =false (a default that is now on, e.g.
   # compute.fused_qk_rope since 8eb2030, must be turned off explicitly); without either it runs the defaults
   off="${SET_AB_OFF:-${SET_AB/=true/=false}}"; [[ $off == "$SET_AB" ]] && off=""
-  for side in on off; do
+  # AB_SIDES: the order of the sides, e.g. "on off off on" (ABBA: at 3e491a3 the same code differed by 5-21 % between
+  # two single-rep invocations, so one pair decides little); with it each side's files get its position (-1, -2, ...).
+  # AB_REPS: timed runs per cell (1)
+  i=0
+  for side in ${AB_SIDES:-on off}; do
+    i=$((i + 1)); tag=$side; [[ -n ${AB_SIDES:-} ]] && tag=$side-$i
     extra=(); [[ $side == on ]] && extra=(--set "${SET_AB:?}"); [[ $side == off && -n $off ]] && extra=(--set "$off")
     timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache "${extra[@]}" --residency ${AB_RESIDENCY:-1} --batch ${AB_BATCH:-1,16,64} \
-      --steps 64 --reps 1 --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$side --out "$RES/set-ab-$side" --json \
-      > "$RES/set-ab-$side.json" 2> "$RES/set-ab-$side.log"
+      --steps 64 --reps ${AB_REPS:-1} --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$tag --out "$RES/set-ab-$tag" \
+      --json > "$RES/set-ab-$tag.json" 2> "$RES/set-ab-$tag.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import check_call, given_alignment
@@ -69,8 +71,6 @@ from moe_offload.kernels.nvfp4 import (
     ptx_conversion,
     unshift,
 )
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 
 # ---------------------------------------------------------------------------------------------

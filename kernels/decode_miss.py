@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.decode_moe import (
     SORTED_ALIGN_MAX_PAIRS,
     _align_sorted,
@@ -56,8 +58,6 @@ from moe_offload.kernels.decode_moe import (
 )
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 _PLAN_BLOCK = 1024  # elements per step of the plan program's loops (elementwise; not tuned)
 _INDEX_DTYPES = (torch.int32, torch.int64)

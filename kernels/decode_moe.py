@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.fused_moe import run_fused
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
 from moe_offload.kernels.nvfp4 import device_guard
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 DECODE_TUNING_PATH = TUNING_PATH.with_name("decode_moe_tuning.json")
 _ALIGN_BLOCK = 1024  # elements per step of the align program's loops (elementwise; not tuned)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.decode_miss import (
     _PLAN_BLOCK,
     MissCopyConfig,
@@ -33,8 +35,6 @@ from moe_offload.kernels.decode_moe import _align_sorted, alignment_buffers, sor
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.nvfp4 import device_guard
 from moe_offload.kernels.router import router_outputs, topk_launch, topk_row
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 
 @triton.jit

@@ -39,6 +39,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, config_for
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs, moe_align  # noqa: F401 (re-exported)
 from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_counters, sum_pairs
@@ -50,8 +52,6 @@ from moe_offload.kernels.nvfp4 import (
     device_guard,
     e2m1_to_f32,
 )
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
+from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.moe_sum import store_out, sum_args, zero_counters, zeroing_args
@@ -41,8 +43,6 @@ from moe_offload.kernels.nvfp4 import (
     per_byte,
     unshift,
 )
-from moe_offload.kernels import pdl
-from moe_offload.kernels.pdl import pdl_enter
 
 
 @triton.jit

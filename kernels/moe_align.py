@@ -13,9 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.nvfp4 import device_guard
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
+from moe_offload.kernels.nvfp4 import device_guard
 
 
 def max_padded_pairs(pairs: int, num_rows: int, block_m: int) -> int:

@@ -22,9 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_offload.kernels.nvfp4 import device_guard
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
+from moe_offload.kernels.nvfp4 import device_guard
 
 SUM_BLOCK = 1024  # outputs per program (H = 2048: 2 programs a token)
 

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (``compute.pdl``; sm_90 and later).
+"""Programmatic dependent launch (PDL) for the decode step's Triton kernels (``compute.pdl_max_tokens``; sm_90+).
 
 A captured decode step is ~25-75 short kernels a layer, and between two of them the GPU idles while the next one is
 launched and its blocks are scheduled (at 3ad5d89, batch 16 on an H100: 27 us of gaps in a 226 us layer, README).
@@ -10,8 +10,10 @@ launched (``griddepcontrol.launch_dependents``). A kernel before it that is not 
 copies) simply completes first, as without PDL; a kernel after it that is not launched with PDL waits for it to
 complete, as always. In a CUDA graph the launch attribute becomes a programmatic edge, so replays keep it.
 
-Which launches use it: the ones made inside :func:`launches` with ``True``; the decode step's graph capture and its
-eager warm-up steps enter it when ``compute.pdl`` is on and :func:`unsupported` finds nothing against it.
+Which launches use it: the ones made inside :func:`launches` with ``True``. The engine enters it for decode-path
+forwards (eager, or captured as a decode step's graph) of at most ``compute.pdl_max_tokens`` tokens where
+:func:`unsupported` finds nothing against it (``Engine.pdl_launches``). Measured on an H100 (README "3e491a3 /
+3bf4dd6"): batch 1 gains, batch 16 / 64 lose a few per cent, hence the default of 1.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ def unsupported(device: torch.device) -> str | None:
         return f"PDL is a CUDA launch attribute; the device is {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
     if major < 9:
-        return f"PDL needs compute capability 9.0 (Hopper) or later; {torch.cuda.get_device_name(device)} is {major}.{minor}"
+        name = torch.cuda.get_device_name(device)
+        return f"PDL needs compute capability 9.0 (Hopper) or later; {name} is {major}.{minor}"
     if not _triton_has_launch_pdl():
         return f"this Triton ({triton.__version__}) has no launch_pdl option"
     return None

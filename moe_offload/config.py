@@ -297,9 +297,9 @@ class ComputeConfig(_Strict):
                                 "this many tokens launch their Triton kernels (kernels/ in a decode step) with "
                                 "programmatic dependent launch: each may be launched while the one before it runs and "
                                 "waits for it to complete before touching memory, so launch gaps shrink and results "
-                                "keep their bits (kernels/pdl.py); 0 = never. 1 from H100 A/Bs at 3e491a3: batch 1 "
-                                "+5.5-14 %, batch 16 and 64 -2 to -7 % (README). A CUDA device without it: one "
-                                "pdl_declined event")
+                                "keep their bits (kernels/pdl.py); 0 = never. 1 from H100 A/Bs at 3e491a3 / 3bf4dd6: "
+                                "batch 1 fully resident +4.7 % over five pairs, batch 16 and 64 -1.7 to -5.0 % "
+                                "(README). A CUDA device without it: one pdl_declined event")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

@@ -97,8 +97,9 @@ def _check_row(got_R: torch.Tensor, want_R: torch.Tensor, what: str) -> None:
 @dataclass(frozen=True)
 class LinkRates:
     """Both rates in GB/s (1e9 B/s): the slope between ``rows // 4`` and ``rows`` rows of ``row_bytes`` each (the
-    fastest of ``reps`` at each size: the rep least disturbed by the rest of the host), so that a copy's fixed cost (launches, the first bytes' latency), which the cost
-    model carries apart (``uva_fixed_s``), does not lower the rate."""
+    fastest of ``reps`` at each size, after ``LINK_WARMUP`` untimed ones: the rep least disturbed by the rest of the
+    host), so that a copy's fixed cost (launches, the first bytes' latency), which the cost model carries apart
+    (``uva_fixed_s``), does not lower the rate."""
 
     h2d_GBps: float
     uva_GBps: float

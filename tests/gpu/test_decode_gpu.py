@@ -186,10 +186,10 @@ def test_decode_path_auto_runs_batches_above_its_threshold_eagerly_staged_with_a
 @pytest.mark.parametrize("kernel", ["gemv", "tiles"])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_programmatic_dependent_launch_changes_no_bit(tiny_ckpt, monkeypatch, kernel, batch):
-    """``compute.pdl_max_tokens`` (kernels/pdl.py) 64 against 0: every decode-path Triton launch carries the PDL switch when
-    on and none when off; the same logits at every step, bit for bit, eager and replayed, while admissions change
-    the residency. A kernel that touched memory before its wait would race its predecessor: at 8 of 64 experts
-    resident, every step's miss copy writes the rows the next launches read."""
+    """``compute.pdl_max_tokens`` (kernels/pdl.py) 64 against 0: every decode-path Triton launch carries the PDL
+    switch when on and none when off; the same logits at every step, bit for bit, eager and replayed, while
+    admissions change the residency. A kernel that touched memory before its wait would race its predecessor: at 8
+    of 64 experts resident, every step's miss copy writes the rows the next launches read."""
     from moe_offload.kernels import pdl
 
     if pdl.unsupported(torch.device("cuda")):

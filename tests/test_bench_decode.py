@@ -152,6 +152,16 @@ def test_the_env_header_records_git_versions_and_device(bench):
     assert result["config"]["decode"]["max_cache_len"] >= PROMPT_LEN + STEPS + 1
 
 
+def test_the_header_states_the_pdl_setting_of_the_run(bench):
+    """A/Bs of ``compute.pdl_max_tokens`` are read from the files alone: the setting is in the JSON and the header."""
+    from moe_offload.bench.decode_report import _pdl
+
+    _, _, result, _ = bench
+    assert result["settings"]["pdl_max_tokens"] == 1  # the default
+    assert _pdl(result["settings"]) == "; PDL launches in steps of at most 1 token"
+    assert _pdl({"pdl_max_tokens": 0}) == "; PDL off" and _pdl({}) == ""  # results before the setting existed
+
+
 def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):
     """decode.path auto with the routed threshold at 1: batch 1 stays routed, batch 2 stages every step;
     the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of

@@ -117,6 +117,14 @@ def _uva_rate(f: dict) -> str:
     return "–" if rate is None else f"{rate:.1f} GB/s"
 
 
+def _pdl(s: dict) -> str:
+    """The header's PDL clause (results before 3bf4dd6 carry no setting: none)."""
+    n = s.get("pdl_max_tokens")
+    if n is None:
+        return ""
+    return f"; PDL launches in steps of at most {n} token{'s' * (n != 1)}" if n else "; PDL off"
+
+
 def _header(result: dict) -> list[str]:
     m, s, f, v, git = result["model"], result["settings"], result["floors"], result["versions"], result["git"]
     lines = [
@@ -127,7 +135,7 @@ def _header(result: dict) -> list[str]:
         f"{s['reps']} timed runs per cell after one untimed; "
         f"{('CUDA graph steps ' + ('on' if s['cuda_graphs'] else 'off')) if on_cuda(result) else 'eager steps (CPU)'}; "
         f"slot pool: {_POOL[s['budget']]}; decode attention {s.get('decode_attention', 'sdpa')}; lookahead "
-        f"{'on' if s.get('lookahead') else 'off'}. "
+        f"{'on' if s.get('lookahead') else 'off'}{_pdl(s)}. "
         f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}), "
         f"miss copy {_uva_rate(f)} ({(f.get('uva') or {}).get('method', 'not measured in this run')}). "
         f"Experts {m['bytes_per_expert'] / 1e6:.3g} MB each; non-expert weights read per step "

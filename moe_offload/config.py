@@ -294,7 +294,8 @@ class ComputeConfig(_Strict):
                                   "default: on an H100 at 8bcd799 the separate sum was faster at batch 16 and 64 "
                                   "(1550.6 vs 1507.6 and 4221.5 vs 4109.7 tok/s fully resident) and level at batch 1")
     pdl_max_tokens: int = Field(1, ge=0, le=4096, description="on CUDA sm_90+, decode-path forwards of at most "
-                                "this many tokens launch their Triton kernels (kernels/ in a decode step) with "
+                                "this many tokens (decode steps, and prompts that take the routed path, padded to "
+                                "their graph bucket) launch their Triton kernels (kernels/ in a decode step) with "
                                 "programmatic dependent launch: each may be launched while the one before it runs and "
                                 "waits for it to complete before touching memory, so launch gaps shrink and results "
                                 "keep their bits (kernels/pdl.py); 0 = never. 1 from H100 A/Bs at 3e491a3 / 3bf4dd6: "

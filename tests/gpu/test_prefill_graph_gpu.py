@@ -155,3 +155,29 @@ def test_a_routed_fill_prefill_replays_piecewise_equal_to_its_eager_forward_and_
     uva = StaticDecoder(_engine(path, "cache.budget=8 slots", "cache.admit_per_step=0"), 1, 128, graphs=True)
     want = _prefills(uva, prompt, 3)[-1]
     torch.testing.assert_close(replays[-1].float(), want.float(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("budget", ["8 slots", "1.0"])
+def test_a_routed_prefill_with_programmatic_dependent_launch_changes_no_bit(tiny_ckpt, monkeypatch, budget):
+    """``compute.pdl_max_tokens`` covering the prompt's bucket (kernels/pdl.py) against 0: a routed prefill takes
+    the decode path's kernels, so it launches them with PDL too; eager and replayed, the same logits bit for bit."""
+    from moe_offload.kernels import pdl
+
+    if pdl.unsupported(torch.device("cuda")):
+        pytest.skip(pdl.unsupported(torch.device("cuda")))
+    runs = []
+    for on in (True, False):
+        eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), f"cache.budget={budget}",
+                      "cache.admit_per_step=0", f"compute.pdl_max_tokens={16 if on else 0}")
+        launches = []
+        real = pdl.launch_kwargs
+        monkeypatch.setattr(pdl, "launch_kwargs", lambda: launches.append(bool(r := real())) or r)
+        dec = StaticDecoder(eng, 1, 128, graphs=True)
+        assert dec.prefill_graphs.plan(1, 13)[1] == "routed"  # bucket 16
+        runs.append(_prefills(dec, list(range(9, 22)), 3))
+        st = eng.cache.stats()
+        assert st["compute"]["prefill_graph_captures"] == 1 and not st["declined"], st["declined"]
+        assert launches and any(launches) == on
+        monkeypatch.undo()
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"prefill {i} differs"

@@ -274,8 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from moe_offload.guards import NonFiniteLogitsError
-
     parser = build_parser()
     try:
         a = parser.parse_args(argv)
@@ -283,6 +281,17 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     if not log._logger.handlers:
         log.configure()
+    code = _run(a)
+    launch = sys.modules.get("moe_offload.launch")
+    if launch is not None and launch.torchrun_rank_done:  # one torchrun rank of a TP command: no teardown abort
+        launch.exit_without_teardown(code)
+    return code
+
+
+def _run(a) -> int:
+    """The parsed command ``a`` -> its exit code; the errors a user can act on as one line (``output.py``)."""
+    from moe_offload.guards import NonFiniteLogitsError
+
     try:
         return a.fn(a)
     except KeyboardInterrupt:

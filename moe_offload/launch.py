@@ -94,15 +94,30 @@ def _spawned_rank(rank: int, cfg: OffloadConfig, fn: Callable, args: tuple, port
     if rank == 0:
         with open(Path(out_dir, "rank0.pkl"), "wb") as f:
             pickle.dump(result, f)
-    # Decision: a spawned rank whose work is done and written leaves without interpreter teardown. On the CI
-    # machine a spawned gloo rank that had returned normally (group destroyed, result written) once aborted
-    # in teardown ("terminate called without an active exception", SIGABRT), which made the whole launch
-    # fail: gloo's worker threads can still hold work objects whose release needs the interpreter being torn
-    # down. Nothing is left to release that the OS does not (files are closed above, logs flushed here).
+    exit_without_teardown(0)
+
+
+#: True once this process has run ``run_on_ranks`` as one torchrun rank (its group created and destroyed here):
+#: the CLI then leaves through ``exit_without_teardown`` after printing (``cli.main``)
+torchrun_rank_done = False
+
+
+def exit_without_teardown(code: int) -> None:
+    """Flush stdout, stderr and the logs, then end the process with ``code`` and no interpreter teardown.
+
+    Decision: a rank whose work is done (group destroyed, result written or printed) leaves this way. On the CI
+    machine a gloo rank that had returned normally aborted in teardown ("terminate called without an active
+    exception", SIGABRT), first a spawned one, then, at 3bf4dd6 and at d80111d alike, a torchrun one in 1 of 8-16
+    runs of ``moe-offload generate``, whose exit code then said failure after a correct result: gloo's worker
+    threads can still hold work objects whose release needs the interpreter being torn down. Nothing is left to
+    release that the OS does not (files are closed, logs flushed here)."""
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be said there
+            pass
     logging.shutdown()
-    os._exit(0)
+    os._exit(code)
 
 
 def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
@@ -116,10 +131,12 @@ def run_on_ranks(cfg: OffloadConfig, fn: Callable, *args):
     if launched is not None:  # started by torchrun: the launcher gives this process its rank
         tp = init_tp(cfg.parallel.tp, rank_device(cfg.device, launched[2], cfg.parallel.tp),
                      timeout_s=cfg.parallel.timeout_s)
+        global torchrun_rank_done
         try:
             result = fn(cfg, tp, *args)
         finally:
             close_tp(tp)
+            torchrun_rank_done = True  # on an error too: its exit code, not a teardown abort's
         return result if tp.rank == 0 else None
 
     import torch.multiprocessing as mp

@@ -379,6 +379,24 @@ def test_generate_without_a_launcher_spawns_the_ranks_and_prints_rank0s_result(t
     assert out["token_ids"] == tp1_cli_tokens and out["prompt_tokens"] == len(PROMPT)
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_cli_leaves_a_torchrun_rank_without_interpreter_teardown(tiny_ckpt, monkeypatch, capsys, fails):
+    """``moe_offload.launch.exit_without_teardown`` (the gloo teardown abort) after a TP command's own output, with its
+    exit code; injected here: the flag a torchrun rank sets, and the exit recorded instead of taken."""
+    import moe_offload.launch as launch
+
+    left = []
+    monkeypatch.setattr(launch, "torchrun_rank_done", True)
+    monkeypatch.setattr(launch, "exit_without_teardown", left.append)
+    args = _generate_args(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"))
+    if fails:  # an error a user can act on: its one line and exit code 2, then the same exit
+        args = [*args, "--set", "model.checkpoint=/nonexistent/ckpt"]
+    code = cli_main([*args, "--set", "parallel.tp=1"])
+    assert left == [code] and code == (2 if fails else 0)
+    if not fails:
+        assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len(PROMPT)
+
+
 def test_generate_under_torchrun_prints_rank0s_result_once(tiny_ckpt, tp1_cli_tokens):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
            "-m", "moe_offload.cli", *_generate_args(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"))]

@@ -107,7 +107,7 @@ def exit_without_teardown(code: int) -> None:
 
     Decision: a rank whose work is done (group destroyed, result written or printed) leaves this way. On the CI
     machine a gloo rank that had returned normally aborted in teardown ("terminate called without an active
-    exception", SIGABRT), first a spawned one, then, at 3bf4dd6 and at d80111d alike, a torchrun one in 1 of 8-16
+    exception", SIGABRT), first a spawned one, then (CI at d6c7ce0; d80111d alike) a torchrun one in 1 of 8-16
     runs of ``moe-offload generate``, whose exit code then said failure after a correct result: gloo's worker
     threads can still hold work objects whose release needs the interpreter being torn down. Nothing is left to
     release that the OS does not (files are closed, logs flushed here)."""

@@ -118,7 +118,7 @@ def _uva_rate(f: dict) -> str:
 
 
 def _pdl(s: dict) -> str:
-    """The header's PDL clause (results before 3bf4dd6 carry no setting: none)."""
+    """The header's PDL clause (results before d6c37bc carry no setting: none)."""
     n = s.get("pdl_max_tokens")
     if n is None:
         return ""

@@ -88,17 +88,14 @@ class CostModel:
     staged_pair_s: float
     max_tokens: int
 
-    def distinct(self, T: float, E: int, K: int) -> float:
-        return distinct(T, E, K)
-
     def staged_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
         copy = (1.0 - resident) * E * R / (self.h2d_GBps * 1e9)
         compute = self.staged_fixed_s + self.staged_hbm_factor * E * R / (self.hbm_GBps * 1e9) + self.staged_pair_s * T * K
         return max(copy, compute)
 
-    def routed_s(self, T: int, E: int, K: int, R: int, resident: float, distinct: float | None = None) -> float:
-        """``distinct``: the layer's routed experts when known (observed routing), else ``D(T)``."""
-        D = self.distinct(T, E, K) if distinct is None else min(float(distinct), float(E))
+    def routed_s(self, T: int, E: int, K: int, R: int, resident: float, routed: float | None = None) -> float:
+        """``routed``: the layer's distinct routed experts when known (observed routing), else ``D(T)``."""
+        D = distinct(T, E, K) if routed is None else min(float(routed), float(E))
         missing = (1.0 - resident) * D
         uva = (self.uva_fixed_s + missing * R / (self.uva_GBps * 1e9)) if missing > 0 else 0.0
         compute = self.routed_fixed_s + self.routed_hbm_factor * D * R / (self.hbm_GBps * 1e9) + self.routed_pair_s * T * K
@@ -260,7 +257,7 @@ class AdaptiveRouting:
         ok = False
         if s is not None:
             m, E, K, R, f = self.model, self.E, self.K, self.R, self.resident
-            D = m.distinct(s * T, E, K) if s < 1.0 else None
+            D = distinct(s * T, E, K) if s < 1.0 else None
             ok = m.routed_s(T, E, K, R, f, D) < ADAPTIVE_MARGIN * m.staged_s(T, E, K, R, f)
         if count and T > self.fixed_max_tokens:
             if ok:

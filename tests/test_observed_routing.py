@@ -14,7 +14,7 @@ from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.observed_routing import ObservedRouting
-from moe_offload.prefill_path import ADAPTIVE_MARGIN, AdaptiveRouting, CostModel, cost_model, resolve
+from moe_offload.prefill_path import ADAPTIVE_MARGIN, AdaptiveRouting, CostModel, cost_model, distinct, resolve
 from moe_offload.streams import Streams
 
 H200 = "NVIDIA H200"
@@ -28,7 +28,7 @@ def _h200(resident=0.37, cap=256):
 
 
 def _distinct_for_share(model, T, share):
-    return model.distinct(share * T, 128, 8)
+    return distinct(share * T, 128, 8)
 
 
 def test_uniform_observations_change_nothing_and_skewed_ones_route_what_the_model_then_prefers():
@@ -36,7 +36,7 @@ def test_uniform_observations_change_nothing_and_skewed_ones_route_what_the_mode
     assert ad.fixed_max_tokens == 19  # the uniform model's crossover at residency 0.37 on the H200 constants
     assert not ad.routes(64)  # nothing observed: the fixed threshold stands
     for _ in range(3):
-        ad.observe(64, [model.distinct(64, 128, 8)] * 48)  # uniform routing
+        ad.observe(64, [distinct(64, 128, 8)] * 48)  # uniform routing
     assert ad.share(64) == pytest.approx(1.0, abs=1e-6) and not ad.routes(64)
     # the d9f7bae H200 run: a 64-token prompt of the synthetic preset routed ~23 distinct experts per layer
     sk, _ = _h200()
@@ -45,7 +45,7 @@ def test_uniform_observations_change_nothing_and_skewed_ones_route_what_the_mode
     s = sk.share(64)
     assert s == pytest.approx(math.log(1 - 22.6 / 128) / math.log(1 - 8 / 128) / 64, rel=1e-9)
     assert sk.routes(64) and sk.routes(40)  # the same bucket (32, 64]
-    D = model.distinct(s * 64, 128, 8)
+    D = distinct(s * 64, 128, 8)
     assert model.routed_s(64, *QWEN3, 0.37, D) < ADAPTIVE_MARGIN * model.staged_s(64, *QWEN3, 0.37)
 
 

@@ -157,8 +157,8 @@ def test_the_header_states_the_pdl_setting_of_the_run(bench):
     from moe_offload.bench.decode_report import _pdl
 
     _, _, result, _ = bench
-    assert result["settings"]["pdl_max_tokens"] == 1  # the default
-    assert _pdl(result["settings"]) == "; PDL launches in steps of at most 1 token"
+    assert result["settings"]["pdl_max_tokens"] == 64  # the default
+    assert _pdl(result["settings"]) == "; PDL launches in steps of at most 64 tokens"
     assert _pdl({"pdl_max_tokens": 0}) == "; PDL off" and _pdl({}) == ""  # results before the setting existed
 
 

@@ -130,7 +130,7 @@ def test_a_cuda_device_that_cannot_declines_it_once_and_counts_each_forward_that
     assert eng.pdl is False
     events = [r.event_fields for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "pdl_declined"]
     assert len(events) == 1 and events[0]["setting"] == "compute.pdl_max_tokens" and "9.0" in events[0]["reason"]
-    for tokens in (1, 1, 16):  # the default asks for it at 1 token
+    for tokens in (1, 64, 65):  # the default asks for it up to 64 tokens
         with Engine.pdl_launches(eng, tokens):
             assert pdl.launch_kwargs() == {}
     assert eng.cache.counters.declined == {"pdl:unsupported": 2}

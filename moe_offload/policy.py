@@ -32,7 +32,7 @@ class LruPolicy:
         return len(self._free)
 
     def touch(self, slots: Iterable[int]) -> None:
-        for s in slots:
+        for s in (slots.tolist() if isinstance(slots, np.ndarray) else slots):
             self._order.move_to_end(s)
 
     def free(self, slot: int) -> None:
@@ -103,11 +103,32 @@ class BalancedLruPolicy(LruPolicy):
         self._clock = 0
 
     def touch(self, slots: Iterable[int]) -> None:
-        slots = list(slots)
-        super().touch(slots)
-        if slots:
-            self._tick[slots] = np.arange(self._clock + 1, self._clock + 1 + len(slots))
-            self._clock += len(slots)
+        """Stamp ``slots`` (a list or an int array; later ones more recent) with the next clock ticks: one numpy
+        assignment. Only the ticks order this policy's choices (``_least_recent``, ``choose``), so the base
+        class's ordered dict is not kept: its per-slot moves cost ~0.8 ms of host time per decode boundary at
+        batch 16 (48 layers x ~82 routed experts touched), while the GPU waited for the next step's launch."""
+        idx = np.asarray(slots if isinstance(slots, np.ndarray) else list(slots), dtype=np.int64)
+        if idx.size:
+            self._tick[idx] = np.arange(self._clock + 1, self._clock + 1 + idx.size)
+            self._clock += int(idx.size)
+
+    def choose(self, n: int, protected: set[int]) -> list[int]:
+        """``LruPolicy.choose`` by the ticks: free slots first, then the least recently used of the rest."""
+        picked = [s for s in reversed(self._free) if s not in protected][:n]
+        if len(picked) < n:
+            mask = np.ones(self.num_slots, dtype=bool)
+            mask[list(set(protected) | self._free_set | set(picked))] = False
+            rest = np.flatnonzero(mask)
+            picked += rest[np.argsort(self._tick[rest], kind="stable")[:n - len(picked)]].tolist()
+        if len(picked) < n:
+            raise PolicyError(
+                f"need {n} slots but only {len(picked)} are not in use by this step; raise cache.budget"
+            )
+        chosen = set(picked)
+        self._free = [s for s in self._free if s not in chosen]
+        self._free_set.difference_update(chosen)
+        self.touch(picked)
+        return picked
 
     def room(self, lp: int, count_L: np.ndarray) -> int | None:
         return int(self.share_L[lp] - count_L[lp])

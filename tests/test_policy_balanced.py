@@ -8,6 +8,8 @@ import random
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
@@ -127,3 +129,33 @@ def test_a_prefill_commits_the_decode_admissions_left_in_flight_by_the_last_requ
     assert in_flight > 0 and pool.resident_count + in_flight == pool.num_slots
     eng.prefill(list(range(7, 80)), last_only=True)  # the next request's prefill
     assert eng.cache.decode._pending == [] and pool.resident_count == pool.num_slots
+
+
+@given(st.lists(st.tuples(st.sampled_from(["touch", "free", "choose", "choose_free"]),
+                          st.lists(st.integers(0, 23), max_size=12), st.integers(0, 6)), max_size=40))
+@settings(max_examples=150, deadline=None)
+def test_balanced_orders_slots_by_its_ticks_as_lru_orders_them_by_its_dict(ops):
+    """The balanced policy keeps only clock ticks (one numpy write per touch, policy.py); its ``choose`` picks the
+    slots ``LruPolicy.choose`` picks from the same history of touches, frees and choices (the ordered dict it
+    no longer keeps), and touches take lists or int arrays alike."""
+    from moe_offload.policy import BalancedLruPolicy, LruPolicy, PolicyError
+
+    S = 24
+    bal, lru = BalancedLruPolicy(S, 4), LruPolicy(S)
+    for op, slots, n in ops:
+        if op == "touch":
+            bal.touch(np.asarray(slots, dtype=np.int64))
+            lru.touch(slots)
+        elif op == "free":
+            for s in slots:
+                bal.free(s)
+                lru.free(s)
+        else:
+            outs = []
+            for p in (bal, lru):
+                try:
+                    outs.append(p.choose_free(n) if op == "choose_free" else p.choose(n, set(slots)))
+                except PolicyError:
+                    outs.append("error")
+            assert outs[0] == outs[1], (op, slots, n)
+        assert bal.num_free == lru.num_free and bal._free == lru._free

@@ -202,11 +202,18 @@ fi
 if has decode_ab; then  # bench decode with the tree, then with AB_FILES as of AB_REV (e.g. AB_REV=4fae0d1
   # AB_FILES="kernels/rmsnorm.py kernels/rotary.py": f2b8264's fused small ops off), same machine, back to back;
   # the files are restored afterwards. AB_RESIDENCY (1), AB_BATCH (1,16,64); ~1.5 min per side after a build.
-  for side in tree base; do
-    if [[ $side == base ]]; then for f in ${AB_FILES:?}; do cp "$f" "/tmp/ab-keep-$(basename "$f")"; git show "${AB_REV:?}:$f" > "$f" || exit 3; done; fi
+  # AB_SIDES (e.g. "tree base base tree", ABBA) and AB_REPS (1) as in set_ab; with AB_SIDES the files get the position.
+  for f in ${AB_FILES:?}; do rm -f "/tmp/ab-keep-$(basename "$f")"; cp "$f" "/tmp/ab-keep-$(basename "$f")"; done
+  i=0
+  for side in ${AB_SIDES:-tree base}; do
+    i=$((i + 1)); tag=$side; [[ -n ${AB_SIDES:-} ]] && tag=$side-$i
+    for f in ${AB_FILES}; do
+      if [[ $side == base ]]; then git show "${AB_REV:?}:$f" > "$f" || exit 3; else cp "/tmp/ab-keep-$(basename "$f")" "$f"; fi
+    done
     timeout ${DECODE_TIMEOUT:-200} moe-offload bench decode --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
-      --set model.cache_dir=/tmp/moe-cache --residency ${AB_RESIDENCY:-1} --batch ${AB_BATCH:-1,16,64} --steps 64 --reps 1 \
-      --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$side --out "$RES/ab-$side" --json > "$RES/ab-$side.json" 2> "$RES/ab-$side.log"
+      --set model.cache_dir=/tmp/moe-cache --residency ${AB_RESIDENCY:-1} --batch ${AB_BATCH:-1,16,64} --steps 64 \
+      --reps ${AB_REPS:-1} --peers none --git-sha ${SERVE_CHECK_SHA:-unknown}-$tag --out "$RES/ab-$tag" --json \
+      > "$RES/ab-$tag.json" 2> "$RES/ab-$tag.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
   for f in ${AB_FILES}; do cp "/tmp/ab-keep-$(basename "$f")" "$f"; done

@@ -1,7 +1,8 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels (``compute.pdl_max_tokens``; sm_90+).
 
-A captured decode step is ~25-75 short kernels a layer, and between two of them the GPU idles while the next one is
-launched and its blocks are scheduled (at 3ad5d89, batch 16 on an H100: 27 us of gaps in a 226 us layer, README).
+A captured decode step is ~15 short kernels a layer, and between two of them the GPU idles while the next one is
+launched and its blocks are scheduled (at bb13400 on an H100: ~0.5 us a boundary, ~4 % of a batch-16 step's kernel
+time; 0.25-0.3 us with PDL, the rest at torch's GEMMs; ``benchmarks/profile_decode.py``, README).
 With PDL a kernel may be launched while the one before it on the stream still runs, so its launch and scheduling
 overlap that kernel's tail. The contract that keeps results exact: every kernel launched with PDL calls
 :func:`pdl_enter` first, which waits until the kernel before it has completed and its writes are visible
@@ -10,11 +11,12 @@ launched (``griddepcontrol.launch_dependents``). A kernel before it that is not 
 copies) simply completes first, as without PDL; a kernel after it that is not launched with PDL waits for it to
 complete, as always. In a CUDA graph the launch attribute becomes a programmatic edge, so replays keep it.
 
-Which launches use it: the ones made inside :func:`launches` with ``True``. The engine enters it for decode-path
-forwards (eager, or captured as a decode step's graph) of at most ``compute.pdl_max_tokens`` tokens where
-:func:`unsupported` finds nothing against it (``Engine.pdl_launches``). Measured on H100s (README "3e491a3 /
-3bf4dd6" and "bb13400"): batch 1 gains 4.7 %, batch 16 / 64 are level or slightly ahead in an ABBA order (their
-earlier losses were single pairs within the noise), short prompts are level; hence the default of 64 tokens.
+Which launches use it: the ones made inside :func:`launches` with ``True``. The engine enters it for decode steps
+(one new token a sequence, eager or captured as a step's graph) of at most ``compute.pdl_max_tokens`` sequences
+where :func:`unsupported` finds nothing against it (``Engine.pdl_launches``); prompts launch plainly. Measured on
+H100s (README "3e491a3 / 3bf4dd6" and "bb13400 / 3ce9df3"): batch 1 gains 4.7 %, batch 16 / 64 are level or slightly
+ahead in an ABBA order (their earlier losses were single pairs within the noise); routed prompts of 16-256 tokens
+were level with it and 64-token ones fully resident 3-6 % slower, hence decode steps only, up to 64 sequences.
 """
 
 from __future__ import annotations

@@ -293,15 +293,16 @@ class ComputeConfig(_Strict):
                                   "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py). Off by "
                                   "default: on an H100 at 8bcd799 the separate sum was faster at batch 16 and 64 "
                                   "(1550.6 vs 1507.6 and 4221.5 vs 4109.7 tok/s fully resident) and level at batch 1")
-    pdl_max_tokens: int = Field(64, ge=0, le=4096, description="on CUDA sm_90+, decode-path forwards of at most "
-                                "this many tokens (decode steps, and prompts that take the routed path, padded to "
-                                "their graph bucket) launch their Triton kernels (kernels/ in a decode step) with "
-                                "programmatic dependent launch: each may be launched while the one before it runs and "
-                                "waits for it to complete before touching memory, so launch gaps shrink and results "
-                                "keep their bits (kernels/pdl.py); 0 = never. 64 (every decode bucket measured) from "
-                                "H100 A/Bs: batch 1 fully resident +4.7 % over five pairs (3e491a3 / 3bf4dd6); batch "
-                                "16 / 64 +0.6 / +1.6 % in an ABBA order of 3 reps a side and 16-256-token prompts "
-                                "level (bb13400; README). A CUDA device without it: one pdl_declined event")
+    pdl_max_tokens: int = Field(64, ge=0, le=4096, description="on CUDA sm_90+, decode steps of at most this "
+                                "many sequences (one new token each; eager or captured) launch their Triton kernels "
+                                "(kernels/ in a decode step) with programmatic dependent launch: each may be launched "
+                                "while the one before it runs and waits for it to complete before touching memory, "
+                                "so launch gaps shrink and results keep their bits (kernels/pdl.py); 0 = never. "
+                                "Prompts, routed ones included, launch plainly (at bb13400 16-256-token prompts were "
+                                "level with it and 64-token ones fully resident 3-6 % slower). 64 (every decode "
+                                "bucket measured) from H100 A/Bs: batch 1 fully resident +4.7 % over five pairs "
+                                "(3e491a3 / 3bf4dd6); batch 16 / 64 +0.6 / +1.6 % in an ABBA order of 3 reps a "
+                                "side (bb13400; README). A CUDA device without it: one pdl_declined event")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

@@ -121,7 +121,7 @@ class Engine:
         return why is None
 
     def pdl_launches(self, tokens: int):
-        """Context for a decode-path forward of ``tokens`` tokens or its capture: its Triton kernels use PDL where
+        """Context for a decode step of ``tokens`` sequences or its capture: its Triton kernels use PDL where
         ``tokens <= compute.pdl_max_tokens`` and the device can (``kernels/pdl.py``), plain launches otherwise
         (counted per forward as declined where the device cannot)."""
         from moe_offload.kernels.pdl import launches
@@ -234,9 +234,11 @@ class Engine:
                 if first is not None and first.cache is self.cache and not routed:
                     with self.cache.prefill_pass():
                         logits = self.model(**kwargs).logits
-                else:
+                elif num_tokens == sequences:  # a decode step (one new token a sequence): PDL as in its graph
                     with self.pdl_launches(num_tokens):
                         logits = self.model(**kwargs).logits
+                else:  # a prompt on the routed path: plain launches (PDL measured no gain there, bb13400)
+                    logits = self.model(**kwargs).logits
                 ok = True
                 return logits
             finally:

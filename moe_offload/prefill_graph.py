@@ -276,7 +276,7 @@ class PrefillGraphs:
         n = st["ids"].numel()
         try:
             if mode == "routed":  # every experts call routed, eager or captured (no staged pass announced)
-                with _planned(cache, n, routed=True), engine.pdl_launches(n):  # decode-path kernels: PDL as decode
+                with _planned(cache, n, routed=True):  # decode-path kernels, plain launches (PDL: decode steps only)
                     return engine.model(**kw).logits
             if mode == "routed_fills":  # staged calls of the routed misses only: split under capture, else a pass
                 fills = cache.routed_fill_forward() if capture else cache.prefill_pass(routed_fills=True)

@@ -114,6 +114,24 @@ def test_on_a_cpu_it_is_off_and_the_tokens_are_those_without_it(tiny_ckpt, caplo
     assert "pdl:unsupported" not in eng.cache.stats()["declined"]
 
 
+def test_decode_steps_enter_it_and_prompts_on_the_routed_path_launch_plainly(tiny_ckpt, monkeypatch):
+    """Which forwards ask for PDL (``Engine.run_model``): decode steps, one new token a sequence; never a prompt,
+    routed ones included (at bb13400 routed prompts gained nothing with it and 64-token ones lost 3-6 %). A spy
+    on the real methods records each forward's tokens, sequences and path, and each ``pdl_launches`` call."""
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "cache.budget=0.37", "prefill.routed_max_tokens=64",
+                  "decode.max_tokens=64")
+    forwards, asked = [], []
+    begin, launches = eng.cache.begin_forward, Engine.pdl_launches
+    monkeypatch.setattr(eng.cache, "begin_forward",
+                        lambda tokens, sequences: forwards.append((tokens, sequences, r := begin(tokens, sequences))) or r)
+    monkeypatch.setattr(Engine, "pdl_launches", lambda self, tokens: asked.append(tokens) or launches(self, tokens))
+    eng.generate(list(range(10, 30)), 4)
+    eng.generate_batch([list(range(5, 17)), list(range(40, 52))], 3)
+    assert (20, 1, True) in forwards and (24, 2, True) in forwards  # both prompts took the routed path
+    assert asked and asked == [t for t, s, routed in forwards if routed and t == s]
+    assert set(asked) == {1, 2}
+
+
 def test_a_cuda_device_that_cannot_declines_it_once_and_counts_each_forward_that_asked(monkeypatch, caplog):
     """Fault injection: a CUDA device whose check fails (an sm_80 GPU, or a Triton without ``launch_pdl``) on a
     stand-in engine (no GPU here); the launches stay plain."""

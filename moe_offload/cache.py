@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from dataclasses import replace
 
@@ -385,9 +386,14 @@ class OffloadMoeCache:
         self.decode.step_enqueued(tokens)
 
     def step_boundary(self) -> None:
-        """Between decode steps (never inside a captured step): commit and schedule admissions."""
-        self.resolve_hit_path()
-        self.decode.boundary()
+        """Between decode steps (never inside a captured step): commit and schedule admissions. Its host time is
+        counted (``stats()["decode_boundary_s"]``): the GPU waits for it before the next step."""
+        t0 = time.perf_counter()
+        try:
+            self.resolve_hit_path()
+            self.decode.boundary()
+        finally:
+            self.counters.decode_boundary_s += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ residency for tests/benchmarks
     def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:

@@ -47,6 +47,9 @@ class CacheStats:
         self.compute: Counter = Counter()
         self.prefills = 0
         self.decode_steps = 0
+        #: host seconds in decode step boundaries (``cache.step_boundary``: commits and admissions, their waits for
+        #: copies in flight included): work the GPU waits for between two steps
+        self.decode_boundary_s = 0.0
 
     def layer(self, layer: int) -> LayerCounters:
         return self.layers[layer]
@@ -76,5 +79,6 @@ class CacheStats:
             "compute": dict(self.compute),
             "prefills": self.prefills,
             "decode_steps": self.decode_steps,
+            "decode_boundary_s": self.decode_boundary_s,
             "per_layer": {layer: c.as_dict() for layer, c in sorted(self.layers.items())},
         }

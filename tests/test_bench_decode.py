@@ -296,3 +296,14 @@ def test_a_git_sha_given_on_the_command_line_names_the_files_whole():
     assert short_sha({"sha": "6395f5e-ptx-tuned", "dirty": None, "source": "--git-sha"}) == "6395f5e-ptx-tuned"
     assert short_sha({"sha": "a/b c", "dirty": None, "source": "--git-sha"}) == "a-b-c"
     assert short_sha({"sha": "0123456789abcdef0123", "dirty": False, "source": "git"}) == "0123456789ab"
+
+
+def test_each_cell_reports_the_host_time_of_its_step_boundaries(bench):
+    """``cache.step_boundary``'s host time (commits and admissions between steps, which the GPU waits for) per
+    step, in the JSON and the table: a run on the CPU spends some (its admissions are real) and far less than
+    its steps."""
+    _, _, result, out = bench
+    for c in result["cells"]:
+        assert 0 < c["boundary_ms_per_step"] < c["ms_per_step"]["median"], c
+    md = next(out.glob("decode-*.md")).read_text()
+    assert "| host boundary ms/step |" in md and "host boundary = host time per step" in md

@@ -202,6 +202,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     _run(engine, prompts, plan.steps)
     B, tok_s, per_step = len(prompts), [], []
     hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = 0
+    boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
     for _ in range(plan.reps):
@@ -213,6 +214,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         t = stats["total"]
         hits, misses, routed = hits + t["hits"], misses + t["misses"], routed + t["routed_experts"]
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
+        boundary_s, boundary_steps = boundary_s + stats["decode_boundary_s"], boundary_steps + stats["decode_steps"]
         ahead += t["bytes"].get("decode_lookahead", 0)
         if la is not None:
             for k in la:
@@ -238,6 +240,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "tok_s": {"median": statistics.median(tok_s), "reps": tok_s},
         "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
                         * 1e3, "mean": statistics.fmean(q) * 1e3},
+        # host time between steps spent committing and scheduling admissions (the GPU waits for it)
+        "boundary_ms_per_step": boundary_s * 1e3 / boundary_steps if boundary_steps else None,
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         # distinct experts routed per step (summed over layers): what the step must read; pairs read each once
         # per routed token (the HBM floor counts the distinct ones)

@@ -143,7 +143,9 @@ def _header(result: dict) -> list[str]:
         "sequence.",
         "", "HBM floor = bytes the step must read / HBM bandwidth; PCIe floor = missed bytes read from host memory "
         "per step / H2D bandwidth; ×floor = median ms/step / max of the two; ×UVA floor = the same with the PCIe "
-        "floor's bytes at the miss copy's measured rate.",
+        "floor's bytes at the miss copy's measured rate; host boundary = host time per step committing and "
+        "scheduling admissions between steps (`cache.step_boundary`, its waits for copies in flight included), "
+        "which the GPU waits for.",
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]
@@ -151,12 +153,13 @@ def _header(result: dict) -> list[str]:
 
 
 def _cells_table(result: dict) -> list[str]:
-    head = ("| residency | batch | tok/s | ms/step median | p90 | hit % | PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | "
-            "HBM floor ms | PCIe floor ms | ×floor | ×UVA floor | graph |")
-    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 12) + " |"]
+    head = ("| residency | batch | tok/s | ms/step median | p90 | host boundary ms/step | hit % | "
+            "PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | HBM floor ms | PCIe floor ms | ×floor | ×UVA floor | "
+            "graph |")
+    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 13) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         if c.get("error"):
-            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 9)
+            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 10)
             continue
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
@@ -168,7 +171,8 @@ def _cells_table(result: dict) -> list[str]:
         if c.get("lookahead") is not None:
             staged += f" + lookahead {p['decode_lookahead'] / 1e6:.3g}"
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
-                     f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | {_num(hit, 1)} | "
+                     f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | "
+                     f"{_num(c.get('boundary_ms_per_step'), 3)} | {_num(hit, 1)} | "
                      f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}{staged}) | "
                      f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
                      f"{_num(c.get('ratio_to_uva_floor'))} | {graph} |")

@@ -235,7 +235,8 @@ def test_metrics_expose_requests_queue_latencies_and_cache_counters(served):
                  "moe_offload_cache_misses_total", "moe_offload_cache_bytes_total", "moe_offload_cache_fallbacks_total",
                  "moe_offload_cache_declined_total", "moe_offload_queue_seconds_bucket",
                  "moe_offload_prefill_seconds_bucket", "moe_offload_decode_rows_steps_total",
-                 "moe_offload_decode_rows_seconds_total", "moe_offload_prefill_batches_total"):
+                 "moe_offload_decode_rows_seconds_total", "moe_offload_prefill_batches_total",
+                 "moe_offload_decode_boundary_seconds_total"):
         assert name in text, name
     count = next(line for line in text.splitlines() if line.startswith("moe_offload_ttft_seconds_count"))
     assert float(count.split()[-1]) >= 1

@@ -70,6 +70,11 @@ def cache_metrics(stats: dict):
         for reason, n in (stats.get(key) or {}).items():
             c.add_metric([str(reason)], n)
         yield c
+    if "decode_boundary_s" in stats:
+        c = CounterMetricFamily("moe_offload_decode_boundary_seconds", "host seconds between decode steps committing "
+                                "and scheduling expert admissions (the GPU waits for them)")
+        c.add_metric([], stats["decode_boundary_s"])
+        yield c
     for key in ("slots", "resident_experts"):
         if key in stats:
             g = GaugeMetricFamily(f"moe_offload_cache_{key}", f"cache {key}")

@@ -293,6 +293,14 @@ class ComputeConfig(_Strict):
                                   "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py). Off by "
                                   "default: on an H100 at 8bcd799 the separate sum was faster at batch 16 and 64 "
                                   "(1550.6 vs 1507.6 and 4221.5 vs 4109.7 tok/s fully resident) and level at batch 1")
+    router_gemm_max_tokens: int = Field(0, ge=0, le=4096, description="with fused_norms, on CUDA: forwards of at "
+                                        "most this many tokens compute each router's logits, softmax, top-k and "
+                                        "renormalisation in one launch (kernels/router.py router_gemm_topk) instead "
+                                        "of torch's GEMM and the top-k kernel (at bb13400 on an H100 those took 5.0 "
+                                        "and 2.4 us a layer at batch 1). Its fp32 sums run in another order than "
+                                        "torch's GEMM (a logit may differ in its last bit). A forward that "
+                                        "route_plan_max_pairs covers keeps that launch. 0 = off: not yet timed on a "
+                                        "GPU (README)")
     pdl_max_tokens: int = Field(64, ge=0, le=4096, description="on CUDA sm_90+, decode steps of at most this "
                                 "many sequences (one new token each; eager or captured) launch their Triton kernels "
                                 "(kernels/ in a decode step) with programmatic dependent launch: each may be launched "

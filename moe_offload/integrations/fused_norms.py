@@ -149,15 +149,17 @@ ROUTERS = {"Qwen3MoeTopKRouter": (True, False), "Qwen3NextTopKRouter": (True, Fa
            "MixtralTopKRouter": (False, True)}
 
 
-def fuse_routers(model: torch.nn.Module) -> int:
+def fuse_routers(model: torch.nn.Module, gemm_max_tokens: int = 0, route_plan_max_pairs: int = 0) -> int:
     """Give every listed router module of ``model`` a forward whose softmax + top-k + renormalization
     is one kernel (``kernels/router.py``) on CUDA; the logits stay ``F.linear``. Where the router's MoE block
     holds ``OffloadedExperts`` (``gate`` beside ``experts``), a forward on their fused decode path runs that kernel and
-    the misses' plan in one launch (``OffloadedExperts.route``). Returns how many."""
+    the misses' plan in one launch (``OffloadedExperts.route``, forwards of at most ``route_plan_max_pairs`` routed
+    pairs). Forwards of at most ``gemm_max_tokens`` tokens that the plan launch does not take compute the logits in
+    that kernel too (``router_gemm_topk``: one launch instead of torch's GEMM and the top-k kernel). Returns how many."""
     import torch.nn.functional as F
 
     from moe_offload.experts import OffloadedExperts
-    from moe_offload.kernels.router import router_topk
+    from moe_offload.kernels.router import router_counters, router_gemm_topk, router_topk
 
     experts_of = {id(block.gate): block.experts for block in model.modules()
                   if isinstance(getattr(block, "experts", None), OffloadedExperts) and hasattr(block, "gate")}
@@ -169,21 +171,29 @@ def fuse_routers(model: torch.nn.Module) -> int:
         cast, always = kind
         renorm = always or bool(getattr(module, "norm_topk_prob", False))
         original = type(module).forward.__get__(module)
+        experts = experts_of.get(id(module))
+        counters = (router_counters(gemm_max_tokens, module.weight.device)
+                    if gemm_max_tokens > 0 and module.weight.is_cuda else None)
+        plan_pairs = route_plan_max_pairs if experts is not None else 0
 
-        def forward(hidden_states, _m=module, _cast=cast, _renorm=renorm, _original=original,
-                    _experts=experts_of.get(id(module))):
+        def forward(hidden_states, _m=module, _cast=cast, _renorm=renorm, _original=original, _experts=experts,
+                    _counters=counters, _plan_pairs=plan_pairs):
             if not hidden_states.is_cuda:
                 return _original(hidden_states)
             x = hidden_states.reshape(-1, _m.hidden_dim)
+            w_dtype = x.dtype if _cast else torch.float32
+            T = x.shape[0]
+            if _counters is not None and T <= gemm_max_tokens and T * _m.top_k > _plan_pairs:
+                return router_gemm_topk(x if x.stride(1) == 1 else x.contiguous(), _m.weight, _m.top_k, _renorm,
+                                        w_dtype, _counters)
             logits_TE = F.linear(x, _m.weight)
-            w_dtype = logits_TE.dtype if _cast else torch.float32
             routed = None if _experts is None else _experts.route(x, logits_TE, _m.top_k, _renorm, w_dtype)
             w_TK, ids_TK = routed if routed is not None else router_topk(logits_TE, _m.top_k, _renorm, w_dtype)
             return logits_TE, w_TK, ids_TK
 
         module.forward = forward
         n += 1
-    log.event("fused_routers", logging.DEBUG, modules=n)
+    log.event("fused_routers", logging.DEBUG, modules=n, gemm_max_tokens=gemm_max_tokens)
     return n
 
 
@@ -254,7 +264,7 @@ def fuse_decode_ops(model: torch.nn.Module, compute) -> None:
     fuse_rms_norms(model)
     fuse_residual_adds(model)
     fuse_rotary()
-    fuse_routers(model)
+    fuse_routers(model, compute.router_gemm_max_tokens, compute.route_plan_max_pairs)
     mark_gqa_decode(model, compute.decode_attention)
     fuse_qkv(model)
     if compute.fused_qk_rope:

@@ -68,12 +68,7 @@ class LruPolicy:
         """``n`` slots to (re)fill, never one in ``protected``; most-recent use order is updated."""
         picked = [s for s in reversed(self._free) if s not in protected][:n]
         if len(picked) < n:
-            chosen = set(picked)
-            for s in self._order:
-                if len(picked) == n:
-                    break
-                if s not in protected and s not in chosen:
-                    picked.append(s)
+            picked += self._least_recent_filled(n - len(picked), set(protected) | set(picked))
         if len(picked) < n:
             raise PolicyError(
                 f"need {n} slots but only {len(picked)} are not in use by this step; raise cache.budget"
@@ -82,6 +77,17 @@ class LruPolicy:
         self._free = [s for s in self._free if s not in chosen]
         self._free_set.difference_update(chosen)
         self.touch(picked)
+        return picked
+
+    def _least_recent_filled(self, n: int, excluded: set[int]) -> list[int]:
+        """Up to ``n`` slots not in ``excluded``, least recently used first (``choose``'s second pick; every free
+        slot that is not excluded was taken by its first)."""
+        picked = []
+        for s in self._order:
+            if len(picked) == n:
+                break
+            if s not in excluded:
+                picked.append(s)
         return picked
 
 
@@ -104,31 +110,20 @@ class BalancedLruPolicy(LruPolicy):
 
     def touch(self, slots: Iterable[int]) -> None:
         """Stamp ``slots`` (a list or an int array; later ones more recent) with the next clock ticks: one numpy
-        assignment. Only the ticks order this policy's choices (``_least_recent``, ``choose``), so the base
-        class's ordered dict is not kept: its per-slot moves cost ~0.8 ms of host time per decode boundary at
-        batch 16 (48 layers x ~82 routed experts touched), while the GPU waited for the next step's launch."""
+        assignment. Only the ticks order this policy's choices (``_least_recent``, ``_least_recent_filled``), so
+        the base class's ordered dict is not kept: its per-slot moves cost ~0.8 ms of host time per decode
+        boundary at batch 16 (48 layers x ~82 routed experts touched), while the GPU waited for the next step."""
         idx = np.asarray(slots if isinstance(slots, np.ndarray) else list(slots), dtype=np.int64)
         if idx.size:
             self._tick[idx] = np.arange(self._clock + 1, self._clock + 1 + idx.size)
             self._clock += int(idx.size)
 
-    def choose(self, n: int, protected: set[int]) -> list[int]:
-        """``LruPolicy.choose`` by the ticks: free slots first, then the least recently used of the rest."""
-        picked = [s for s in reversed(self._free) if s not in protected][:n]
-        if len(picked) < n:
-            mask = np.ones(self.num_slots, dtype=bool)
-            mask[list(set(protected) | self._free_set | set(picked))] = False
-            rest = np.flatnonzero(mask)
-            picked += rest[np.argsort(self._tick[rest], kind="stable")[:n - len(picked)]].tolist()
-        if len(picked) < n:
-            raise PolicyError(
-                f"need {n} slots but only {len(picked)} are not in use by this step; raise cache.budget"
-            )
-        chosen = set(picked)
-        self._free = [s for s in self._free if s not in chosen]
-        self._free_set.difference_update(chosen)
-        self.touch(picked)
-        return picked
+    def _least_recent_filled(self, n: int, excluded: set[int]) -> list[int]:
+        """``LruPolicy._least_recent_filled`` by the ticks (free slots left out: ``choose`` took them first)."""
+        mask = np.ones(self.num_slots, dtype=bool)
+        mask[list(excluded | self._free_set)] = False
+        rest = np.flatnonzero(mask)
+        return rest[np.argsort(self._tick[rest], kind="stable")[:n]].tolist()
 
     def room(self, lp: int, count_L: np.ndarray) -> int | None:
         return int(self.share_L[lp] - count_L[lp])

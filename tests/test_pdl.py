@@ -122,8 +122,11 @@ def test_decode_steps_enter_it_and_prompts_on_the_routed_path_launch_plainly(tin
                   "decode.max_tokens=64")
     forwards, asked = [], []
     begin, launches = eng.cache.begin_forward, Engine.pdl_launches
-    monkeypatch.setattr(eng.cache, "begin_forward",
-                        lambda tokens, sequences: forwards.append((tokens, sequences, r := begin(tokens, sequences))) or r)
+    def spy(tokens, sequences):
+        forwards.append((tokens, sequences, routed := begin(tokens, sequences)))
+        return routed
+
+    monkeypatch.setattr(eng.cache, "begin_forward", spy)
     monkeypatch.setattr(Engine, "pdl_launches", lambda self, tokens: asked.append(tokens) or launches(self, tokens))
     eng.generate(list(range(10, 30)), 4)
     eng.generate_batch([list(range(5, 17)), list(range(40, 52))], 3)

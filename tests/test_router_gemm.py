@@ -108,7 +108,8 @@ print(json.dumps({"mma": "mma.sync" in ptx, "atom": bool(re.search(r"atom\.globa
 '''
 
 
-def test_compiled_for_sm90_it_sums_on_tensor_cores_and_reads_other_programs_logits_past_l1(compiled_without_interpreter):
+def test_compiled_for_sm90_it_sums_on_tensor_cores_and_reads_other_programs_logits_past_l1(
+        compiled_without_interpreter):
     """The real compiler (not the interpreter, which runs programs one after another): the sums are MMAs, the
     counter is an acq_rel atomic at GPU scope, and the top-k phase reads the logits with volatile loads."""
     import json

@@ -154,8 +154,8 @@ def _header(result: dict) -> list[str]:
 
 def _cells_table(result: dict) -> list[str]:
     head = ("| residency | batch | tok/s | ms/step median | p90 | host boundary ms/step | hit % | "
-            "PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | HBM floor ms | PCIe floor ms | ×floor | ×UVA floor | "
-            "graph |")
+            "PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | HBM floor ms | PCIe floor ms | ×floor | "
+            "×UVA floor | graph |")
     lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 13) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         if c.get("error"):

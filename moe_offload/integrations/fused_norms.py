@@ -155,7 +155,8 @@ def fuse_routers(model: torch.nn.Module, gemm_max_tokens: int = 0, route_plan_ma
     holds ``OffloadedExperts`` (``gate`` beside ``experts``), a forward on their fused decode path runs that kernel and
     the misses' plan in one launch (``OffloadedExperts.route``, forwards of at most ``route_plan_max_pairs`` routed
     pairs). Forwards of at most ``gemm_max_tokens`` tokens that the plan launch does not take compute the logits in
-    that kernel too (``router_gemm_topk``: one launch instead of torch's GEMM and the top-k kernel). Returns how many."""
+    that kernel too (``router_gemm_topk``: one launch instead of torch's GEMM and the top-k kernel). Returns how
+    many."""
     import torch.nn.functional as F
 
     from moe_offload.experts import OffloadedExperts

@@ -40,7 +40,8 @@ def test_decode_steps_with_the_router_launch_capture_and_give_the_tokens_without
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     runs = []
     for gemm in (64, 0):
-        eng = _engine(path, f"cache.budget={budget}", "cache.admit_per_step=0", f"compute.router_gemm_max_tokens={gemm}")
+        eng = _engine(path, f"cache.budget={budget}", "cache.admit_per_step=0",
+                      f"compute.router_gemm_max_tokens={gemm}")
         dec = StaticDecoder(eng, 2, 128, graphs=True)
         logits = dec.prefill(torch.tensor([list(range(9, 21)), list(range(30, 42))], device="cuda"))
         toks = []

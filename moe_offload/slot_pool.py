@@ -89,21 +89,28 @@ class SlotPool:
         return bank_views(self.store.specs, self.store.offsets, self.backing)
 
     # ---------------------------------------------------------------- changing the map
-    def _table_write(self, lp: int, experts: np.ndarray, values: np.ndarray):
-        """The device tensors of a table write. They are allocated BEFORE either map changes: an
-        allocation that fails (device OOM) must leave both maps as they were. A table entry left
-        pointing at a slot the host map had already given up was refilled with another expert later,
-        and the decode step read the wrong expert (a wrong answer, reproduced on the CPU with an
-        injected OOM: tests/test_faults.py)."""
-        if experts.size == 0:
+    def _table_write(self, entries_F: np.ndarray, values_F: np.ndarray):
+        """The device tensors of a table write: ``table_LE.view(-1)[entries_F] = values_F`` (flat entries
+        ``lp * E + e``). They are allocated BEFORE either map changes: an allocation that fails (device OOM) must
+        leave both maps as they were. A table entry left pointing at a slot the host map had already given up
+        was refilled with another expert later, and the decode step read the wrong expert (a wrong answer,
+        reproduced on the CPU with an injected OOM: tests/test_faults.py). One upload carries both: the int64
+        entries, then the int32 values packed into the words after them (one pinned copy and one
+        ``index_copy_``, where two uploads and a cast took ~2 x the host time of a decode admission's write)."""
+        n = int(entries_F.size)
+        if n == 0:
             return None
-        return lp, index_tensor(experts, self.device), index_tensor(values, self.device).to(torch.int32)
+        buf = np.empty(n + (n + 1) // 2, dtype=np.int64)
+        buf[:n] = entries_F
+        buf[n:].view(np.int32)[:n] = values_F
+        t = index_tensor(buf, self.device)
+        return t[:n], t[n:].view(torch.int32)[:n]
 
     def _apply(self, writes: list) -> None:
+        table_F = self.table_LE.view(-1)
         for w in writes:
             if w is not None:
-                lp, idx, vals = w
-                self.table_LE[lp].index_copy_(0, idx, vals)
+                table_F.index_copy_(0, *w)
 
     def _evict(self, slots: list[int]) -> None:
         """Drop the owners of ``slots`` from both maps (device table on the current stream); raises
@@ -114,8 +121,9 @@ class SlotPool:
             if key >= 0:
                 lp, e = divmod(key, self.E)
                 by_layer.setdefault(lp, []).append(e)
-        writes = [self._table_write(lp, np.asarray(es, dtype=np.int64), np.full(len(es), -1, dtype=np.int64))
-                  for lp, es in by_layer.items()]
+        keys = self.owner_S[slots]
+        keys = keys[keys >= 0]  # an owner's key is its flat table entry, lp * E + e
+        writes = [self._table_write(keys, np.full(keys.size, -1))]
         for lp, es in by_layer.items():
             self.slot_of_LE[lp, es] = -1
             self.count_L[lp] -= len(es)
@@ -162,7 +170,7 @@ class SlotPool:
         for e, s in pairs:
             if self.slot_of_LE[lp, e] < 0:
                 keep.setdefault(e, s)
-        write = self._table_write(lp, np.asarray(list(keep), dtype=np.int64),
+        write = self._table_write(lp * self.E + np.asarray(list(keep), dtype=np.int64),
                                   np.asarray(list(keep.values()), dtype=np.int64))  # may raise: nothing changed
         kept = set(keep.values())
         for e, s in pairs:

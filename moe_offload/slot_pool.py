@@ -95,8 +95,8 @@ class SlotPool:
         leave both maps as they were. A table entry left pointing at a slot the host map had already given up
         was refilled with another expert later, and the decode step read the wrong expert (a wrong answer,
         reproduced on the CPU with an injected OOM: tests/test_faults.py). One upload carries both: the int64
-        entries, then the int32 values packed into the words after them (one pinned copy and one
-        ``index_copy_``, where two uploads and a cast took ~2 x the host time of a decode admission's write)."""
+        entries, then the int32 values packed into the words after them: one pinned copy and one ``index_copy_``
+        where two uploads, a cast and an ``index_copy_`` were launched between decode steps before."""
         n = int(entries_F.size)
         if n == 0:
             return None

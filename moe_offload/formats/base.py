@@ -49,7 +49,7 @@ class BankSpec:
 
     @property
     def nbytes(self) -> int:
-        return prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return prod(self.shape) * self.dtype.itemsize  # no tensor: read on every admission
 
     def view(self, raw_NR: torch.Tensor) -> torch.Tensor:
         """``[N, nbytes] uint8`` (rows contiguous, row stride free) -> ``[N, *shape] dtype`` (no copy)."""

@@ -232,12 +232,12 @@ class Engine:
             routed = self.cache.begin_forward(num_tokens, sequences)
             try:
                 if first is not None and first.cache is self.cache and not routed:
-                    with self.cache.prefill_pass():
-                        logits = self.model(**kwargs).logits
+                    context = self.cache.prefill_pass()
                 elif num_tokens == sequences:  # a decode step (one new token a sequence): PDL as in its graph
-                    with self.pdl_launches(num_tokens):
-                        logits = self.model(**kwargs).logits
+                    context = self.pdl_launches(num_tokens)
                 else:  # a prompt on the routed path: plain launches (PDL measured no gain there, bb13400)
+                    context = contextlib.nullcontext()
+                with context:
                     logits = self.model(**kwargs).logits
                 ok = True
                 return logits

@@ -147,7 +147,7 @@ if has cache_tests; then  # the CPU cache tests on CUDA (device auto): the in-pl
 fi
 has profile && timeout ${PROFILE_TIMEOUT:-240} python3 benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml \
   --set model.cache_dir=/tmp/moe-cache ${PROFILE_ARGS:---layers 12 --residency 1,0.5} --out "$RES" > "$RES/profile.log" 2>&1
-has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -40 > "$RES/pytest_gpu.log"
+has tests && timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -m gpu -q -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} ${PYTEST_ARGS:-} ${PYTEST_PATHS:-tests/gpu} 2>&1 | tail -80 > "$RES/pytest_gpu.log"
 has kernels && timeout ${KERNELS_TIMEOUT:-240} python3 benchmarks/decode_kernels.py --out "$RES" ${KERNELS_ARGS:-} \
   --git-sha ${SERVE_CHECK_SHA:-unknown} > "$RES/decode_kernels.log" 2>&1
 if has decode_smoke; then  # generate on a truncated real-size model: decode tok/s per residency, graphs on/off

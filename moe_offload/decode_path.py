@@ -179,7 +179,7 @@ class DecodeResidency:
             self._just_committed = set()
 
     def _admit(self, record_LTK: np.ndarray, tokens: dict[int, int]) -> None:
-        """Touch the routed resident slots and admit missed experts, layer by layer in order. The
+        """Touch the routed resident slots and admit missed experts, layers in order. The
         lookups run for all layers at once (``routed_lookup``: one numpy pass, not ~10 small ops per layer:
         at 48 layers the per-layer form cost ~0.5 ms of host time per step, during which the GPU waited)."""
         budget = self.admit_per_step
@@ -187,61 +187,46 @@ class DecodeResidency:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
-        plans = []
-        reserved: set[int] = set()
-        try:
-            for i in np.flatnonzero(miss_LE.any(axis=1)).tolist():
-                lp = int(lps[i])
-                layer = self.store.layers[lp]
-                missed = np.flatnonzero(miss_LE[i])[:budget]
-                protected = set(slots_LE[i][hit_LE[i]].tolist()) | reserved | self._just_committed
-                # victims leave the map and the device table now; the policy may give fewer than asked
-                victims = self.pool.reserve_for(layer, int(missed.size), protected)
-                n = len(victims)
-                if n == 0:
-                    continue
-                reserved.update(victims)
-                plans.append((layer, missed[:n], victims))
-                budget -= n
-                if budget == 0:
-                    break
-        except BaseException:  # a reservation raised (device OOM) with the map unchanged: free the earlier ones
-            for _, _, victims in plans:
-                self.pool.release(victims)
-            raise
+        wants = ((self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i]),
+                  set(slots_LE[i][hit_LE[i]].tolist()) | self._just_committed)
+                 for i in np.flatnonzero(miss_LE.any(axis=1)).tolist())  # lazily: the budget may end it early
+        # victims leave the map and the device table now (one write for every layer); the policy may give fewer
+        # than asked; raises with the map unchanged
+        plans = self.pool.reserve_for_layers(wants, budget)
         if not plans:
             return
         s = self.streams
-        s.join_current()  # the table writes above, and every queued step that may read a victim
+        s.join_current()  # the table write above, and every queued step that may read a victim
         if s.is_cuda:
             s.copy.wait_stream(s.hit)  # a prefill hit gather may still read a victim
+        R = self.store.bytes_per_expert
         try:
-            with s.on(s.copy):
-                for layer, experts, victims in plans:
-                    self.h2d.copy([RowCopy(self.pool.rows_SR, self.store.rows(layer),
-                                           np.asarray(victims, dtype=np.int64), experts)], coalesce=False)
-                    self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * self.store.bytes_per_expert
+            with s.on(s.copy):  # every layer's rows in one call (one batched copy where the hit path has it)
+                self.h2d.copy([RowCopy(self.pool.rows_SR, self.store.rows(layer), np.asarray(victims, dtype=np.int64),
+                                       experts) for layer, experts, victims in plans], coalesce=False)
                 s.record(self._pending_event, s.copy)
         except BaseException:
             for _, _, victims in plans:
                 self.pool.release(victims)
             raise
+        for layer, experts, _ in plans:
+            self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * R
         self._pending = plans
 
     def commit_pending(self) -> None:
-        """Admissions whose copies were enqueued at the last boundary enter the map and the table."""
+        """Admissions whose copies were enqueued at the last boundary enter the map and the table (one write)."""
         if not self._pending:
             return
         if self.streams.is_cuda:
             self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
         pending, self._pending = self._pending, []  # taken off first: a failed commit is not retried
-        for i, (layer, experts, victims) in enumerate(pending):
-            try:
-                self.pool.commit(layer, experts, victims)  # raises with the map unchanged (device OOM)
-            except BaseException:
-                for _, _, rest in pending[i:]:
-                    self.pool.release(rest)
-                raise
+        try:
+            self.pool.commit_many(pending)  # raises with the map unchanged (device OOM)
+        except BaseException:
+            for _, _, victims in pending:
+                self.pool.release(victims)
+            raise
+        for _, _, victims in pending:
             self._just_committed.update(victims)
 
     def drop_pending(self) -> None:

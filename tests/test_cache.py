@@ -93,6 +93,41 @@ def test_a_missed_expert_is_admitted_at_the_second_boundary_after_its_step(tiny_
     _check_invariants(cache)
 
 
+def test_a_boundary_admitting_into_every_layer_makes_one_table_write_and_one_copy_call(tiny_ckpt, monkeypatch):
+    """Between decode steps the GPU waits for the host: a boundary's evictions of every layer go into one device
+    table write, its copies into one ``h2d.copy`` call, and the next boundary's commits into one write (each
+    admitted layer took an upload, an ``index_copy_`` and a copy call of its own before: ~16 layers a step at
+    residency 0.37 on Qwen3-30B-A3B)."""
+    import moe_offload.slot_pool as slot_pool_mod
+
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "8 slots")
+    cache.set_residency({layer: [0, 1] for layer in store.layers})  # 2 a layer (their shares), none free
+    _decode_step(cache, {layer: torch.tensor([[0, 7, 8, 9]]) for layer in store.layers})  # 3 misses a layer
+    calls = {"write": 0, "copy": 0}
+    real_write, real_copy = slot_pool_mod.index_tensor, cache.decode.h2d.copy
+
+    def counted(name, real):  # counts the calls, runs the real one
+        def run(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return run
+
+    monkeypatch.setattr(slot_pool_mod, "index_tensor", counted("write", real_write))
+    monkeypatch.setattr(cache.decode.h2d, "copy", counted("copy", real_copy))
+    cache.step_boundary()  # evicts in all 4 layers, enqueues the copies
+    assert calls == {"write": 1, "copy": 1}
+    assert cache.stats()["total"]["evictions"] == 4 * 1  # each layer at its share gives up its unrouted expert
+    assert len(cache.decode._pending) == 4
+    cache.step_boundary()  # commits all 4 layers' admissions
+    assert calls == {"write": 2, "copy": 1}
+    _check_invariants(cache)
+    for layer in store.layers:
+        for e in (0, 7, 8, 9):
+            s = cache.resident(layer)[e]
+            assert s < 0 or torch.equal(cache.pool.rows_SR[s], store.rows(layer)[e])
+
+
 def test_a_failing_admission_copy_leaves_the_map_true_and_the_next_step_correct(tiny_ckpt, monkeypatch):
     store = _store(tiny_ckpt)
     cache = _cache(store, "6 slots")

@@ -334,13 +334,13 @@ def _oom_on_call(real, n: int, calls: dict):
     return flaky
 
 
-@pytest.mark.parametrize("fail_at", [1, 2, 3, 4], ids=["evict_first_layer", "evict_second_layer",
-                                                       "commit_first_plan", "commit_second_plan"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4], ids=["evict_first_boundary", "commit_first_boundary",
+                                                       "evict_second_boundary", "commit_second_boundary"])
 def test_a_device_oom_writing_the_residency_table_fails_the_request_and_later_answers_stay_correct(
         nvfp4, monkeypatch, fail_at):
     """The device table writes of decode admissions allocate index tensors (``slot_pool.index_tensor``): at a
-    boundary the victims' evictions (calls 1-2 of this request: two layers, one upload each), a boundary later
-    their commits (calls 3-4). Before the fix an OOM there left the device table pointing at slots the
+    boundary the victims' evictions of every layer (one upload: call 1), a boundary later their commits (call 2)
+    and that boundary's evictions (call 3), then their commits (call 4). Before the fix an OOM there left the device table pointing at slots the
     host map had given up; they were refilled with other experts and later decode steps read the wrong
     expert (wrong answers within 40 requests at 6 slots)."""
     eng = _engine(nvfp4, "cache.budget=6 slots")

@@ -159,3 +159,90 @@ def test_balanced_orders_slots_by_its_ticks_as_lru_orders_them_by_its_dict(ops):
                     outs.append("error")
             assert outs[0] == outs[1], (op, slots, n)
         assert bal.num_free == lru.num_free and bal._free == lru._free
+
+
+def _layer_at_a_time(pool: SlotPool, wants: list, budget: int) -> list:
+    """The decode boundary's admissions as they ran before ``reserve_for_layers`` (one table write per layer)."""
+    plans, reserved = [], set()
+    for layer, missed, protected in wants:
+        if budget <= 0:
+            break
+        victims = pool.reserve_for(layer, min(int(missed.size), budget), protected | reserved)
+        if victims:
+            reserved.update(victims)
+            plans.append((layer, missed[:len(victims)], victims))
+            budget -= len(victims)
+    return plans
+
+
+def _state(pool: SlotPool):
+    p = pool.policy
+    order = p._tick.tolist() if hasattr(p, "_tick") else list(p._order)  # balanced: clock ticks; lru: its dict
+    return (pool.slot_of_LE.tolist(), pool.owner_S.tolist(), pool.count_L.tolist(), pool.table_LE.tolist(),
+            p._free, order, {lp: c.evictions for lp, c in pool.stats.layers.items()})
+
+
+@pytest.fixture(scope="module")
+def store(ckpt):
+    return make_engine(ckpt, "prefill.warmup=false").store
+
+
+@given(st.lists(st.tuples(st.lists(st.lists(st.integers(0, 15), max_size=6), min_size=4, max_size=4),
+                          st.lists(st.integers(0, 23), max_size=4), st.integers(0, 10)), min_size=1, max_size=12),
+       st.sampled_from(["balanced", "lru"]))
+@settings(max_examples=60, deadline=None)
+def test_a_boundary_admitting_all_layers_in_one_write_picks_the_slots_one_layer_at_a_time_did(store, steps, policy):
+    """``SlotPool.reserve_for_layers`` (every layer's evictions in one table write) and ``commit_many`` leave the map,
+    the owners, the device table, the policy and the eviction counts exactly as ``reserve_for`` / ``commit``
+    layer by layer did, under random misses, protected slots and budgets."""
+    one, many = (SlotPool(store, 24, policy, torch.device("cpu"), CacheStats()) for _ in range(2))
+    layers = store.layers
+    for missed_L, protected, budget in steps:
+        def wants(pool):
+            out = []
+            for lp, missed in enumerate(missed_L):
+                missed = np.asarray(sorted({e for e in missed if pool.slot_of_LE[lp, e] < 0}), dtype=np.int64)
+                if missed.size:
+                    out.append((layers[lp], missed, set(protected)))
+            return out
+
+        got = many.reserve_for_layers(iter(wants(many)), budget)
+        want = _layer_at_a_time(one, wants(one), budget)
+        assert [(la, e.tolist(), v) for la, e, v in got] == [(la, e.tolist(), v) for la, e, v in want]
+        assert _state(many) == _state(one)
+        many.commit_many(got)
+        for layer, experts, victims in want:
+            one.commit(layer, experts, victims)
+        assert _state(many) == _state(one)
+        assert np.array_equal(many.table_LE.numpy(), many.slot_of_LE)
+
+
+def test_a_boundary_whose_one_table_write_cannot_be_allocated_leaves_the_map_and_the_free_slots_as_they_were(
+        ckpt, monkeypatch):
+    """An OOM allocating the write of several layers' evictions: the host map is put back (owners, counts),
+    the slots that were free are free again, nothing is counted as evicted, and it raises."""
+    import moe_offload.slot_pool as slot_pool_mod
+
+    eng = make_engine(ckpt, "prefill.warmup=false")
+    pool = _pool(eng, 8)
+    for lp in range(3):
+        _fill(pool, lp, [0, 1])  # layers 0-2 at their shares (2), layer 3 empty, 2 slots free
+    layers = pool.store.layers
+    before = _state(pool)[:5]
+    evictions = {lp: c.evictions for lp, c in pool.stats.layers.items()}
+
+    def oom(*a, **k):  # fault injection: the device allocation of the table write
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(slot_pool_mod, "index_tensor", oom)
+    wants = [(layers[0], np.asarray([5]), set()), (layers[1], np.asarray([6, 7]), set()),
+             (layers[3], np.asarray([2, 3]), set())]  # evictions in layers 0 and 1, free slots for layer 3
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        pool.reserve_for_layers(iter(wants), 8)
+    assert _state(pool)[:4] == before[:4] and sorted(pool.policy._free) == sorted(before[4])
+    assert {lp: c.evictions for lp, c in pool.stats.layers.items()} == evictions
+    monkeypatch.undo()
+    got = pool.reserve_for_layers(iter(wants), 8)  # the same admissions go through afterwards
+    assert [len(v) for _, _, v in got] == [1, 2, 2]
+    pool.commit_many(got)
+    assert np.array_equal(pool.table_LE.numpy(), pool.slot_of_LE) and pool.count_L.tolist() == [2, 2, 2, 2]

@@ -204,7 +204,7 @@ def test_generate_with_a_cache_that_cannot_be_allocated_exits_2_with_one_line_na
 OOM = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
 
 
-@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])  # one upload a table write (two before: 1, 2, 5, 9)
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])  # a boundary's evictions (every layer), then commits, ...
 def test_a_device_oom_writing_the_residency_table_in_a_decode_admission_fails_the_request_and_the_next_is_correct(
         tiny, monkeypatch, fail_at):
     """At 6 slots every decode step misses and each boundary admits: the table writes (evictions, then the

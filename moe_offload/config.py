@@ -238,6 +238,13 @@ class DecodeConfig(_Strict):
                             "ones are copied from host memory on a side stream while this layer computes "
                             "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
                             "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
+    run_ahead: bool = Field(False, description="greedy decoding (temperature 0): the next step is enqueued before "
+                            "the host reads this step's tokens (argmax and a finiteness flag computed on the device, "
+                            "copied to pinned memory behind an event), so the host's work between steps (reading the "
+                            "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead of "
+                            "idling it; a step enqueued after every sequence stopped is discarded. Where the boundary "
+                            "must read the last step's routing (a cache short of some experts) it still waits for that "
+                            "step. Off until a GPU A/B (moe_offload/run_ahead.py)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

@@ -170,6 +170,10 @@ class DecodeResidency:
             if not self._record_ready:
                 return
             self._record_ready = False
+            if self.pool.holds_every_expert():
+                # nothing can miss, so there is nothing to admit: the record is not read and the host does not
+                # wait for the step (the engine may have the next step queued behind it: decode.run_ahead)
+                return
             if self.streams.is_cuda:
                 self._record_event.synchronize()  # HOST SYNC, between steps: see the module docstring
             self._admit(self._record_host.numpy(), dict(self._record_T))

@@ -25,11 +25,12 @@ from moe_offload.compute import make_compute, nvfp4_kernels_usable, prefill_comp
 from moe_offload.compute.decode import DecodeCompute
 from moe_offload.experts import OffloadedExperts, offloaded_experts
 from moe_offload.formats import get_format
-from moe_offload.guards import finite_logits
+from moe_offload.guards import finite_logits, raise_nonfinite
 from moe_offload.sampling import sample_tokens
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
 from moe_offload.lookahead import attach_routers
+from moe_offload.run_ahead import TokenReadback
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -397,18 +398,24 @@ class Engine:
         if on_token is not None:
             for b, o in enumerate(outs):
                 on_token(b, o[-1])
-        t1 = time.perf_counter()
-        steps = 0
-        while steps + 1 < max_new and not all(done):
-            logits_BV = step(tok_B)
-            tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], outs[0]), gen)
-            steps += 1
-            for b, t in enumerate(tok_B.tolist()):
+        def take(toks: list[int]) -> None:  # a step's tokens: appended to the sequences still running
+            for b, t in enumerate(toks):
                 if not done[b]:
                     outs[b].append(t)
                     done[b] = t in stop or len(outs[b]) >= max_new
                     if on_token is not None:
                         on_token(b, t)
+
+        t1 = time.perf_counter()
+        steps = 0
+        if self.cfg.decode.run_ahead and self.cfg.decode.temperature == 0:
+            steps = self._decode_run_ahead(step, tok_B, max_new, done, take, prompts[0], outs[0])
+        else:
+            while steps + 1 < max_new and not all(done):
+                logits_BV = step(tok_B)
+                tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], outs[0]), gen)
+                steps += 1
+                take(tok_B.tolist())
         dt = time.perf_counter() - t1
         stats = self.cache.stats()
         results = []
@@ -417,6 +424,29 @@ class Engine:
             rate = steps / dt if steps and dt > 0 else None
             results.append(GenerateResult(list(p), o, text, ttft, rate, stats))
         return results
+
+    def _decode_run_ahead(self, step, tok_B: torch.Tensor, max_new: int, done: list[bool], take,
+                          prompt_ids: list[int], generated: list[int]) -> int:
+        """Greedy decode steps with each step's tokens read while the next step runs (``decode.run_ahead``,
+        moe_offload/run_ahead.py); ``take(ids)`` appends a step's tokens and updates ``done``. Returns the steps
+        enqueued: when every sequence stopped, the last one was discarded unread."""
+        rb = TokenReadback(len(done), self.device)
+        steps, unread = 0, None
+        while steps + 1 < max_new and not all(done):
+            tok_B, slot = rb.enqueue(step(tok_B))  # the next step's input stays on the device
+            steps += 1
+            if unread is not None:
+                self._take_read(rb, unread, take, prompt_ids, generated)
+            unread = slot
+        if unread is not None and not all(done):
+            self._take_read(rb, unread, take, prompt_ids, generated)
+        return steps
+
+    def _take_read(self, rb: TokenReadback, slot: int, take, prompt_ids: list[int], generated: list[int]) -> None:
+        toks, finite = rb.read(slot)
+        if not finite:
+            raise_nonfinite(self, prompt_ids, generated)
+        take(toks)
 
     @torch.inference_mode()
     def measure_ttft(self, prompt_ids: list[int]) -> float:

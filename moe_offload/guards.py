@@ -23,6 +23,12 @@ def finite_logits(engine, logits_BV: torch.Tensor, prompt_ids: list[int], genera
     """``logits_BV`` unchanged when finite; else raise NonFiniteLogitsError naming the first bad module."""
     if bool(torch.isfinite(logits_BV).all()):  # one sync; the caller syncs for the sampled id anyway
         return logits_BV
+    raise_nonfinite(engine, prompt_ids, generated)
+
+
+def raise_nonfinite(engine, prompt_ids: list[int], generated: list[int]) -> None:
+    """The logits after ``generated`` (the first sequence's tokens so far) held NaN/Inf: raise
+    NonFiniteLogitsError naming the first module whose output holds them (a forward of the tokens again)."""
     where = first_nonfinite_module(engine.model, torch.tensor([list(prompt_ids) + list(generated)], device=engine.device))
     step = "the prompt" if not generated else f"generated token {len(generated)}"
     path = getattr(engine.reader, "path", "the checkpoint")

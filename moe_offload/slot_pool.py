@@ -79,6 +79,10 @@ class SlotPool:
     def resident_count(self) -> int:
         return int((self.owner_S >= 0).sum())
 
+    def holds_every_expert(self) -> bool:
+        """Every expert of every layer has a slot (no step can miss)."""
+        return int(self.count_L.sum()) == self.slot_of_LE.size
+
     def views(self) -> dict[str, torch.Tensor]:
         """Typed per-bank views ``[S + X, ...]`` of the pool, scratch rows included (rows read in place)."""
         return bank_views(self.store.specs, self.store.offsets, self.rows_NR)

@@ -162,6 +162,15 @@ def test_the_header_states_the_pdl_setting_of_the_run(bench):
     assert _pdl({"pdl_max_tokens": 0}) == "; PDL off" and _pdl({}) == ""  # results before the setting existed
 
 
+def test_the_header_states_the_run_ahead_setting_of_the_run(bench):
+    from moe_offload.bench.decode_report import _run_ahead
+
+    _, _, result, out = bench
+    md = next(out.glob("decode-*.md")).read_text()
+    assert result["settings"]["run_ahead"] is False and "; run-ahead off" in md  # the default
+    assert _run_ahead({"run_ahead": True}) == "; run-ahead on (tokens read a step late)" and _run_ahead({}) == ""
+
+
 def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):
     """decode.path auto with the routed threshold at 1: batch 1 stays routed, batch 2 stages every step;
     the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of

@@ -125,6 +125,13 @@ def _pdl(s: dict) -> str:
     return f"; PDL launches in steps of at most {n} token{'s' * (n != 1)}" if n else "; PDL off"
 
 
+def _run_ahead(s: dict) -> str:
+    """The header's decode.run_ahead clause (results before it carry no setting: none)."""
+    if "run_ahead" not in s:
+        return ""
+    return "; run-ahead " + ("on (tokens read a step late)" if s["run_ahead"] else "off")
+
+
 def _header(result: dict) -> list[str]:
     m, s, f, v, git = result["model"], result["settings"], result["floors"], result["versions"], result["git"]
     lines = [
@@ -135,7 +142,7 @@ def _header(result: dict) -> list[str]:
         f"{s['reps']} timed runs per cell after one untimed; "
         f"{('CUDA graph steps ' + ('on' if s['cuda_graphs'] else 'off')) if on_cuda(result) else 'eager steps (CPU)'}; "
         f"slot pool: {_POOL[s['budget']]}; decode attention {s.get('decode_attention', 'sdpa')}; lookahead "
-        f"{'on' if s.get('lookahead') else 'off'}{_pdl(s)}. "
+        f"{'on' if s.get('lookahead') else 'off'}{_pdl(s)}{_run_ahead(s)}. "
         f"H2D {f['h2d']['GBps']:.1f} GB/s, HBM {f['hbm']['GBps']:.1f} GB/s ({f['hbm']['method']}), "
         f"miss copy {_uva_rate(f)} ({(f.get('uva') or {}).get('method', 'not measured in this run')}). "
         f"Experts {m['bytes_per_expert'] / 1e6:.3g} MB each; non-expert weights read per step "

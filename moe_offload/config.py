@@ -238,9 +238,9 @@ class DecodeConfig(_Strict):
                             "ones are copied from host memory on a side stream while this layer computes "
                             "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
                             "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
-    run_ahead: bool = Field(False, description="greedy decoding (temperature 0): the next step is enqueued before "
-                            "the host reads this step's tokens (argmax and a finiteness flag computed on the device, "
-                            "copied to pinned memory behind an event), so the host's work between steps (reading the "
+    run_ahead: bool = Field(False, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
+                            "are computed on the device and read back in one copy: the next step is enqueued before "
+                            "the host reads this step's tokens, so the host's work between steps (reading the "
                             "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead of "
                             "idling it; a step enqueued after every sequence stopped is discarded. Where the boundary "
                             "must read the last step's routing (a cache short of some experts) it still waits for that "

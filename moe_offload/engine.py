@@ -408,8 +408,9 @@ class Engine:
 
         t1 = time.perf_counter()
         steps = 0
-        if self.cfg.decode.run_ahead and self.cfg.decode.temperature == 0:
-            steps = self._decode_run_ahead(step, tok_B, max_new, done, take, prompts[0], outs[0])
+        if self.cfg.decode.temperature == 0:
+            steps = self._decode_greedy(step, tok_B, max_new, done, take, prompts[0], outs[0],
+                                        self.cfg.decode.run_ahead)
         else:
             while steps + 1 < max_new and not all(done):
                 logits_BV = step(tok_B)
@@ -425,11 +426,12 @@ class Engine:
             results.append(GenerateResult(list(p), o, text, ttft, rate, stats))
         return results
 
-    def _decode_run_ahead(self, step, tok_B: torch.Tensor, max_new: int, done: list[bool], take,
-                          prompt_ids: list[int], generated: list[int]) -> int:
-        """Greedy decode steps with each step's tokens read while the next step runs (``decode.run_ahead``,
-        moe_offload/run_ahead.py); ``take(ids)`` appends a step's tokens and updates ``done``. Returns the steps
-        enqueued: when every sequence stopped, the last one was discarded unread."""
+    def _decode_greedy(self, step, tok_B: torch.Tensor, max_new: int, done: list[bool], take,
+                       prompt_ids: list[int], generated: list[int], ahead: bool) -> int:
+        """Greedy decode steps, each step's ids and finiteness flag read back in one copy
+        (moe_offload/run_ahead.py); ``take(ids)`` appends a step's tokens and updates ``done``. ``ahead``
+        (``decode.run_ahead``): a step's tokens are read while the next step runs, else before it is enqueued.
+        Returns the steps enqueued: ahead, when every sequence stopped, the last one was discarded unread."""
         rb = TokenReadback(len(done), self.device)
         steps, unread = 0, None
         while steps + 1 < max_new and not all(done):
@@ -438,6 +440,9 @@ class Engine:
             if unread is not None:
                 self._take_read(rb, unread, take, prompt_ids, generated)
             unread = slot
+            if not ahead:
+                self._take_read(rb, unread, take, prompt_ids, generated)
+                unread = None
         if unread is not None and not all(done):
             self._take_read(rb, unread, take, prompt_ids, generated)
         return steps

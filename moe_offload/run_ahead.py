@@ -1,4 +1,5 @@
-"""``decode.run_ahead``: greedy tokens read back one step late, so the GPU never waits for the host between steps.
+"""Greedy tokens read back in one copy a step; with ``decode.run_ahead`` one step late, so the GPU does not wait for
+the host between steps.
 
 Without it a decode step's tokens reach the host (a sync) before the next step is enqueued: the GPU idles for the
 host's work between steps: on an H100 under the profiler ~0.47 ms between steps of ~4.1 ms at batch 1 and ~1.0 ms

@@ -31,16 +31,33 @@ def _run(eng: Engine, prompts: list[list[int]], max_new: int):
     return [r.token_ids for r in res], streamed
 
 
+@torch.inference_mode()
+def _forward_argmax(eng: Engine, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy ids from the engine's forwards alone (prefill, then one forward per step, argmax read each step)."""
+    logits, past = eng.prefill(torch.tensor(prompts), last_only=True)
+    tok = logits[:, -1].argmax(-1)
+    outs = [[t] for t in tok.tolist()]
+    for _ in range(max_new - 1):
+        tok = eng.forward(tok.view(-1, 1), past, 1)[0][:, -1].argmax(-1)
+        for o, t in zip(outs, tok.tolist()):
+            o.append(t)
+    return outs
+
+
 @pytest.mark.parametrize("budget", ["0.37", "1.0"])
-def test_run_ahead_gives_the_tokens_and_the_stream_of_the_plain_loop(ckpt, budget):
+def test_greedy_decode_with_and_without_run_ahead_gives_the_forwards_argmax_and_one_stream(ckpt, budget):
     plain = _engine(ckpt, f"cache.budget={budget}")
     ahead = _engine(ckpt, f"cache.budget={budget}", "decode.run_ahead=true")
+    ref = _engine(ckpt, f"cache.budget={budget}")
     rng = random.Random(0)
     for _ in range(4):
         B, T = rng.choice([1, 2, 3]), rng.randint(1, 24)
         prompts = [[rng.randrange(3, 300) for _ in range(T)] for _ in range(B)]
         for max_new in (1, 2, 9):
-            assert _run(ahead, prompts, max_new) == _run(plain, prompts, max_new), (prompts, max_new)
+            toks, stream = _run(plain, prompts, max_new)
+            assert toks == _forward_argmax(ref, prompts, max_new), (prompts, max_new)
+            assert stream == [(b, toks[b][i]) for i in range(max_new) for b in range(B)]
+            assert _run(ahead, prompts, max_new) == (toks, stream), (prompts, max_new)
 
 
 def test_a_stop_token_ends_each_sequence_at_the_same_token_and_costs_at_most_one_discarded_step(ckpt):

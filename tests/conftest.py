@@ -104,3 +104,43 @@ def _fresh_log_once():
 
     log.reset_once_keys()
     yield
+
+
+# ------------------------------------------------------------------ device memory held after GPU tests
+# At c7b7054 on an H200, tests/gpu/test_faults_gpu.py run after the prefill-graph and router tests in one process found
+# the device full (139.8 of 139.8 GiB in use, 3.9 GiB of it allocated by PyTorch) before its first test, and 18 of its
+# tests failed with out-of-memory errors that say nothing of where the memory went. After each GPU test the hooks
+# below collect garbage, empty torch's cache and read the device's memory in use (``mem_get_info``: every process on
+# the device, which on the lent machine is this one); a test after which more than _LEAK_REPORT_BYTES is held above
+# the first GPU test's level is listed at the end of the run, with PyTorch's allocated and reserved bytes. (A
+# tests/gpu/conftest.py would shadow this module for the tests that import names from it.)
+_LEAK_REPORT_BYTES = 2 << 30
+_gpu_memory_held: list[tuple[str, int, int, int]] = []  # (test, bytes above the first test's level, allocated, reserved)
+_gpu_memory_start: list[int] = []
+
+
+@pytest.hookimpl(trylast=True)  # after the runner's own teardown: the test's fixtures are gone by then
+def pytest_runtest_teardown(item, nextitem):
+    if "gpu" not in item.keywords or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    if not _gpu_memory_start:
+        _gpu_memory_start.append(used)  # the first GPU test's context and module state are the baseline
+    elif used - _gpu_memory_start[0] > _LEAK_REPORT_BYTES:
+        _gpu_memory_held.append((item.nodeid, used - _gpu_memory_start[0], torch.cuda.memory_allocated(),
+                                 torch.cuda.memory_reserved()))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _gpu_memory_held:
+        return
+    terminalreporter.section("device memory held after GPU tests (above the first GPU test's level, > 2 GiB)")
+    gib = 1 << 30
+    for nodeid, above, allocated, reserved in _gpu_memory_held:
+        terminalreporter.write_line(f"{above / gib:7.2f} GiB held (torch allocated {allocated / gib:.2f}, reserved "
+                                    f"{reserved / gib:.2f}) after {nodeid}")

@@ -2,13 +2,14 @@
 produced NaN/Inf, never silently sampled tokens (argmax over NaN is token 0).
 
 The check costs one device sync per sampled token, which generation pays anyway (the sampled id goes
-to the host). The diagnosis runs only after a failure: one uncached forward over the whole sequence
+to the host); greedy decoding reads the check's flag with the ids in one copy (moe_offload/run_ahead.py). The diagnosis runs only after a failure: one uncached forward over the whole sequence
 with a hook on every module, reporting the first module, in execution order, whose output is non-finite.
 """
 
 from __future__ import annotations
 
 import re
+from typing import NoReturn
 
 import torch
 
@@ -26,7 +27,7 @@ def finite_logits(engine, logits_BV: torch.Tensor, prompt_ids: list[int], genera
     raise_nonfinite(engine, prompt_ids, generated)
 
 
-def raise_nonfinite(engine, prompt_ids: list[int], generated: list[int]) -> None:
+def raise_nonfinite(engine, prompt_ids: list[int], generated: list[int]) -> NoReturn:
     """The logits after ``generated`` (the first sequence's tokens so far) held NaN/Inf: raise
     NonFiniteLogitsError naming the first module whose output holds them (a forward of the tokens again)."""
     where = first_nonfinite_module(engine.model, torch.tensor([list(prompt_ids) + list(generated)], device=engine.device))

@@ -161,7 +161,7 @@ def _held(slots_E: np.ndarray, protected: set[int]) -> np.ndarray:
     """The slots of one layer's map row that hold an expert and are not in ``protected``."""
     held = slots_E[slots_E >= 0]
     if protected:
-        held = np.asarray([s for s in held.tolist() if s not in protected], dtype=np.int64)
+        held = np.fromiter((s for s in held.tolist() if s not in protected), dtype=np.int64)
     return held
 
 

@@ -39,6 +39,9 @@ from moe_offload.policy import make_policy
 from moe_offload.stats import CacheStats
 
 
+_FEW = 16  # up to this many slots a plain loop beats numpy's vector calls (~1 us against ~15 us on a CPU of CI's kind)
+
+
 class SlotPool:
     """``num_slots`` device rows of ``store.bytes_per_expert`` bytes and the residency map over them."""
 
@@ -128,11 +131,18 @@ class SlotPool:
 
     def _drop_owners(self, slots) -> np.ndarray:
         """The host map forgets the owners of ``slots``; returns their keys (-1 where a slot held nothing)."""
-        keys = self.owner_S[slots].copy()
-        owned = keys >= 0
-        lp_K, e_K = np.divmod(keys[owned], self.E)
-        self.slot_of_LE[lp_K, e_K] = -1
-        np.subtract.at(self.count_L, lp_K, 1)
+        keys = self.owner_S[slots]  # a copy (integer indexing)
+        if len(slots) <= _FEW:  # a decode admission's few victims of one layer: numpy's per-call cost dominates
+            for key in keys.tolist():
+                if key >= 0:
+                    lp, e = divmod(key, self.E)
+                    self.slot_of_LE[lp, e] = -1
+                    self.count_L[lp] -= 1
+        else:
+            owned = keys >= 0
+            lp_K, e_K = np.divmod(keys[owned], self.E)
+            self.slot_of_LE[lp_K, e_K] = -1
+            np.subtract.at(self.count_L, lp_K, 1)
         self.owner_S[slots] = -1
         return keys
 

@@ -246,3 +246,33 @@ def test_a_boundary_whose_one_table_write_cannot_be_allocated_leaves_the_map_and
     assert [len(v) for _, _, v in got] == [1, 2, 2]
     pool.commit_many(got)
     assert np.array_equal(pool.table_LE.numpy(), pool.slot_of_LE) and pool.count_L.tolist() == [2, 2, 2, 2]
+
+
+@given(st.lists(st.integers(0, 23), unique=True, max_size=24), st.integers(0, 2**32 - 1))
+@settings(max_examples=60, deadline=None)
+def test_dropping_owners_by_loop_or_by_vector_calls_leaves_the_same_map(store, slots, seed):
+    """``SlotPool._drop_owners`` takes a plain loop up to ``_FEW`` slots and numpy's vector calls above: the same map,
+    counts and keys either way, and ``_restore_owners`` puts it back."""
+    import moe_offload.slot_pool as slot_pool_mod
+
+    def filled() -> SlotPool:  # the same random residency each call
+        rng = np.random.default_rng(seed)
+        pool = SlotPool(store, 24, "balanced", torch.device("cpu"), CacheStats())
+        for layer in store.layers:
+            n = int(rng.integers(0, 7))
+            pool.commit(layer, np.sort(rng.choice(16, n, replace=False)), pool.reserve(n))
+        return pool
+
+    after = []
+    for few in (0, 64):  # every call by numpy's vector calls / every call by the loop
+        pool = filled()
+        before = [pool.slot_of_LE.copy(), pool.owner_S.copy(), pool.count_L.copy()]
+        orig, slot_pool_mod._FEW = slot_pool_mod._FEW, few
+        try:
+            keys = pool._drop_owners(slots)
+        finally:
+            slot_pool_mod._FEW = orig
+        after.append([pool.slot_of_LE.copy(), pool.owner_S.copy(), pool.count_L.copy(), keys])
+        pool._restore_owners(slots, keys)
+        assert all(np.array_equal(x, y) for x, y in zip(before, [pool.slot_of_LE, pool.owner_S, pool.count_L]))
+    assert all(np.array_equal(x, y) for x, y in zip(*after))

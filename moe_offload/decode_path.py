@@ -191,12 +191,9 @@ class DecodeResidency:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
-        wants = ((self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i]),
-                  set(slots_LE[i][hit_LE[i]].tolist()) | self._just_committed)
-                 for i in np.flatnonzero(miss_LE.any(axis=1)).tolist())  # lazily: the budget may end it early
         # victims leave the map and the device table now (one write for every layer); the policy may give fewer
         # than asked; raises with the map unchanged
-        plans = self.pool.reserve_for_layers(wants, budget)
+        plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget)
         if not plans:
             return
         s = self.streams

@@ -196,18 +196,60 @@ class SlotPool:
                 taken += slots
                 plans.append((layer, missed[:len(slots)], slots))
                 budget -= len(slots)
-            evicted = np.concatenate(keys) if keys else np.empty(0, dtype=np.int64)
-            gone = evicted[evicted >= 0]
-            write = self._table_write(gone, np.full(gone.size, -1))
-        except BaseException:  # the policy or the write's allocation raised: the map as it was
+        except BaseException:  # the policy raised: the map as it was
             if keys:
-                evicted = np.concatenate(keys)
-                self._restore_owners(taken, evicted)
-                self.release([s for s, k in zip(taken, evicted.tolist()) if k < 0])
+                self._undo_drop(taken, np.concatenate(keys))
+            raise
+        if keys:
+            self._write_evictions(taken, np.concatenate(keys))
+        return plans
+
+    def reserve_decode(self, lps: np.ndarray, slots_LE: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray,
+                       protected: set[int], budget: int) -> list[tuple]:
+        """``reserve_for_layers`` over a decode step's routing lookup (``decode_path.routed_lookup``: layer positions
+        ``lps``, their map rows, the experts routed with / without a slot): every layer with misses, in order,
+        protects the slots its step routed and ``protected``. Where the policy picks every layer's victims at once
+        (``own_victims``: the balanced policy with each of those layers at or above its share, its steady state
+        below residency 1) the picks are the same in a few array operations (~100 us a layer of Python on a
+        CI-class CPU before: README "c7b7054 on an H200"); else layer by layer."""
+        rows = np.flatnonzero(miss_LE.any(axis=1))
+        if budget <= 0 or rows.size == 0:
+            return []
+        at_once = getattr(self.policy, "own_victims", None)
+        if at_once is not None:
+            protected_S = np.zeros(self.num_slots, dtype=bool)
+            protected_S[list(protected)] = True
+            s_LE = slots_LE[rows]
+            usable_LE = (s_LE >= 0) & ~hit_LE[rows] & ~protected_S[np.maximum(s_LE, 0)]
+            picks = at_once(lps[rows], s_LE, usable_LE, miss_LE[rows].sum(axis=1), self.count_L, budget)
+            if picks is not None:
+                plans = [(self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i])[:len(p)], p)
+                         for i, p in zip(rows.tolist(), picks) if p]
+                taken = [s for _, _, p in plans for s in p]
+                if taken:
+                    self._write_evictions(taken, self._drop_owners(taken))
+                return plans
+        wants = ((self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i]),
+                  set(slots_LE[i][hit_LE[i]].tolist()) | protected)
+                 for i in rows.tolist())  # lazily: the budget may end it early
+        return self.reserve_for_layers(wants, budget)
+
+    def _write_evictions(self, taken: list[int], evicted: np.ndarray) -> None:
+        """The one table write of the evictions ``_drop_owners(taken)`` made on the host map (it returned
+        ``evicted``). When it cannot be allocated (device OOM) the host map is put back, the slots that were empty
+        are free again, and it raises."""
+        gone = evicted[evicted >= 0]
+        try:
+            write = self._table_write(gone, np.full(gone.size, -1))
+        except BaseException:
+            self._undo_drop(taken, evicted)
             raise
         self._count_evictions(gone)
         self._apply([write])
-        return plans
+
+    def _undo_drop(self, taken: list[int], evicted: np.ndarray) -> None:
+        self._restore_owners(taken, evicted)
+        self.release([s for s, k in zip(taken, evicted.tolist()) if k < 0])
 
     def _take(self, slots: list[int]) -> list[int]:
         """Take the policy's ``slots`` out of the map; when the eviction cannot be written the map is

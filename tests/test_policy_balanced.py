@@ -187,34 +187,67 @@ def store(ckpt):
     return make_engine(ckpt, "prefill.warmup=false").store
 
 
+def _lookup(pool: SlotPool, routed_L: list[list[int]]):
+    """``routed_lookup``'s arrays for a step that routed ``routed_L[lp]`` in layer lp."""
+    E = pool.E
+    routed_LE = np.zeros((len(routed_L), E), dtype=bool)
+    for lp, experts in enumerate(routed_L):
+        routed_LE[lp, experts] = True
+    slots_LE = pool.slot_of_LE.copy()
+    return np.arange(len(routed_L)), slots_LE, routed_LE & (slots_LE >= 0), routed_LE & (slots_LE < 0)
+
+
+def _admit_both(one: SlotPool, many: SlotPool, routed_L, protected: set[int], budget: int) -> list:
+    """The same boundary on two equal pools: ``reserve_decode`` on ``many``, layer at a time on ``one``; both
+    committed (``commit_many`` / ``commit`` per layer). Returns ``many``'s plans."""
+    lps, slots_LE, hit_LE, miss_LE = _lookup(many, routed_L)
+    got = many.reserve_decode(lps, slots_LE, hit_LE, miss_LE, set(protected), budget)
+    lps, slots_LE, hit_LE, miss_LE = _lookup(one, routed_L)
+    wants = [(one.store.layers[lp], np.flatnonzero(miss_LE[lp]), set(slots_LE[lp][hit_LE[lp]].tolist()) | protected)
+             for lp in range(len(routed_L)) if miss_LE[lp].any()]
+    want = _layer_at_a_time(one, wants, budget)
+    assert [(la, e.tolist(), v) for la, e, v in got] == [(la, e.tolist(), v) for la, e, v in want]
+    assert _state(many) == _state(one)
+    many.commit_many(got)
+    for layer, experts, victims in want:
+        one.commit(layer, experts, victims)
+    assert _state(many) == _state(one)
+    assert np.array_equal(many.table_LE.numpy(), many.slot_of_LE)
+    return got
+
+
 @given(st.lists(st.tuples(st.lists(st.lists(st.integers(0, 15), max_size=6), min_size=4, max_size=4),
                           st.lists(st.integers(0, 23), max_size=4), st.integers(0, 10)), min_size=1, max_size=12),
        st.sampled_from(["balanced", "lru"]))
 @settings(max_examples=60, deadline=None)
 def test_a_boundary_admitting_all_layers_in_one_write_picks_the_slots_one_layer_at_a_time_did(store, steps, policy):
-    """``SlotPool.reserve_for_layers`` (every layer's evictions in one table write) and ``commit_many`` leave the map,
-    the owners, the device table, the policy and the eviction counts exactly as ``reserve_for`` / ``commit``
-    layer by layer did, under random misses, protected slots and budgets."""
+    """``SlotPool.reserve_decode`` (every layer's victims at once where the policy can, every eviction in one table
+    write) and ``commit_many`` leave the map, the owners, the device table, the policy and the eviction counts
+    exactly as ``reserve_for`` / ``commit`` layer by layer did, under random routing, protected slots and budgets,
+    from an empty pool (free slots, layers below their shares) on."""
     one, many = (SlotPool(store, 24, policy, torch.device("cpu"), CacheStats()) for _ in range(2))
-    layers = store.layers
-    for missed_L, protected, budget in steps:
-        def wants(pool):
-            out = []
-            for lp, missed in enumerate(missed_L):
-                missed = np.asarray(sorted({e for e in missed if pool.slot_of_LE[lp, e] < 0}), dtype=np.int64)
-                if missed.size:
-                    out.append((layers[lp], missed, set(protected)))
-            return out
+    for routed_L, protected, budget in steps:
+        _admit_both(one, many, [sorted(set(r)) for r in routed_L], set(protected), budget)
 
-        got = many.reserve_for_layers(iter(wants(many)), budget)
-        want = _layer_at_a_time(one, wants(one), budget)
-        assert [(la, e.tolist(), v) for la, e, v in got] == [(la, e.tolist(), v) for la, e, v in want]
-        assert _state(many) == _state(one)
-        many.commit_many(got)
-        for layer, experts, victims in want:
-            one.commit(layer, experts, victims)
-        assert _state(many) == _state(one)
-        assert np.array_equal(many.table_LE.numpy(), many.slot_of_LE)
+
+def test_at_their_shares_every_layers_victims_are_picked_at_once_and_equal_one_layer_at_a_time(store, monkeypatch):
+    """The steady state below residency 1 (every layer at its share, no free slot) takes the policy's at-once pick
+    (``BalancedLruPolicy.own_victims``); its picks and ticks equal the layer-at-a-time ones over 80 random steps."""
+    one, many = (SlotPool(store, 24, "balanced", torch.device("cpu"), CacheStats()) for _ in range(2))
+    for pool in (one, many):
+        for lp, layer in enumerate(store.layers):
+            pool.commit(layer, np.arange(6), pool.reserve_for(layer, 6, set()))
+    assert many.num_free() == 0 and (many.count_L == many.policy.share_L).all()
+    at_once = []
+    real = many.policy.own_victims
+    monkeypatch.setattr(many.policy, "own_victims", lambda *a: at_once.append(r := real(*a)) or r)
+    rng = random.Random(3)
+    for _ in range(80):
+        routed_L = [sorted(rng.sample(range(16), rng.randint(0, 6))) for _ in store.layers]
+        protected = set(rng.sample(range(24), rng.randint(0, 3)))
+        _admit_both(one, many, routed_L, protected, rng.randint(0, 10))
+    assert sum(r is not None for r in at_once) >= 60  # the at-once pick served the boundaries
+    assert many.stats.layer(store.layers[0]).evictions > 0
 
 
 def test_a_boundary_whose_one_table_write_cannot_be_allocated_leaves_the_map_and_the_free_slots_as_they_were(

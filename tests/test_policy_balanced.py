@@ -309,3 +309,59 @@ def test_dropping_owners_by_loop_or_by_vector_calls_leaves_the_same_map(store, s
         pool._restore_owners(slots, keys)
         assert all(np.array_equal(x, y) for x, y in zip(before, [pool.slot_of_LE, pool.owner_S, pool.count_L]))
     assert all(np.array_equal(x, y) for x, y in zip(*after))
+
+
+def _commit_reference(pool: SlotPool, fills) -> None:
+    """``SlotPool.commit`` as a loop over pairs, fill by fill (its form before ``commit_many``'s array operations)."""
+    for layer, experts, slots in fills:
+        lp = pool.layer_pos[layer]
+        pairs = list(zip(np.asarray(experts).tolist(), slots))
+        keep: dict[int, int] = {}
+        for e, s in pairs:
+            if pool.slot_of_LE[lp, e] < 0:
+                keep.setdefault(e, s)
+        kept = set(keep.values())
+        for e, s in pairs:
+            if s not in kept and pool.slot_of_LE[lp, e] != s:
+                pool.policy.free(s)
+        for e, s in keep.items():
+            pool.slot_of_LE[lp, e] = s
+            pool.owner_S[s] = lp * pool.E + e
+        pool.count_L[lp] += len(keep)
+        pool.table_LE[lp, list(keep)] = torch.tensor(list(keep.values()), dtype=torch.int32)
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 4))
+@settings(max_examples=80, deadline=None)
+def test_commit_many_leaves_the_map_and_free_list_of_committing_pair_by_pair(store, seed, n_fills):
+    """Fills of reserved slots where an expert may repeat within a fill (its first slot keeps it, the others are
+    free again), may already be resident (every slot of it is free again) or may be committed twice (its slot is
+    kept): ``commit_many`` (array operations, one table write) against the loop it replaced."""
+    pools = []
+    for commit in ("many", "reference"):
+        rng = np.random.default_rng(seed)
+        pool = SlotPool(store, 24, "balanced", torch.device("cpu"), CacheStats())
+        for layer in store.layers:  # some residents already
+            n = int(rng.integers(0, 4))
+            pool.commit(layer, np.sort(rng.choice(16, n, replace=False)), pool.reserve(n))
+        fills = []
+        for layer in rng.choice(store.layers, n_fills, replace=False).tolist():
+            n = int(rng.integers(0, min(5, pool.num_free()) + 1))
+            slots = pool.reserve(n, free_only=True)
+            experts = rng.integers(0, 16, n)  # repeats and residents included
+            if n and rng.random() < 0.3:  # commit a pair that already holds its expert
+                held = np.flatnonzero(pool.slot_of_LE[pool.layer_pos[layer]] >= 0)
+                if held.size:
+                    e = int(held[0])
+                    experts = np.append(experts, e)
+                    slots = slots + [int(pool.slot_of_LE[pool.layer_pos[layer], e])]
+            fills.append((layer, experts, slots))
+        if commit == "many":
+            pool.commit_many(fills)
+        else:
+            _commit_reference(pool, fills)
+        pools.append(pool)
+    a, b = pools
+    assert np.array_equal(a.slot_of_LE, b.slot_of_LE) and np.array_equal(a.owner_S, b.owner_S)
+    assert np.array_equal(a.count_L, b.count_L) and a.policy._free == b.policy._free
+    assert np.array_equal(a.table_LE.numpy(), b.table_LE.numpy()) and np.array_equal(a.table_LE.numpy(), a.slot_of_LE)

@@ -241,10 +241,10 @@ class DecodeConfig(_Strict):
     run_ahead: bool = Field(False, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "
-                            "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead of "
-                            "idling it; a step enqueued after every sequence stopped is discarded. Where the boundary "
-                            "must read the last step's routing (a cache short of some experts) it still waits for that "
-                            "step. Off until a GPU A/B (moe_offload/run_ahead.py)")
+                            "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead "
+                            "of idling it; a step enqueued after every sequence stopped is discarded. Where the "
+                            "boundary must read the last step's routing (a cache short of some experts) it still waits "
+                            "for that step. Off until a GPU A/B (moe_offload/run_ahead.py)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

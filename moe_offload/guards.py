@@ -2,8 +2,9 @@
 produced NaN/Inf, never silently sampled tokens (argmax over NaN is token 0).
 
 The check costs one device sync per sampled token, which generation pays anyway (the sampled id goes
-to the host); greedy decoding reads the check's flag with the ids in one copy (moe_offload/run_ahead.py). The diagnosis runs only after a failure: one uncached forward over the whole sequence
-with a hook on every module, reporting the first module, in execution order, whose output is non-finite.
+to the host); greedy decoding reads the check's flag with the ids in one copy (moe_offload/run_ahead.py).
+The diagnosis runs only after a failure: one uncached forward over the whole sequence with a hook on every
+module, reporting the first module, in execution order, whose output is non-finite.
 """
 
 from __future__ import annotations

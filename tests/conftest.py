@@ -115,7 +115,7 @@ def _fresh_log_once():
 # the first GPU test's level is listed at the end of the run, with PyTorch's allocated and reserved bytes. (A
 # tests/gpu/conftest.py would shadow this module for the tests that import names from it.)
 _LEAK_REPORT_BYTES = 2 << 30
-_gpu_memory_held: list[tuple[str, int, int, int]] = []  # (test, bytes above the first test's level, allocated, reserved)
+_gpu_memory_held: list[tuple[str, int, int, int]] = []  # (test, bytes above the first's level, allocated, reserved)
 _gpu_memory_start: list[int] = []
 
 

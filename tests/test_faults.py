@@ -340,9 +340,9 @@ def test_a_device_oom_writing_the_residency_table_fails_the_request_and_later_an
         nvfp4, monkeypatch, fail_at):
     """The device table writes of decode admissions allocate index tensors (``slot_pool.index_tensor``): at a
     boundary the victims' evictions of every layer (one upload: call 1), a boundary later their commits (call 2)
-    and that boundary's evictions (call 3), then their commits (call 4). Before the fix an OOM there left the device table pointing at slots the
-    host map had given up; they were refilled with other experts and later decode steps read the wrong
-    expert (wrong answers within 40 requests at 6 slots)."""
+    and that boundary's evictions (call 3), then their commits (call 4). Before the fix an OOM there left the
+    device table pointing at slots the host map had given up; they were refilled with other experts and later
+    decode steps read the wrong expert (wrong answers within 40 requests at 6 slots)."""
     eng = _engine(nvfp4, "cache.budget=6 slots")
     ref = _engine(nvfp4, "cache.budget=1.0")
     calls: dict = {}

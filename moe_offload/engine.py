@@ -30,7 +30,7 @@ from moe_offload.sampling import sample_tokens
 from moe_offload.host_store import ExpertStore
 from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
 from moe_offload.lookahead import attach_routers
-from moe_offload.run_ahead import TokenReadback
+from moe_offload.run_ahead import decode_greedy
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -409,8 +409,8 @@ class Engine:
         t1 = time.perf_counter()
         steps = 0
         if self.cfg.decode.temperature == 0:
-            steps = self._decode_greedy(step, tok_B, max_new, done, take, prompts[0], outs[0],
-                                        self.cfg.decode.run_ahead)
+            steps = decode_greedy(step, tok_B, max_new, done, take, lambda: raise_nonfinite(self, prompts[0], outs[0]),
+                                  self.cfg.decode.run_ahead, self.device)
         else:
             while steps + 1 < max_new and not all(done):
                 logits_BV = step(tok_B)
@@ -425,33 +425,6 @@ class Engine:
             rate = steps / dt if steps and dt > 0 else None
             results.append(GenerateResult(list(p), o, text, ttft, rate, stats))
         return results
-
-    def _decode_greedy(self, step, tok_B: torch.Tensor, max_new: int, done: list[bool], take,
-                       prompt_ids: list[int], generated: list[int], ahead: bool) -> int:
-        """Greedy decode steps, each step's ids and finiteness flag read back in one copy
-        (moe_offload/run_ahead.py); ``take(ids)`` appends a step's tokens and updates ``done``. ``ahead``
-        (``decode.run_ahead``): a step's tokens are read while the next step runs, else before it is enqueued.
-        Returns the steps enqueued: ahead, when every sequence stopped, the last one was discarded unread."""
-        rb = TokenReadback(len(done), self.device)
-        steps, unread = 0, None
-        while steps + 1 < max_new and not all(done):
-            tok_B, slot = rb.enqueue(step(tok_B))  # the next step's input stays on the device
-            steps += 1
-            if unread is not None:
-                self._take_read(rb, unread, take, prompt_ids, generated)
-            unread = slot
-            if not ahead:
-                self._take_read(rb, unread, take, prompt_ids, generated)
-                unread = None
-        if unread is not None and not all(done):
-            self._take_read(rb, unread, take, prompt_ids, generated)
-        return steps
-
-    def _take_read(self, rb: TokenReadback, slot: int, take, prompt_ids: list[int], generated: list[int]) -> None:
-        toks, finite = rb.read(slot)
-        if not finite:
-            raise_nonfinite(self, prompt_ids, generated)
-        take(toks)
 
     @torch.inference_mode()
     def measure_ttft(self, prompt_ids: list[int]) -> float:

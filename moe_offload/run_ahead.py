@@ -17,6 +17,8 @@ Legend: B sequences, V vocabulary.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -49,3 +51,31 @@ class TokenReadback:
             self.events[slot].synchronize()
         v = self.host[slot].tolist()
         return v[:-1], bool(v[-1])
+
+
+
+def decode_greedy(step, tok_B: torch.Tensor, max_new: int, done: list[bool], take: Callable[[list[int]], None],
+                  nonfinite: Callable[[], None], ahead: bool, device: torch.device) -> int:
+    """Greedy decode steps (``step(tok_B) -> logits_BV``) after the first token, each step's ids and finiteness flag
+    read back in one copy; ``take(ids)`` appends a step's tokens and updates ``done``; ``nonfinite()`` raises for a
+    step whose logits were not finite. ``ahead`` (``decode.run_ahead``): a step's tokens are read while the next step
+    runs, else before it is enqueued. Returns the steps enqueued: ahead, when every sequence stopped, the last one
+    was discarded unread."""
+    rb = TokenReadback(len(done), device)
+
+    def read(slot: int) -> None:
+        toks, finite = rb.read(slot)
+        if not finite:
+            nonfinite()
+        take(toks)
+
+    steps, unread = 0, []
+    while steps + 1 < max_new and not all(done):
+        tok_B, slot = rb.enqueue(step(tok_B))  # the next step's input stays on the device
+        steps += 1
+        unread.append(slot)
+        if len(unread) > ahead:  # at most one step left unread while the next one runs
+            read(unread.pop(0))
+    if unread and not all(done):
+        read(unread.pop())
+    return steps

@@ -254,11 +254,7 @@ class SlotPool:
     def _take(self, slots: list[int]) -> list[int]:
         """Take the policy's ``slots`` out of the map; when the eviction cannot be written the map is
         unchanged and the empty ones are free again (owned ones stay resident), and it raises."""
-        try:
-            self._evict(slots)
-        except BaseException:
-            self.release([s for s in slots if self.owner_S[s] < 0])
-            raise
+        self._write_evictions(slots, self._drop_owners(slots))
         return slots
 
     def release(self, slots: list[int]) -> None:

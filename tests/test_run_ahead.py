@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-import moe_offload.engine as engine_mod
 from moe_offload.config import load_config
 from moe_offload.engine import Engine
 from moe_offload.guards import NonFiniteLogitsError
+from moe_offload.run_ahead import TokenReadback
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_a_boundary_with_every_expert_resident_does_no_admission_work(ckpt, monk
 
 
 def test_the_readback_buffers_alternate_and_hold_ids_and_the_flag():
-    rb = engine_mod.TokenReadback(2, torch.device("cpu"))
+    rb = TokenReadback(2, torch.device("cpu"))
     logits = torch.tensor([[0.0, 2.0, 1.0], [5.0, 1.0, 0.0]])
     tok, s0 = rb.enqueue(logits)
     _, s1 = rb.enqueue(torch.tensor([[0.0, float("inf"), 1.0], [1.0, 2.0, 0.0]]))

@@ -26,6 +26,18 @@ an eager forward calls it too), deterministic so TP ranks stay in agreement:
    host memory), the copy stream waits for the compute and hit streams (no queued step still reads a
    victim), copies host -> victim slots, and records an event. The new owners enter the map and the
    table at the next boundary.
+
+Read late (``set_late``, on while greedy decoding runs ahead: ``decode.run_ahead``, ``run_ahead.py``): the boundary
+before step N+1 runs while step N is still queued or running, so reading step N's record (2.) would make the host wait
+for step N, and committing the admissions enqueued at the boundary before step N (1.) would wait for copies that only
+start after step N-1. Neither waits then:
+- the boundary enqueues a copy of the in-flight step's record into a pinned snapshot behind that step (compute stream),
+  and admits from the snapshot taken at the boundary before: step N-1's routing, done by then;
+- admissions stay in flight for two boundaries: the boundary before step N+1 commits those enqueued before step N-1
+  (copies that waited for step N-2), and the experts of the ones enqueued before step N are not admitted again; the
+  policy counts their slots as their layer's already (its shares).
+Admissions are a step staler; what a step computes does not change (a routed expert without a slot is read from host
+memory either way).
 """
 
 from __future__ import annotations
@@ -72,9 +84,17 @@ class DecodeResidency:
         self._record_T: dict[int, int] = {}  # lp -> tokens recorded by the step in flight
         self._record_event = streams.event()
         self._record_ready = False
-        self._pending: list[tuple[int, np.ndarray, list[int]]] = []  # (layer, experts, slots) being copied
-        self._pending_event = streams.event()
+        # admissions in flight, one entry per boundary that enqueued copies, oldest first: ([(layer, experts,
+        # slots)], the copies' event); at most two (read late), so two events take turns
+        self._gens: list[tuple[list[tuple[int, np.ndarray, list[int]]], object]] = []
+        self._gen_events = [streams.event(), streams.event()]
+        self._gen_next = 0
         self._just_committed: set[int] = set()
+        # read late (module docstring): the snapshot of the record of the step that was in flight at the last boundary
+        self.late = False
+        self._snap_host = torch.zeros((L, max_tokens, K), dtype=torch.int32, pin_memory=self._record_pinned)
+        self._snap_T: dict[int, int] | None = None
+        self._snap_event = streams.event()
         self.h2d = None  # the cache's H2DRows (set after hit-path resolution)
         # one counter per layer for route()'s one-launch top-k + plan (kernels/decode_miss.py; 0 between launches)
         self._route_done_L = torch.zeros(L, dtype=torch.int32, device=self.device)
@@ -159,14 +179,25 @@ class DecodeResidency:
         self._record_ready = True
 
     # ------------------------------------------------------------------ between steps
+    def set_late(self, on: bool) -> None:
+        """Read late from now on (module docstring), or not. Turning it off drops an unread snapshot: the next
+        boundary admits from the last step's record and commits every admission in flight."""
+        self.late = on
+        if not on:
+            self._snap_T = None
+
     def boundary(self) -> None:
-        """Commit last boundary's admissions, then admit from the last step's routing (host). Slots
-        just committed are not victims of this boundary: they serve at least one step (at a pool much
-        smaller than a step's routed set every admission was otherwise evicted before its first use)."""
-        self.commit_pending()
+        """Commit last boundary's admissions, then admit from the last step's routing (host); read late, commit the
+        ones before and admit from the step before last's (module docstring). Slots just committed are not victims
+        of this boundary: they serve at least one step (at a pool much smaller than a step's routed set every
+        admission was otherwise evicted before its first use)."""
+        self.commit_pending(keep=1 if self.late else 0)
         if self.lookahead is not None:
             self.lookahead.reset()
         try:
+            if self.late:
+                self._boundary_late()
+                return
             if not self._record_ready:
                 return
             self._record_ready = False
@@ -182,18 +213,45 @@ class DecodeResidency:
             # ``_begin``) are protected through the next boundary like those committed here
             self._just_committed = set()
 
+    def _boundary_late(self) -> None:
+        """Admit from the snapshot of the step before last, then snapshot the record of the step in flight."""
+        tokens, self._snap_T = self._snap_T, None
+        ready, self._record_ready = self._record_ready, False
+        if self.pool.holds_every_expert():
+            return
+        if tokens:
+            if self.streams.is_cuda:
+                self._snap_event.synchronize()  # HOST SYNC on a copy behind the step before last: done already
+            self._admit(self._snap_host.numpy(), tokens)
+        if ready:  # enqueued after this boundary's table writes, before the next step overwrites the record
+            self._snap_host.copy_(self._record_dev, non_blocking=self.streams.is_cuda)
+            self.streams.record(self._snap_event, self.streams.current())
+            self._snap_T = dict(self._record_T)
+
     def _admit(self, record_LTK: np.ndarray, tokens: dict[int, int]) -> None:
         """Touch the routed resident slots and admit missed experts, layers in order. The
         lookups run for all layers at once (``routed_lookup``: one numpy pass, not ~10 small ops per layer:
-        at 48 layers the per-layer form cost ~0.5 ms of host time per step, during which the GPU waited)."""
+        at 48 layers the per-layer form cost ~0.5 ms of host time per step, during which the GPU waited).
+        Experts whose admission is still in flight (read late) are not admitted again, and their slots count
+        as their layer's for the policy's shares."""
         budget = self.admit_per_step
         if budget == 0 or self.pool.num_slots == 0 or not tokens:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
+        in_flight_L = None
+        if self._gens:
+            in_flight_L = np.zeros(len(self.pool.count_L), dtype=np.int64)
+            row_of = np.full(len(self.pool.count_L), -1, dtype=np.int64)
+            row_of[lps] = np.arange(len(lps))
+            for layer, experts, victims in self._pending:
+                lp = self.pool.layer_pos[layer]
+                in_flight_L[lp] += len(victims)
+                if row_of[lp] >= 0:
+                    miss_LE[row_of[lp], experts] = False
         # victims leave the map and the device table now (one write for every layer); the policy may give fewer
         # than asked; raises with the map unchanged
-        plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget)
+        plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget, in_flight_L)
         if not plans:
             return
         s = self.streams
@@ -201,26 +259,34 @@ class DecodeResidency:
         if s.is_cuda:
             s.copy.wait_stream(s.hit)  # a prefill hit gather may still read a victim
         R = self.store.bytes_per_expert
+        event = self._gen_events[self._gen_next]
         try:
             with s.on(s.copy):  # every layer's rows in one call (one batched copy where the hit path has it)
                 self.h2d.copy([RowCopy(self.pool.rows_SR, self.store.rows(layer), np.asarray(victims, dtype=np.int64),
                                        experts) for layer, experts, victims in plans], coalesce=False)
-                s.record(self._pending_event, s.copy)
+                s.record(event, s.copy)
         except BaseException:
             for _, _, victims in plans:
                 self.pool.release(victims)
             raise
         for layer, experts, _ in plans:
             self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * R
-        self._pending = plans
+        self._gens.append((plans, event))
+        self._gen_next ^= 1
 
-    def commit_pending(self) -> None:
-        """Admissions whose copies were enqueued at the last boundary enter the map and the table (one write)."""
-        if not self._pending:
+    @property
+    def _pending(self) -> list[tuple[int, np.ndarray, list[int]]]:
+        """Every admission in flight, oldest first: ``(layer, experts, slots)``."""
+        return [plan for plans, _ in self._gens for plan in plans]
+
+    def commit_pending(self, keep: int = 0) -> None:
+        """Admissions in flight enter the map and the table (one write), all but the ``keep`` boundaries' newest."""
+        if len(self._gens) <= keep:
             return
+        gens, self._gens = self._gens[:len(self._gens) - keep], self._gens[len(self._gens) - keep:]
         if self.streams.is_cuda:
-            self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
-        pending, self._pending = self._pending, []  # taken off first: a failed commit is not retried
+            gens[-1][1].synchronize()  # HOST SYNC, between steps: issued a step (read late: two) ago, done
+        pending = [plan for plans, _ in gens for plan in plans]  # taken off first: a failed commit is not retried
         try:
             self.pool.commit_many(pending)  # raises with the map unchanged (device OOM)
         except BaseException:
@@ -234,8 +300,9 @@ class DecodeResidency:
         """Forget admissions in flight (the caller synchronized and clears the pool)."""
         for _, _, victims in self._pending:
             self.pool.release(victims)
-        self._pending = []
+        self._gens = []
         self._record_ready = False
+        self._snap_T = None
 
     # ------------------------------------------------------------------ stats and teardown
     def counts(self) -> dict[int, tuple[int, ...]]:

@@ -93,6 +93,99 @@ def test_a_missed_expert_is_admitted_at_the_second_boundary_after_its_step(tiny_
     _check_invariants(cache)
 
 
+def test_read_late_a_boundary_admits_from_the_step_before_the_one_in_flight_and_commits_two_boundaries_on(tiny_ckpt):
+    """decode.run_ahead's boundaries (``set_late``): the boundary before step 3 runs while step 2 may be in flight, so
+    it admits step 1's misses, not step 2's, and they are committed at the boundary before step 5."""
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0")
+    cache.decode.set_late(True)
+    layer = store.layers[0]
+    first, second = [1, 5, 9, 13], [2, 6, 10, 14]
+    _decode_step(cache, {layer: torch.tensor([first])})  # step 1
+    _decode_step(cache, {layer: torch.tensor([second])})  # step 2: its boundary snapshots step 1's record
+    assert cache.stats()["total"]["bytes"]["decode_h2d"] == 0
+    _decode_step(cache, {layer: torch.tensor([[3, 7, 11, 15]])})  # step 3: its boundary admits step 1's misses
+    assert [(lay, e.tolist()) for lay, e, _ in cache.decode._pending] == [(layer, first)]
+    _decode_step(cache, {layer: torch.tensor([[3, 7, 11, 15]])})  # step 4: admits step 2's; step 1's still in flight
+    assert [(lay, e.tolist()) for lay, e, _ in cache.decode._pending] == [(layer, first), (layer, second)]
+    assert (cache.resident(layer)[first + second] < 0).all()
+    _decode_step(cache, {layer: torch.tensor([first])})  # step 5: its boundary commits step 1's admissions
+    assert (cache.resident(layer)[first] >= 0).all() and (cache.resident(layer)[second] < 0).all()
+    _check_invariants(cache)
+    cache.decode.set_late(False)
+    cache.step_boundary()  # not late: everything in flight is committed, then step 5's record read as usual
+    assert (cache.resident(layer)[first + second] >= 0).all()
+    _check_invariants(cache)
+
+
+def test_read_late_an_expert_in_flight_is_not_admitted_again_and_shares_hold(tiny_ckpt, monkeypatch):
+    """Read late, an expert missed by two consecutive steps is copied once (its admission from the first step is
+    still in flight when the second step's record is read), and the balanced policy counts in-flight slots as their
+    layer's: no layer ends above its share, every layer's victims are still picked at once (``own_victims``: not
+    counted, a layer with admissions in flight looks below its share and every boundary took the layer-by-layer
+    path), and the map, the owners and the device table agree at every step."""
+    from moe_offload.policy import BalancedLruPolicy
+
+    at_once = []
+    real = BalancedLruPolicy.own_victims
+
+    def own_victims(self, *args):
+        picks = real(self, *args)
+        at_once.append(picks is not None)
+        return picks
+
+    monkeypatch.setattr(BalancedLruPolicy, "own_victims", own_victims)
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "24 slots")
+    rng = random.Random(1)
+    K, E, R = store.geometry.top_k, store.num_experts, store.bytes_per_expert
+    cache.decode.set_late(True)
+    copied = 0
+    for step in range(120):  # each layer routes among 10 experts: consecutive steps share misses, and differ
+        ids = {layer: torch.tensor([rng.sample(range(10), K)]) for layer in store.layers}
+        before = {(lay, e) for lay, es, _ in cache.decode._pending for e in es.tolist()}
+        _decode_step(cache, ids)
+        new = [(lay, e) for lay, es, _ in cache.decode._pending for e in es.tolist()]
+        assert len(new) == len(set(new))  # no expert twice in flight
+        copied += len(set(new) - before)
+        _check_invariants(cache)
+        pool = cache.pool
+        assert (pool.count_L <= pool.policy.share_L).all()
+    st = cache.stats()["total"]
+    assert st["bytes"]["decode_h2d"] == copied * R > 0 and st["evictions"] > 0
+    assert sum(at_once) > 0.9 * len(at_once) > 50
+    cache.decode.set_late(False)
+    cache.step_boundary()
+    cache.step_boundary()
+    assert cache.decode._pending == [] and cache.pool.resident_count == cache.pool.num_slots
+
+
+def test_run_ahead_engine_admits_from_the_snapshot_not_the_record_of_the_step_in_flight(tiny_ckpt, monkeypatch):
+    """decode.run_ahead turns the boundaries late for the greedy loop only (the prefill after it reads as before); the
+    late ones admit from the snapshot, never from the record the step in flight writes; tokens equal run-ahead off."""
+    from moe_offload.decode_path import DecodeResidency
+
+    ckpt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    base = [f"model.checkpoint={ckpt}", "model.format=auto", "logging.level=WARNING", "prefill.warmup_tokens=64",
+            "decode.max_tokens=4", "cache.budget=0.37"]
+    on = Engine.from_config(load_config(None, base + ["decode.run_ahead=true"]), progress=False)
+    off = Engine.from_config(load_config(None, base), progress=False)
+    reads = []
+    real = DecodeResidency._admit
+
+    def admit(self, record_LTK, tokens):
+        reads.append((self.late, np.shares_memory(record_LTK, self._record_host.numpy())))
+        return real(self, record_LTK, tokens)
+
+    monkeypatch.setattr(DecodeResidency, "_admit", admit)
+    for p in (list(range(5, 45)), [7] * 13, list(range(100, 164))):
+        assert on.generate(p, 16).token_ids == off.generate(p, 16).token_ids
+    late = [from_record for is_late, from_record in reads if is_late]
+    assert len(late) > 10 and not any(late)
+    assert any(from_record for is_late, from_record in reads if not is_late)  # the other engine reads the record
+    assert on.cache.stats()["total"]["bytes"]["decode_h2d"] > 0 and not on.cache.decode.late
+
+
 def test_a_boundary_admitting_into_every_layer_makes_one_table_write_and_one_copy_call(tiny_ckpt, monkeypatch):
     """Between decode steps the GPU waits for the host: a boundary's evictions of every layer go into one device
     table write, its copies into one ``h2d.copy`` call, and the next boundary's commits into one write (each

@@ -35,3 +35,30 @@ def test_run_ahead_replays_give_the_plain_loops_tokens(tiny_ckpt, budget):
         assert runs[1] == runs[0], (budget, B)
     st = ahead.cache.stats()
     assert st["compute"].get("decode_graph_replays", 0) > 0 and not st["declined"], st["declined"]
+
+
+def test_run_ahead_boundaries_below_residency_one_admit_without_waiting_for_the_step_in_flight(tiny_ckpt):
+    """Read late (decode_path.py): the host never waits on the record event of the step in flight, admissions still
+    happen (from the step before), and the tokens equal the plain loop's."""
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    plain = _engine(path, "cache.budget=0.37")
+    ahead = _engine(path, "cache.budget=0.37", "decode.run_ahead=true")
+    dec = ahead.cache.decode
+
+    class Spy:  # the real event, its host waits noted with the mode they happened in
+        def __init__(self, event):
+            self.event, self.waits = event, []
+
+        def record(self, stream=None):
+            self.event.record(stream)
+
+        def synchronize(self):
+            self.waits.append(dec.late)
+            self.event.synchronize()
+
+    dec._record_event = spy = Spy(dec._record_event)
+    prompts = [[random.Random(b).randrange(3, 300) for _ in range(21)] for b in range(4)]
+    want = [r.token_ids for r in plain.generate_batch(prompts, 24)]
+    assert [r.token_ids for r in ahead.generate_batch(prompts, 24)] == want
+    assert not any(spy.waits)
+    assert ahead.cache.stats()["total"]["bytes"]["decode_h2d"] > 0

@@ -242,9 +242,10 @@ class DecodeConfig(_Strict):
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "
                             "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead "
-                            "of idling it; a step enqueued after every sequence stopped is discarded. Where the "
-                            "boundary must read the last step's routing (a cache short of some experts) it still waits "
-                            "for that step. Off until a GPU A/B (moe_offload/run_ahead.py)")
+                            "of idling it; a step enqueued after every sequence stopped is discarded. A cache short of "
+                            "some experts then admits from the routing of the step before the one in flight and commits "
+                            "admissions a boundary later, so its boundary does not wait for the running step either "
+                            "(moe_offload/decode_path.py, 'read late'). Off until a GPU A/B (moe_offload/run_ahead.py)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

@@ -385,6 +385,17 @@ class OffloadMoeCache:
         replayer passes the step's token count."""
         self.decode.step_enqueued(tokens)
 
+    @contextlib.contextmanager
+    def read_late(self, on: bool = True):
+        """Context: while decode steps are enqueued before the host read the last one (``decode.run_ahead``),
+        boundaries admit from the step before the one in flight and never wait for it (``decode_path.py``,
+        "read late"); afterwards the next boundary reads the last step as usual."""
+        self.decode.set_late(on)
+        try:
+            yield
+        finally:
+            self.decode.set_late(False)
+
     def step_boundary(self) -> None:
         """Between decode steps (never inside a captured step): commit and schedule admissions. Its host time is
         counted (``stats()["decode_boundary_s"]``): the GPU waits for it before the next step."""

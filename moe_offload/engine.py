@@ -410,12 +410,9 @@ class Engine:
         steps = 0
         if self.cfg.decode.temperature == 0:
             ahead = self.cfg.decode.run_ahead
-            self.cache.decode.set_late(ahead)  # the boundaries read a step late (decode_path.py): no wait on a step
-            try:
+            with self.cache.read_late(ahead):  # a boundary then never waits for the step in flight
                 steps = decode_greedy(step, tok_B, max_new, done, take,
                                       lambda: raise_nonfinite(self, prompts[0], outs[0]), ahead, self.device)
-            finally:
-                self.cache.decode.set_late(False)
         else:
             while steps + 1 < max_new and not all(done):
                 logits_BV = step(tok_B)

@@ -27,17 +27,15 @@ an eager forward calls it too), deterministic so TP ranks stay in agreement:
    victim), copies host -> victim slots, and records an event. The new owners enter the map and the
    table at the next boundary.
 
-Read late (``set_late``, on while greedy decoding runs ahead: ``decode.run_ahead``, ``run_ahead.py``): the boundary
-before step N+1 runs while step N is still queued or running, so reading step N's record (2.) would make the host wait
-for step N, and committing the admissions enqueued at the boundary before step N (1.) would wait for copies that only
-start after step N-1. Neither waits then:
-- the boundary enqueues a copy of the in-flight step's record into a pinned snapshot behind that step (compute stream),
-  and admits from the snapshot taken at the boundary before: step N-1's routing, done by then;
-- admissions stay in flight for two boundaries: the boundary before step N+1 commits those enqueued before step N-1
-  (copies that waited for step N-2), and the experts of the ones enqueued before step N are not admitted again; the
-  policy counts their slots as their layer's already (its shares).
-Admissions are a step staler; what a step computes does not change (a routed expert without a slot is read from host
-memory either way).
+Read late (``set_late``; ``OffloadMoeCache.read_late`` turns it on while greedy decoding runs ahead,
+``decode.run_ahead``, ``run_ahead.py``): the boundary before step N+1 runs while step N is still queued or running,
+and reading step N's record (2.) would make the host wait for step N. Instead the boundary enqueues a copy of the
+in-flight step's record into a pinned snapshot behind that step (compute stream) and admits from the snapshot the
+boundary before took: step N-1's routing, done by then. Commits (1.) still wait for the admission copies enqueued at
+the last boundary, which run beside step N (at most their own copy time, not the step's).
+Admissions come one step later; what a step computes does not change (a routed expert without a slot is read from
+host memory either way). Measured at e31192f with commits two boundaries on (no wait at all), misses rose by half at
+batch 1 (README "e31192f on an H100").
 """
 
 from __future__ import annotations
@@ -84,11 +82,8 @@ class DecodeResidency:
         self._record_T: dict[int, int] = {}  # lp -> tokens recorded by the step in flight
         self._record_event = streams.event()
         self._record_ready = False
-        # admissions in flight, one entry per boundary that enqueued copies, oldest first: ([(layer, experts,
-        # slots)], the copies' event); at most two (read late), so two events take turns
-        self._gens: list[tuple[list[tuple[int, np.ndarray, list[int]]], object]] = []
-        self._gen_events = [streams.event(), streams.event()]
-        self._gen_next = 0
+        self._pending: list[tuple[int, np.ndarray, list[int]]] = []  # (layer, experts, slots) being copied
+        self._pending_event = streams.event()
         self._just_committed: set[int] = set()
         # read late (module docstring): the snapshot of the record of the step that was in flight at the last boundary
         self.late = False
@@ -181,17 +176,16 @@ class DecodeResidency:
     # ------------------------------------------------------------------ between steps
     def set_late(self, on: bool) -> None:
         """Read late from now on (module docstring), or not. Turning it off drops an unread snapshot: the next
-        boundary admits from the last step's record and commits every admission in flight."""
+        boundary admits from the last step's record."""
         self.late = on
         if not on:
             self._snap_T = None
 
     def boundary(self) -> None:
-        """Commit last boundary's admissions, then admit from the last step's routing (host); read late, commit the
-        ones before and admit from the step before last's (module docstring). Slots just committed are not victims
-        of this boundary: they serve at least one step (at a pool much smaller than a step's routed set every
-        admission was otherwise evicted before its first use)."""
-        self.commit_pending(keep=1 if self.late else 0)
+        """Commit last boundary's admissions, then admit from the last step's routing (host; read late: the step
+        before last's). Slots just committed are not victims of this boundary: they serve at least one step (at a pool
+        much smaller than a step's routed set every admission was otherwise evicted before its first use)."""
+        self.commit_pending()
         if self.lookahead is not None:
             self.lookahead.reset()
         try:
@@ -231,27 +225,15 @@ class DecodeResidency:
     def _admit(self, record_LTK: np.ndarray, tokens: dict[int, int]) -> None:
         """Touch the routed resident slots and admit missed experts, layers in order. The
         lookups run for all layers at once (``routed_lookup``: one numpy pass, not ~10 small ops per layer:
-        at 48 layers the per-layer form cost ~0.5 ms of host time per step, during which the GPU waited).
-        Experts whose admission is still in flight (read late) are not admitted again, and their slots count
-        as their layer's for the policy's shares."""
+        at 48 layers the per-layer form cost ~0.5 ms of host time per step, during which the GPU waited)."""
         budget = self.admit_per_step
         if budget == 0 or self.pool.num_slots == 0 or not tokens:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
-        in_flight_L = None
-        if self._gens:
-            in_flight_L = np.zeros(len(self.pool.count_L), dtype=np.int64)
-            row_of = np.full(len(self.pool.count_L), -1, dtype=np.int64)
-            row_of[lps] = np.arange(len(lps))
-            for layer, experts, victims in self._pending:
-                lp = self.pool.layer_pos[layer]
-                in_flight_L[lp] += len(victims)
-                if row_of[lp] >= 0:
-                    miss_LE[row_of[lp], experts] = False
         # victims leave the map and the device table now (one write for every layer); the policy may give fewer
         # than asked; raises with the map unchanged
-        plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget, in_flight_L)
+        plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget)
         if not plans:
             return
         s = self.streams
@@ -259,34 +241,26 @@ class DecodeResidency:
         if s.is_cuda:
             s.copy.wait_stream(s.hit)  # a prefill hit gather may still read a victim
         R = self.store.bytes_per_expert
-        event = self._gen_events[self._gen_next]
         try:
             with s.on(s.copy):  # every layer's rows in one call (one batched copy where the hit path has it)
                 self.h2d.copy([RowCopy(self.pool.rows_SR, self.store.rows(layer), np.asarray(victims, dtype=np.int64),
                                        experts) for layer, experts, victims in plans], coalesce=False)
-                s.record(event, s.copy)
+                s.record(self._pending_event, s.copy)
         except BaseException:
             for _, _, victims in plans:
                 self.pool.release(victims)
             raise
         for layer, experts, _ in plans:
             self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * R
-        self._gens.append((plans, event))
-        self._gen_next ^= 1
+        self._pending = plans
 
-    @property
-    def _pending(self) -> list[tuple[int, np.ndarray, list[int]]]:
-        """Every admission in flight, oldest first: ``(layer, experts, slots)``."""
-        return [plan for plans, _ in self._gens for plan in plans]
-
-    def commit_pending(self, keep: int = 0) -> None:
-        """Admissions in flight enter the map and the table (one write), all but the ``keep`` boundaries' newest."""
-        if len(self._gens) <= keep:
+    def commit_pending(self) -> None:
+        """Admissions whose copies were enqueued at the last boundary enter the map and the table (one write)."""
+        if not self._pending:
             return
-        gens, self._gens = self._gens[:len(self._gens) - keep], self._gens[len(self._gens) - keep:]
         if self.streams.is_cuda:
-            gens[-1][1].synchronize()  # HOST SYNC, between steps: issued a step (read late: two) ago, done
-        pending = [plan for plans, _ in gens for plan in plans]  # taken off first: a failed commit is not retried
+            self._pending_event.synchronize()  # HOST SYNC, between steps: issued a step ago, done
+        pending, self._pending = self._pending, []  # taken off first: a failed commit is not retried
         try:
             self.pool.commit_many(pending)  # raises with the map unchanged (device OOM)
         except BaseException:
@@ -300,7 +274,7 @@ class DecodeResidency:
         """Forget admissions in flight (the caller synchronized and clears the pool)."""
         for _, _, victims in self._pending:
             self.pool.release(victims)
-        self._gens = []
+        self._pending = []
         self._record_ready = False
         self._snap_T = None
 

@@ -174,24 +174,21 @@ class SlotPool:
         slots = self.policy.victims_for(self.layer_pos[layer], n, protected, self.count_L, self.slot_of_LE)
         return self._take(slots) if slots else []
 
-    def reserve_for_layers(self, wants: Iterable[tuple[int, np.ndarray, set[int]]], budget: int,
-                           in_flight_L: np.ndarray | None = None) -> list[tuple]:
+    def reserve_for_layers(self, wants: Iterable[tuple[int, np.ndarray, set[int]]], budget: int) -> list[tuple]:
         """A decode boundary's admissions: for each ``(layer, missed experts, protected slots)`` in order, slots as
         ``reserve_for`` chooses them (never one an earlier entry took), until ``budget`` slots are taken. Returns
         ``[(layer, experts, slots)]``, the entries that got slots (``experts`` the first ``len(slots)`` missed).
         Every layer's evictions go into ONE table write (a layer at a time took an upload and an index_copy_ per
         admitted layer, ~16 layers a step at residency 0.37). The policy picks layer by layer on the host map as
         each earlier layer left it, as ``reserve_for`` would; when the write cannot be allocated (device OOM)
-        the host map is put back, the slots that were empty are free again, and it raises. ``in_flight_L``: slots
-        per layer position whose admission is still in flight; the policy counts them as that layer's."""
+        the host map is put back, the slots that were empty are free again, and it raises."""
         plans, taken, keys = [], [], []
         try:
             for layer, missed, protected in wants:
                 if budget <= 0:
                     break
                 n = min(int(missed.size), budget)
-                count_L = self.count_L if in_flight_L is None else self.count_L + in_flight_L
-                slots = self.policy.victims_for(self.layer_pos[layer], n, protected | set(taken), count_L,
+                slots = self.policy.victims_for(self.layer_pos[layer], n, protected | set(taken), self.count_L,
                                                 self.slot_of_LE) if n else []
                 if not slots:
                     continue
@@ -208,14 +205,13 @@ class SlotPool:
         return plans
 
     def reserve_decode(self, lps: np.ndarray, slots_LE: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray,
-                       protected: set[int], budget: int, in_flight_L: np.ndarray | None = None) -> list[tuple]:
+                       protected: set[int], budget: int) -> list[tuple]:
         """``reserve_for_layers`` over a decode step's routing lookup (``decode_path.routed_lookup``: layer positions
         ``lps``, their map rows, the experts routed with / without a slot): every layer with misses, in order,
         protects the slots its step routed and ``protected``. Where the policy picks every layer's victims at once
         (``own_victims``: the balanced policy with each of those layers at or above its share, its steady state
         below residency 1) the picks are the same in a few array operations (~100 us a layer of Python on a
-        CI-class CPU before: README "c7b7054 on an H200"); else layer by layer. ``in_flight_L``: as in
-        ``reserve_for_layers``."""
+        CI-class CPU before: README "c7b7054 on an H200"); else layer by layer."""
         rows = np.flatnonzero(miss_LE.any(axis=1))
         if budget <= 0 or rows.size == 0:
             return []
@@ -225,8 +221,7 @@ class SlotPool:
             protected_S[list(protected)] = True
             s_LE = slots_LE[rows]
             usable_LE = (s_LE >= 0) & ~hit_LE[rows] & ~protected_S[np.maximum(s_LE, 0)]
-            count_L = self.count_L if in_flight_L is None else self.count_L + in_flight_L
-            picks = at_once(lps[rows], s_LE, usable_LE, miss_LE[rows].sum(axis=1), count_L, budget)
+            picks = at_once(lps[rows], s_LE, usable_LE, miss_LE[rows].sum(axis=1), self.count_L, budget)
             if picks is not None:
                 plans = [(self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i])[:len(p)], p)
                          for i, p in zip(rows.tolist(), picks) if p]
@@ -237,7 +232,7 @@ class SlotPool:
         wants = ((self.store.layers[int(lps[i])], np.flatnonzero(miss_LE[i]),
                   set(slots_LE[i][hit_LE[i]].tolist()) | protected)
                  for i in rows.tolist())  # lazily: the budget may end it early
-        return self.reserve_for_layers(wants, budget, in_flight_L)
+        return self.reserve_for_layers(wants, budget)
 
     def _write_evictions(self, taken: list[int], evicted: np.ndarray) -> None:
         """The one table write of the evictions ``_drop_owners(taken)`` made on the host map (it returned

@@ -233,7 +233,7 @@ def _cache(tiny_ckpt, skip=lambda ev: False, policy="balanced", lookahead=False,
     for name in ("misses_done", "hits_done", "released"):
         setattr(cache.staging, name, [ev(), ev()])
     cache.decode._record_event, cache.decode._snap_event = ev(), ev()
-    cache.decode._gen_events = [ev(), ev()]
+    cache.decode._pending_event = ev()
     return store, cache
 
 

@@ -60,6 +60,7 @@ from collections import OrderedDict
 import torch
 
 from moe_offload import log
+from moe_offload.graph_capture import end_failed_capture
 
 #: largest bucket: a longer prompt is prefilled eagerly (its host time is small beside its device time)
 MAX_BUCKET = 4096
@@ -137,7 +138,7 @@ class Segments:
                 try:
                     graph.capture_end()
                 except Exception:  # noqa: BLE001 - the capture was invalidated; the first error is reported
-                    pass
+                    end_failed_capture(self.stream.device, self.pool)
         self.parts.clear()
 
     def replay(self) -> None:
@@ -367,6 +368,7 @@ class PrefillGraphs:
                 with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
                     logits = self._forward(st, Tb, mode, capture=True)
         except Exception as exc:  # an op that syncs, cannot be captured, or a staged layer: eager from now on
+            end_failed_capture(side.device, self._pool)
             cur.wait_stream(side)
             self.graphs = False
             self._graphs.clear()

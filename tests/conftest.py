@@ -128,6 +128,19 @@ _private_pools: list[int] = [0]
 _pool_growth: list[tuple[str, int, bool]] = []  # (test, private-pool bytes added, current stream still capturing)
 
 
+def assert_allocator_releases(nbytes: int = 256 << 20) -> None:
+    """torch's caching allocator still returns freed memory to the device (a failed CUDA graph capture left
+    unended keeps it from doing so: moe_offload/graph_capture.py): ``nbytes`` allocated, freed, and released by
+    ``empty_cache``."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    del block
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before, "empty_cache released nothing: a capture is still counted as underway"
+
+
 def _private_pool_bytes() -> int:
     """Bytes reserved in private memory pools (CUDA graphs' pools): segments whose pool id is not the default."""
     return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from moe_offload import log
+from moe_offload.graph_capture import end_failed_capture
 
 
 class GraphedCompute:
@@ -132,6 +133,7 @@ class GraphedCompute:
                 finally:
                     graph.capture_end()
         except Exception as exc:  # an op that cannot be captured: eager from now on
+            end_failed_capture(side.device, self._pool)
             stream.wait_stream(side)
             self.disable("capture_failed", f"{type(exc).__name__}: {exc}")
             return None

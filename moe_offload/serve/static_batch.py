@@ -37,6 +37,7 @@ from collections import Counter
 import torch
 
 from moe_offload import log
+from moe_offload.graph_capture import end_failed_capture
 
 #: the smallest positions bucket (a power of two): shorter windows would only add graphs
 _MIN_WINDOW = 32
@@ -68,6 +69,9 @@ class CudaGraphs:
         try:
             with torch.cuda.graph(graph, stream=self.stream, pool=self.pool, capture_error_mode="thread_local"):
                 out = fn()
+        except BaseException:
+            end_failed_capture(self.device, self.pool)
+            raise
         finally:
             cur.wait_stream(self.stream)
         return _Graph(graph, out)

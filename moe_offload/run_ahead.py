@@ -11,8 +11,7 @@ Why it keeps answers: the next step's input is the same argmax, read from the de
 costs: a step enqueued after the last sequence stopped is discarded (the caller never reads it), and non-finite
 logits are reported one step later, naming the same token. The step boundary (``decode_path.DecodeResidency``) reads
 late meanwhile (the engine turns it on around this loop): it admits from the routing of the step before the one in
-flight and commits admissions a boundary later, so it does not wait for the running step; with every expert resident
-it does no admission work at all.
+flight, so it does not wait for the running step; with every expert resident it does no admission work at all.
 
 Legend: B sequences, V vocabulary.
 """

@@ -246,8 +246,8 @@ class DecodeConfig(_Strict):
                             "some experts then admits from the routing of the step before the one in flight (one step "
                             "later), so its boundary does not wait for the running step either (moe_offload/"
                             "decode_path.py, 'read late'). Off: +0.4-1.0 % fully resident, -1.4 to -8.4 % below "
-                            "residency 1 with admissions two steps later on an H100 (README, e31192f); the one-step form "
-                            "is not yet timed (moe_offload/run_ahead.py)")
+                            "residency 1 with admissions two steps later on an H100 (README, e31192f); the one-step "
+                            "form is not yet timed (moe_offload/run_ahead.py)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

@@ -138,7 +138,7 @@ def assert_allocator_releases(nbytes: int = 256 << 20) -> None:
     block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     del block
     torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() <= before, "empty_cache released nothing: a capture is still counted as underway"
+    assert torch.cuda.memory_reserved() <= before, "empty_cache released nothing: a capture still counts as underway"
 
 
 def _private_pool_bytes() -> int:

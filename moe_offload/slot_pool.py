@@ -15,7 +15,7 @@ go to the current stream; the caller orders them after the copy they describe.
 
 Shares (``cache.policy: balanced``, the default; the choice is ``policy.BalancedLruPolicy``'s): layer ``lp``
 may hold ``share_L[lp]`` experts (S // L, the first S % L layers one more). A prefill admission into free
-slots stops at the share (``admit(..., within_share=True)``); a decode admission (``reserve_for``) takes
+slots stops at the share (``admit(..., within_share=True)``); a decode admission (``reserve_decode``) takes
 free slots up to the share, then evicts the least recently used expert of its own layer when the layer is
 at its share, else of a layer above its share. Why: prefill copies layer l+1's misses while layer l computes, so per layer it costs about
 max(compute, misses x row bytes / PCIe bandwidth). First-come admission filled the slots in layer order: at
@@ -169,8 +169,9 @@ class SlotPool:
         return self._take(self.policy.choose_free(n) if free_only else self.policy.choose(n, set(protected)))
 
     def reserve_for(self, layer: int, n: int, protected: set[int]) -> list[int]:
-        """Up to ``n`` slots for experts of ``layer`` (a decode admission), never one in ``protected``, as
-        the policy chooses them (``policy.victims_for``); taken out of the map like ``reserve``."""
+        """Up to ``n`` slots for experts of ``layer`` (one layer's decode admission; a boundary takes every layer's
+        through ``reserve_decode``), never one in ``protected``, as the policy chooses them (``policy.victims_for``);
+        taken out of the map like ``reserve``."""
         slots = self.policy.victims_for(self.layer_pos[layer], n, protected, self.count_L, self.slot_of_LE)
         return self._take(slots) if slots else []
 

@@ -12,10 +12,21 @@ Found at e31192f on an H100: after the GPU test files whose captures fail on pur
 device-memory hog left 78 GiB reserved and unallocated that ``empty_cache`` did not release, and 17 later tests
 failed with out-of-memory errors; the same module alone held nothing (README "e31192f on an H100").
 
+The same early raise skips the capture's epilogue on the device's default CUDA generator, which therefore stays in
+capture mode: every later random op on that device outside a capture (``torch.randint``, sampling, dropout) raises
+"Offset increment outside graph capture encountered unexpectedly". Found at 47c82c8 on an H100: after the GPU test
+that invalidates a capture on purpose, 39 later GPU tests failed that way (README "47c82c8 on an H100").
+
 ``end_failed_capture`` ends the allocator's routing to the pool itself, through the binding
 ``torch.cuda.use_mem_pool`` is built on. On a torch that already ended it the allocator finds no such capture and
 raises, which is the expected case there and ignored. The pool's own blocks stay reserved until its graphs go (the
 pool is shared with the graphs captured before, so it is not released here).
+
+When the allocator still counted the capture (so the epilogue was skipped as well), it also gives the default
+generator a copy of its own state (``clone_state``: same seed and offset, not in capture mode) through
+``graphsafe_set_state``. The random stream goes on where it was: a failed capture consumes no offset. Graphs captured
+before keep the state they registered with (their replays advance that one), as they would after any
+``graphsafe_set_state``. Only then, because a generator in good order would lose its graphs' offset bookkeeping.
 """
 
 from __future__ import annotations
@@ -38,7 +49,24 @@ def end_failed_capture(device: torch.device, pool) -> bool:
         end(index, pool)
     except RuntimeError:  # "not currently recording to mempool_id": capture_end already ended it
         return False
+    generator = _end_generator_capture(index)
     log.log_once("cuda_graph_capture_ended_for_allocator", "cuda_graph_capture_ended_for_allocator", logging.INFO,
-                 torch=torch.__version__, detail="a failed capture left the caching allocator routing to its pool; "
-                 "ended explicitly (moe_offload/graph_capture.py)")
+                 torch=torch.__version__, generator_reset=generator,
+                 detail="a failed capture left the caching allocator routing to its pool and the default CUDA "
+                 "generator in capture mode; both ended explicitly (moe_offload/graph_capture.py)")
+    return True
+
+
+def _end_generator_capture(index: int) -> bool:
+    """Give device ``index``'s default CUDA generator a copy of its state that is not in capture mode (see the module
+    docstring). False where this torch has no such generator or API."""
+    generators = getattr(torch.cuda, "default_generators", ())
+    if index >= len(generators):
+        return False
+    generator = generators[index]
+    clone = getattr(generator, "clone_state", None)
+    set_state = getattr(generator, "graphsafe_set_state", None)
+    if clone is None or set_state is None:
+        return False
+    set_state(clone())
     return True

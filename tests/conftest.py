@@ -147,11 +147,32 @@ def _private_pool_bytes() -> int:
                if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
+def _generator_left_capturing() -> bool:
+    """The default CUDA generator still in capture mode outside a capture (a failed capture that was not ended:
+    moe_offload/graph_capture.py): a random op raises. Draws one number when it is not."""
+    try:
+        torch.empty(1, device="cuda").uniform_()
+    except RuntimeError as e:
+        if "outside graph capture" in str(e):
+            return True
+        raise
+    return False
+
+
 @pytest.hookimpl(trylast=True)  # after the runner's own teardown: the test's fixtures are gone by then
 def pytest_runtest_teardown(item, nextitem):
     if "gpu" not in item.keywords or not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
     import gc
+
+    # At 47c82c8 on an H100 one test left the default generator in capture mode and 39 later GPU tests failed at
+    # their first random op. Fail the test that left it so (at its teardown) and give the generator a fresh state, so
+    # the tests after it run as they would alone.
+    if not torch.cuda.is_current_stream_capturing() and _generator_left_capturing():
+        gen = torch.cuda.default_generators[torch.cuda.current_device()]
+        gen.graphsafe_set_state(gen.clone_state())
+        pytest.fail(f"{item.nodeid} left the default CUDA generator in capture mode (a failed capture that was not "
+                    "ended with moe_offload.graph_capture.end_failed_capture)", pytrace=False)
 
     gc.collect()
     torch.cuda.empty_cache()

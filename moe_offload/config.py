@@ -238,16 +238,17 @@ class DecodeConfig(_Strict):
                             "ones are copied from host memory on a side stream while this layer computes "
                             "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
                             "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
-    run_ahead: bool = Field(False, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
+    run_ahead: bool = Field(True, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "
                             "tokens, stop checks, streaming, the step boundary) overlaps the GPU's next step instead "
                             "of idling it; a step enqueued after every sequence stopped is discarded. A cache short of "
                             "some experts then admits from the routing of the step before the one in flight (one step "
                             "later), so its boundary does not wait for the running step either (moe_offload/"
-                            "decode_path.py, 'read late'). Off: +0.4-1.0 % fully resident, -1.4 to -8.4 % below "
-                            "residency 1 with admissions two steps later on an H100 (README, e31192f); the one-step "
-                            "form is not yet timed (moe_offload/run_ahead.py)")
+                            "decode_path.py, 'read late'). On since 47c82c8's ABBA on an H100: +4.4 / +4.3 % tok/s at "
+                            "residency 0.37 batch 1 / 4 (misses +27 / +11 %, median step -14 %), +1.0 / +0.4 % fully "
+                            "resident at batch 1 / 16 (e31192f); batch 16 / 64 with misses not yet timed in this "
+                            "form (README, 47c82c8 on an H100)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)

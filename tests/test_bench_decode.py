@@ -167,8 +167,8 @@ def test_the_header_states_the_run_ahead_setting_of_the_run(bench):
 
     _, _, result, out = bench
     md = next(out.glob("decode-*.md")).read_text()
-    assert result["settings"]["run_ahead"] is False and "; run-ahead off" in md  # the default
-    assert _run_ahead({"run_ahead": True}) == "; run-ahead on (tokens read a step late)" and _run_ahead({}) == ""
+    assert result["settings"]["run_ahead"] is True and "; run-ahead on (tokens read a step late)" in md  # default
+    assert _run_ahead({"run_ahead": False}) == "; run-ahead off" and _run_ahead({}) == ""
 
 
 def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):

@@ -149,7 +149,7 @@ def test_run_ahead_engine_admits_from_the_snapshot_not_the_record_of_the_step_in
     base = [f"model.checkpoint={ckpt}", "model.format=auto", "logging.level=WARNING", "prefill.warmup_tokens=64",
             "decode.max_tokens=4", "cache.budget=0.37"]
     on = Engine.from_config(load_config(None, base + ["decode.run_ahead=true"]), progress=False)
-    off = Engine.from_config(load_config(None, base), progress=False)
+    off = Engine.from_config(load_config(None, base + ["decode.run_ahead=false"]), progress=False)
     reads = []
     real = DecodeResidency._admit
 

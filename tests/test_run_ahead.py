@@ -46,9 +46,9 @@ def _forward_argmax(eng: Engine, prompts: list[list[int]], max_new: int) -> list
 
 @pytest.mark.parametrize("budget", ["0.37", "1.0"])
 def test_greedy_decode_with_and_without_run_ahead_gives_the_forwards_argmax_and_one_stream(ckpt, budget):
-    plain = _engine(ckpt, f"cache.budget={budget}")
+    plain = _engine(ckpt, f"cache.budget={budget}", "decode.run_ahead=false")
     ahead = _engine(ckpt, f"cache.budget={budget}", "decode.run_ahead=true")
-    ref = _engine(ckpt, f"cache.budget={budget}")
+    ref = _engine(ckpt, f"cache.budget={budget}", "decode.run_ahead=false")
     rng = random.Random(0)
     for _ in range(4):
         B, T = rng.choice([1, 2, 3]), rng.randint(1, 24)
@@ -61,13 +61,13 @@ def test_greedy_decode_with_and_without_run_ahead_gives_the_forwards_argmax_and_
 
 
 def test_a_stop_token_ends_each_sequence_at_the_same_token_and_costs_at_most_one_discarded_step(ckpt):
-    plain = _engine(ckpt, "cache.budget=1.0")
+    plain = _engine(ckpt, "cache.budget=1.0", "decode.run_ahead=false")
     prompts = [[11, 12, 13, 14], [40, 41, 42, 43]]
     free_run, _ = _run(plain, prompts, 12)
     # stop at the 4th token of sequence 0 and at whatever sequence 1 has at its 6th position
     stops = [free_run[0][3], free_run[1][5]]
     cfg = [f"decode.stop_token_ids=[{stops[0]},{stops[1]}]", "cache.budget=1.0"]
-    plain, ahead = _engine(ckpt, *cfg), _engine(ckpt, *cfg, "decode.run_ahead=true")
+    plain, ahead = _engine(ckpt, *cfg, "decode.run_ahead=false"), _engine(ckpt, *cfg, "decode.run_ahead=true")
     want = _run(plain, prompts, 12)
     assert _run(ahead, prompts, 12) == want
     assert all(seq[-1] in stops or len(seq) == 12 for seq in want[0])
@@ -79,7 +79,7 @@ def test_non_finite_logits_at_a_decode_step_are_named_with_run_ahead(ckpt, monke
     """Fault injection: the 3rd decode step's logits are NaN. The error comes one step later than without
     run_ahead, naming the same generated token."""
     errors = []
-    for extra in ((), ("decode.run_ahead=true",)):
+    for extra in (("decode.run_ahead=false",), ("decode.run_ahead=true",)):
         eng = _engine(ckpt, "cache.budget=1.0", *extra)
         calls = {"n": 0}
         real = eng.forward

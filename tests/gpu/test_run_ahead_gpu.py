@@ -22,7 +22,7 @@ def _engine(path, *extra):
 @pytest.mark.parametrize("budget", ["1.0", "0.37", "8 slots"])
 def test_run_ahead_replays_give_the_plain_loops_tokens(tiny_ckpt, budget):
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    plain = _engine(path, f"cache.budget={budget}")
+    plain = _engine(path, f"cache.budget={budget}", "decode.run_ahead=false")
     ahead = _engine(path, f"cache.budget={budget}", "decode.run_ahead=true")
     rng = random.Random(1)
     for B in (1, 3):
@@ -41,7 +41,7 @@ def test_run_ahead_boundaries_below_residency_one_admit_without_waiting_for_the_
     """Read late (decode_path.py): the host never waits on the record event of the step in flight, admissions still
     happen (from the step before), and the tokens equal the plain loop's."""
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    plain = _engine(path, "cache.budget=0.37")
+    plain = _engine(path, "cache.budget=0.37", "decode.run_ahead=false")
     ahead = _engine(path, "cache.budget=0.37", "decode.run_ahead=true")
     dec = ahead.cache.decode
 

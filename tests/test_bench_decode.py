@@ -131,6 +131,27 @@ def test_each_cell_has_its_ratio_to_the_larger_floor(bench):
     for c in result["cells"]:
         assert c["floor_ms"] == max(c["hbm_floor_ms"], c["pcie_floor_ms"]) > 0
         assert c["ratio_to_floor"] == pytest.approx(c["ms_per_step"]["median"] / c["floor_ms"])
+        assert c["ratio_to_floor_tok_s"] == pytest.approx(c["floor_tok_s"] / c["tok_s"]["median"])
+
+
+def test_the_floor_targets_judge_the_speed_not_the_median_step():
+    """47c82c8's H100 grid (committed): below residency 1 a step's time has a long tail, so the median step is within
+    1.25 x the floor at batch 16, residency 0.37 (1.18) while tok/s, which the mean step sets, is 1.30 x slower than
+    the floor's. The verdict follows tok/s; the median's ratio stays in the cell and the note."""
+    import json
+    from pathlib import Path
+
+    from moe_offload.bench.decode_report import derive, markdown
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "decode-grid-47c82c8-h100.json"
+    result = json.loads(path.read_text())
+    derive(result)
+    t = next(t for t in result["targets"] if t["id"] == "batch16_within_floor" and t["residency"] == 0.37)
+    c = next(c for c in result["cells"] if c["batch"] == 16 and c["residency"] == 0.37)
+    assert c["ratio_to_floor"] == pytest.approx(1.18, abs=0.01) and c["ms_per_step"]["p90"] > c["ms_per_step"]["median"]
+    assert t["value"] == pytest.approx(1.30, abs=0.01) and t["met"] is False and "median step's ratio 1.18" in t["detail"]
+    md = markdown(result)
+    assert "| 0.37 | 16 | 136.7 |" in md and "| 1.30 | 1.18 |" in md  # ×floor (tok/s), then ×floor median
 
 
 def test_a_cpu_run_gives_no_target_verdict_and_says_targets_apply_on_cuda(bench):

@@ -11,8 +11,11 @@ Floors of one decode step, from figures of the same run:
 - PCIe: the missed bytes the step reads from host memory (``decode_uva`` per step) / the measured H2D
   bandwidth. Admissions between steps (``decode_h2d``) cross PCIe too, off the critical path: reported,
   not in the floor.
-``ratio_to_floor = median ms/step / max(HBM floor, PCIe floor)``; the target is >= 0.8 x floor speed
-at batch 16 and 64, i.e. a ratio <= 1.25.
+``ratio_to_floor_tok_s = floor tok/s / tok/s`` (the mean step, which sets tok/s, over the floor): the target is
+>= 0.8 x floor speed at batch 16 and 64, i.e. a ratio <= 1.25. ``ratio_to_floor = median ms/step / max(HBM floor,
+PCIe floor)`` is the typical step's ratio, reported beside it. The targets judged the median step until 47c82c8's H100
+grid showed steps below residency 1 with a long tail (batch 4 at residency 0.37: median 7.8 ms, p90 46 ms, mean
+16.2 ms): the median said 1.18 x at batch 16 where the speed was 1.30 x the floor's (README "47c82c8 on an H100").
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def derive(result: dict) -> None:
     for c in result["cells"]:
         if c.get("error"):  # failed (e.g. out of device memory): nothing measured, no floor
             c["hbm_floor_ms"] = c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
-            c["ratio_to_uva_floor"] = None
+            c["ratio_to_uva_floor"] = c["ratio_to_floor_tok_s"] = None
             c["floor_bound"] = "n/a: the cell failed"
             continue
         expert = c["routed_experts_per_step"] * m["bytes_per_expert"]
@@ -56,7 +59,7 @@ def derive(result: dict) -> None:
             # decode.path auto staged these steps: no routed-miss count to floor them by (a staged step copies
             # whole missing layers); judge them against the routed run's floor of the same cell
             c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
-            c["ratio_to_uva_floor"] = None
+            c["ratio_to_uva_floor"] = c["ratio_to_floor_tok_s"] = None
             c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
             continue
         p = c["pcie_bytes_per_step"]
@@ -65,6 +68,8 @@ def derive(result: dict) -> None:
         c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
         c["ratio_to_floor"] = c["ms_per_step"]["median"] / c["floor_ms"] if c["floor_ms"] > 0 else None
         c["floor_tok_s"] = c["batch"] * 1e3 / c["floor_ms"] if c["floor_ms"] > 0 else None
+        tok_s = c["tok_s"]["median"]
+        c["ratio_to_floor_tok_s"] = c["floor_tok_s"] / tok_s if c["floor_tok_s"] and tok_s > 0 else None
         uva_floor = max(c["hbm_floor_ms"], p.get("missed", p["decode_uva"]) / (uva_rate * 1e9) * 1e3) if uva_rate else 0
         c["ratio_to_uva_floor"] = c["ms_per_step"]["median"] / uva_floor if uva_floor > 0 else None
     result["targets"] = targets(result)
@@ -98,11 +103,12 @@ def targets(result: dict) -> list[dict]:
             c = _cell(result, r, B)
             if c is None:
                 continue
-            value = c["ratio_to_floor"]
+            value = c.get("ratio_to_floor_tok_s")
             out.append({"id": f"batch{B}_within_floor", "residency": r, "batch": B, "value": value,
                         "threshold": 1 / FLOOR_SPEED_MIN, "comparison": "<=", "primary": primary,
                         "detail": f"the cell failed: {c['error']}" if c.get("error") else
-                        f"ms/step / max(HBM, PCIe floor); {c['floor_bound']}-bound",
+                        f"floor tok/s / tok/s (the mean step / max(HBM, PCIe floor)); {c['floor_bound']}-bound; "
+                        f"the median step's ratio {_num(c['ratio_to_floor'])}",
                         "met": None if value is None else value <= 1 / FLOOR_SPEED_MIN})
     return out
 
@@ -149,8 +155,9 @@ def _header(result: dict) -> list[str]:
         f"{m['non_expert_bytes'] / 1e6:.4g} MB; KV {m['kv_bytes_per_position'] / 1e3:.4g} kB per position per "
         "sequence.",
         "", "HBM floor = bytes the step must read / HBM bandwidth; PCIe floor = missed bytes read from host memory "
-        "per step / H2D bandwidth; ×floor = median ms/step / max of the two; ×UVA floor = the same with the PCIe "
-        "floor's bytes at the miss copy's measured rate; host boundary = host time per step committing and "
+        "per step / H2D bandwidth; ×floor = floor tok/s / tok/s (the mean step over the larger of the two: the "
+        "targets' measure); ×floor median = median ms/step / the same floor (the typical step); ×UVA floor = the "
+        "median's with the PCIe floor's bytes at the miss copy's measured rate; host boundary = host time per step committing and "
         "scheduling admissions between steps (`cache.step_boundary`, its waits for copies in flight included), "
         "which the GPU waits for.",
     ]
@@ -162,11 +169,11 @@ def _header(result: dict) -> list[str]:
 def _cells_table(result: dict) -> list[str]:
     head = ("| residency | batch | tok/s | ms/step median | p90 | host boundary ms/step | hit % | "
             "PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | HBM floor ms | PCIe floor ms | ×floor | "
-            "×UVA floor | graph |")
-    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 13) + " |"]
+            "×floor median | ×UVA floor | graph |")
+    lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 14) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
         if c.get("error"):
-            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 10)
+            lines.append(f"| {c['residency']:g} | {c['batch']} | **failed**: {c['error']} |" + " |" * 11)
             continue
         p = c["pcie_bytes_per_step"]
         hit = None if c["hit_rate"] is None else 100 * c["hit_rate"]
@@ -181,7 +188,8 @@ def _cells_table(result: dict) -> list[str]:
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | "
                      f"{_num(c.get('boundary_ms_per_step'), 3)} | {_num(hit, 1)} | "
                      f"{p['total'] / 1e6:.3g} ({p['decode_uva'] / 1e6:.3g} + {p['decode_h2d'] / 1e6:.3g}{staged}) | "
-                     f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | {_num(c['ratio_to_floor'])} | "
+                     f"{_num(c['hbm_floor_ms'], 3)} | {_num(c['pcie_floor_ms'], 3)} | "
+                     f"{_num(c.get('ratio_to_floor_tok_s'))} | {_num(c['ratio_to_floor'])} | "
                      f"{_num(c.get('ratio_to_uva_floor'))} | {graph} |")
     ahead = [c for c in result["cells"] if c.get("lookahead") is not None]
     if ahead:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
+import statistics
 
 import pytest
 import torch
@@ -337,3 +339,35 @@ def test_each_cell_reports_the_host_time_of_its_step_boundaries(bench):
         assert 0 < c["boundary_ms_per_step"] < c["ms_per_step"]["median"], c
     md = next(out.glob("decode-*.md")).read_text()
     assert "| host boundary ms/step |" in md and "host boundary = host time per step" in md
+
+
+def test_each_cell_keeps_its_step_times_in_order_per_rep(bench):
+    _, _, result, _ = bench
+    steps, reps = result["settings"]["steps"], result["settings"]["reps"]
+    for c in result["cells"]:
+        assert len(c["step_ms_reps"]) == reps and all(len(r) == steps for r in c["step_ms_reps"])
+        flat = sorted(x for r in c["step_ms_reps"] for x in r)
+        assert statistics.median(flat) == pytest.approx(c["ms_per_step"]["median"], abs=1e-3)
+
+
+def test_a_tail_of_slow_steps_is_located_early_or_spread_and_listed_in_the_markdown():
+    from moe_offload.bench.decode_report import _tail_table, tail
+
+    def cell(reps):
+        flat = sorted(x for r in reps for x in r)
+        return {"residency": 0.37, "batch": 4, "step_ms_reps": reps,
+                "ms_per_step": {"median": statistics.median(flat), "p90": flat[math.ceil(0.9 * len(flat)) - 1],
+                                "mean": statistics.fmean(flat)}}
+
+    early = cell([[50.0, 45.0, 30.0] + [6.0] * 13, [48.0, 44.0, 6.5] + [6.0] * 13])
+    t = tail(early)
+    assert t["slow_steps"] == [[1, 2, 3], [1, 2]] and t["slow_share"] == pytest.approx(5 / 32)
+    assert t["rest_mean_ms"] == 6.0 and t["early_mean_ms"] > 2.5 * t["rest_mean_ms"]
+    spread = cell([[6.0] * 4 + [40.0] + [6.0] * 4 + [40.0] + [6.0] * 6])
+    assert spread["ms_per_step"]["p90"] > 1.5 * spread["ms_per_step"]["median"] and tail(spread)["slow_steps"] == [[5, 10]]
+    assert tail(cell([[6.0] * 15 + [7.0]])) is None  # no tail
+    old = cell([[50.0] * 3 + [6.0] * 13])
+    del old["step_ms_reps"]
+    assert tail(old) is None  # results from before the per-step times
+    md = "\n".join(_tail_table({"cells": [early]}))
+    assert "| 0.37 | 4 |" in md and "| 1, 2, 3; 1, 2 |" in md and "16 %" in md

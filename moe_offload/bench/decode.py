@@ -200,7 +200,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     """One (residency, batch) cell: an untimed run, then ``plan.reps`` timed runs from ``resident``."""
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
-    B, tok_s, per_step = len(prompts), [], []
+    B, tok_s, per_step, reps_steps = len(prompts), [], [], []
     hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = 0
     boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
@@ -211,6 +211,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         decode_s, steps_s, stats = _run(engine, prompts, plan.steps)
         tok_s.append(B * plan.steps / decode_s)
         per_step += steps_s
+        reps_steps.append([round(x * 1e3, 3) for x in steps_s])
         t = stats["total"]
         hits, misses, routed = hits + t["hits"], misses + t["misses"], routed + t["routed_experts"]
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
@@ -240,6 +241,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "tok_s": {"median": statistics.median(tok_s), "reps": tok_s},
         "ms_per_step": {"median": statistics.median(q) * 1e3, "p90": q[min(len(q) - 1, math.ceil(0.9 * len(q)) - 1)]
                         * 1e3, "mean": statistics.fmean(q) * 1e3},
+        # every timed step in order, per rep (host stamps of sequence 0's tokens): where a tail of slow steps sits
+        "step_ms_reps": reps_steps,
         # host time between steps spent committing and scheduling admissions (the GPU waits for it)
         "boundary_ms_per_step": boundary_s * 1e3 / boundary_steps if boundary_steps else None,
         "hit_rate": hits / (hits + misses) if hits + misses else None,

@@ -206,6 +206,43 @@ def _cells_table(result: dict) -> list[str]:
     return lines
 
 
+TAIL_P90_OVER_MEDIAN, SLOW_OVER_MEDIAN, EARLY_STEPS = 1.5, 2.0, 8
+
+
+def tail(c: dict) -> dict | None:
+    """Where a cell's slow steps sit (its p90 above TAIL_P90_OVER_MEDIAN x the median; None otherwise, or for results
+    without per-step times): the mean of the first EARLY_STEPS steps against the rest's, and the positions (1-based,
+    every rep) of the steps slower than SLOW_OVER_MEDIAN x the median."""
+    reps, m = c.get("step_ms_reps"), c["ms_per_step"]
+    if not reps or m["p90"] <= TAIL_P90_OVER_MEDIAN * m["median"]:
+        return None
+    early = [x for r in reps for x in r[:EARLY_STEPS]]
+    rest = [x for r in reps for x in r[EARLY_STEPS:]]
+    slow = [[i + 1 for i, x in enumerate(r) if x > SLOW_OVER_MEDIAN * m["median"]] for r in reps]
+    return {"early_mean_ms": sum(early) / len(early) if early else None,
+            "rest_mean_ms": sum(rest) / len(rest) if rest else None,
+            "slow_steps": slow, "slow_share": sum(map(len, slow)) / sum(map(len, reps))}
+
+
+def _tail_table(result: dict) -> list[str]:
+    rows = [(c, tail(c)) for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"]))
+            if not c.get("error")]
+    rows = [(c, t) for c, t in rows if t is not None]
+    if not rows:
+        return []
+    lines = ["", f"## Slow-step tails (cells whose p90 step is > {TAIL_P90_OVER_MEDIAN:g} x the median)", "",
+             "tok/s follows the mean step, which a tail of slow steps moves far from the median. Slow = "
+             f"> {SLOW_OVER_MEDIAN:g} x the median; positions are steps after the prefill, per timed rep.", "",
+             f"| residency | batch | median ms | mean ms | mean of steps 1-{EARLY_STEPS} | mean of the rest | "
+             "slow steps | at steps |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c, t in rows:
+        at = "; ".join(", ".join(map(str, r)) or "none" for r in t["slow_steps"])
+        lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['ms_per_step']['median'])} | "
+                     f"{_num(c['ms_per_step']['mean'])} | {_num(t['early_mean_ms'])} | {_num(t['rest_mean_ms'])} | "
+                     f"{100 * t['slow_share']:.0f} % | {at} |")
+    return lines
+
+
 def _peer_table(result: dict) -> list[str]:
     lines = ["", "## Peers (transformers bf16 fully on the GPU, same prompts and steps)", ""]
     if not result["peers"]:
@@ -242,7 +279,7 @@ def _target_table(result: dict) -> list[str]:
 
 
 def markdown(result: dict) -> str:
-    lines = _header(result) + _cells_table(result) + _peer_table(result) + _target_table(result)
+    lines = _header(result) + _cells_table(result) + _tail_table(result) + _peer_table(result) + _target_table(result)
     if result["notes"]:
         lines += ["", "## Notes", ""] + [f"- {x}" for x in result["notes"]]
     return "\n".join(lines) + "\n"

@@ -157,9 +157,9 @@ def _header(result: dict) -> list[str]:
         "", "HBM floor = bytes the step must read / HBM bandwidth; PCIe floor = missed bytes read from host memory "
         "per step / H2D bandwidth; ×floor = floor tok/s / tok/s (the mean step over the larger of the two: the "
         "targets' measure); ×floor median = median ms/step / the same floor (the typical step); ×UVA floor = the "
-        "median's with the PCIe floor's bytes at the miss copy's measured rate; host boundary = host time per step committing and "
-        "scheduling admissions between steps (`cache.step_boundary`, its waits for copies in flight included), "
-        "which the GPU waits for.",
+        "median's with the PCIe floor's bytes at the miss copy's measured rate; host boundary = host time per step "
+        "committing and scheduling admissions between steps (`cache.step_boundary`, its waits for copies in flight "
+        "included), which the GPU waits for.",
     ]
     if not on_cuda(result):
         lines += ["", f"**CPU run: {CPU_NOTE}; no target has a verdict.**"]

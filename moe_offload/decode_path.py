@@ -51,6 +51,9 @@ from moe_offload import log
 from moe_offload.copy_paths import RowCopy
 from moe_offload.uva import mapped_device_view, pin_mapped, unpin
 
+#: ``record_step_counts`` keeps at most this many steps (a benchmark's runs are 64-256 steps)
+MAX_STEP_COUNTS = 4096
+
 
 class DecodeResidency:
     """The decode path of one cache (see the module docstring)."""
@@ -68,6 +71,10 @@ class DecodeResidency:
         # the step, distinct routed experts, distinct missed experts read from a lookahead row, experts the
         # lookahead copied (lookahead.py)
         self.counts_LC = torch.zeros((L, 6), dtype=torch.int64, device=self.device)
+        # ``record_step_counts``: device copies of counts_LC after each step (benchmarks), and the counts before the
+        # first of them
+        self._step_counts: list[torch.Tensor] | None = None
+        self._step_base: torch.Tensor | None = None
         self.lookahead = None
         if lookahead_tokens > 0:
             from moe_offload.lookahead import Lookahead, lookahead_rows
@@ -171,6 +178,8 @@ class DecodeResidency:
         if tokens is not None:
             self._record_T = {lp: tokens for lp in range(len(self.store.layers))}
         self.counters.decode_steps += 1
+        if self._step_counts is not None and len(self._step_counts) < MAX_STEP_COUNTS:
+            self._step_counts.append(self.counts_LC.clone())  # a device copy behind the step: no host sync
         self.streams.record(self._record_event, self.streams.current())
         self._record_ready = True
 
@@ -310,6 +319,25 @@ class DecodeResidency:
 
     def reset_counts(self) -> None:
         self.counts_LC.zero_()
+        if self._step_counts is not None:
+            self.record_step_counts(True)
+
+    def record_step_counts(self, on: bool) -> None:
+        """From now on keep the counts after every decode step (``step_counts``), or stop and drop them. For
+        benchmarks: which steps miss what (one small device copy a step, no host sync; at most MAX_STEP_COUNTS
+        steps kept)."""
+        self._step_counts = [] if on else None
+        self._step_base = self.counts_LC.clone() if on else None
+
+    def step_counts(self) -> np.ndarray | None:
+        """HOST SYNC (benchmarks): what each step recorded since ``record_step_counts(True)`` (or the last
+        ``reset_counts``) added to the counts, ``[steps, L, 6]`` (the columns of ``counts``); None when not recording."""
+        if self._step_counts is None:
+            return None
+        if not self._step_counts:
+            return np.zeros((0, *self.counts_LC.shape), dtype=np.int64)
+        c = torch.stack([self._step_base, *self._step_counts]).cpu().numpy()
+        return np.diff(c, axis=0)
 
     @property
     def pinned_bytes(self) -> int:

@@ -349,6 +349,14 @@ def test_each_cell_keeps_its_step_times_in_order_per_rep(bench):
         assert len(c["step_ms_reps"]) == reps and all(len(r) == steps for r in c["step_ms_reps"])
         flat = sorted(x for r in c["step_ms_reps"] for x in r)
         assert statistics.median(flat) == pytest.approx(c["ms_per_step"]["median"], abs=1e-3)
+        missed = c["step_missed_experts_reps"]  # distinct missing experts each step read, from the device counts
+        assert [len(r) for r in missed] == [steps] * reps
+        per_step = sum(map(sum, missed)) / (steps * reps) * result["model"]["bytes_per_expert"]
+        assert per_step == pytest.approx(c["pcie_bytes_per_step"]["decode_uva"])
+        if c["residency"] == 1.0:
+            assert all(x == 0 for r in missed for x in r)
+        else:  # nothing resident: every step reads its routed experts from host memory
+            assert all(x > 0 for r in missed for x in r)
 
 
 def test_a_tail_of_slow_steps_is_located_early_or_spread_and_listed_in_the_markdown():
@@ -361,7 +369,10 @@ def test_a_tail_of_slow_steps_is_located_early_or_spread_and_listed_in_the_markd
                                 "mean": statistics.fmean(flat)}}
 
     early = cell([[50.0, 45.0, 30.0] + [6.0] * 13, [48.0, 44.0, 6.5] + [6.0] * 13])
+    early["step_missed_experts_reps"] = [[90, 80, 70] + [10] * 13, [88, 80, 12] + [10] * 13]
     t = tail(early)
+    assert t["slow_missed_experts"] == pytest.approx((90 + 80 + 70 + 88 + 80) / 5)
+    assert t["other_missed_experts"] == pytest.approx((12 + 10 * 26) / 27)
     assert t["slow_steps"] == [[1, 2, 3], [1, 2]] and t["slow_share"] == pytest.approx(5 / 32)
     assert t["rest_mean_ms"] == 6.0 and t["early_mean_ms"] > 2.5 * t["rest_mean_ms"]
     spread = cell([[6.0] * 4 + [40.0] + [6.0] * 4 + [40.0] + [6.0] * 6])
@@ -372,4 +383,5 @@ def test_a_tail_of_slow_steps_is_located_early_or_spread_and_listed_in_the_markd
     del old["step_ms_reps"]
     assert tail(old) is None  # results from before the per-step times
     md = "\n".join(_tail_table({"cells": [early]}))
-    assert "| 0.37 | 4 |" in md and "| 1, 2, 3; 1, 2 |" in md and "16 %" in md
+    assert "| 0.37 | 4 |" in md and "| 1, 2, 3; 1, 2 | 81.6 / 10.1 |" in md and "16 %" in md
+    assert tail(spread)["slow_missed_experts"] is None  # no per-step counts in this result

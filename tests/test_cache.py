@@ -518,3 +518,30 @@ def test_a_new_pass_drops_fills_read_in_place_and_keeps_copied_ones(tiny_ckpt, i
     assert held and (all(t is not None for t in staging.in_place) if in_place else staging.in_place == [None, None])
     staging.begin()
     assert staging.staged == ([None, None] if in_place else held)
+
+
+def test_step_counts_give_what_each_decode_step_added_and_sum_to_the_counts(tiny_ckpt):
+    """``record_step_counts`` (benchmarks: which steps miss what): one row a step, each the counts that step added;
+    the rows sum to the running counts, start again at ``reset_counts``, and are None once off."""
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "8 slots")
+    dec = cache.decode
+    assert dec.step_counts() is None
+    rng = np.random.default_rng(0)
+    steps = [{layer: torch.tensor(rng.integers(0, store.num_experts, (2, store.geometry.top_k))) for layer in store.layers}
+             for _ in range(5)]
+    _decode_step(cache, steps[0])  # before recording: in the counts, not in the rows
+    dec.record_step_counts(True)
+    assert dec.step_counts().shape == (0, len(store.layers), 6)
+    for ids in steps[1:4]:
+        _decode_step(cache, ids)
+    rows = dec.step_counts()
+    assert rows.shape == (3, len(store.layers), 6)
+    before = dec.counts_LC.numpy() - rows.sum(axis=0)
+    assert (rows[:, :, 0] == 2 * store.geometry.top_k).all()  # each step routed 2 tokens x top-k in every layer
+    assert (before[:, 0] == 2 * store.geometry.top_k).all()  # the step before recording
+    cache.reset()  # reset_counts: the rows start again
+    _decode_step(cache, steps[4])
+    assert dec.step_counts().shape[0] == 1 and (dec.step_counts().sum(axis=0) == dec.counts_LC.numpy()).all()
+    dec.record_step_counts(False)
+    assert dec.step_counts() is None

@@ -200,15 +200,18 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     """One (residency, batch) cell: an untimed run, then ``plan.reps`` timed runs from ``resident``."""
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
-    B, tok_s, per_step, reps_steps = len(prompts), [], [], []
+    B, tok_s, per_step, reps_steps, reps_missed = len(prompts), [], [], [], []
     hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = 0
     boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
+    engine.cache.decode.record_step_counts(True)  # which steps miss what (a device copy a step, read after the run)
     for _ in range(plan.reps):
         engine.cache.set_residency(resident)
         engine.cache.reset()
         decode_s, steps_s, stats = _run(engine, prompts, plan.steps)
+        # distinct missing experts each decode step read (the last ``steps`` entries: a routed prefill counts too)
+        reps_missed.append(engine.cache.decode.step_counts()[-plan.steps:, :, 2].sum(axis=1).tolist())
         tok_s.append(B * plan.steps / decode_s)
         per_step += steps_s
         reps_steps.append([round(x * 1e3, 3) for x in steps_s])
@@ -229,6 +232,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
             staged_h2d += copied * (forwards - 1) / forwards
         for layer, c in stats["per_layer"].items():
             per_layer[str(layer)] = per_layer.get(str(layer), 0) + c["hits"] + c["misses"]
+    engine.cache.decode.record_step_counts(False)
     n = plan.reps * plan.steps
     q = sorted(per_step)
     used = la["used"] * engine.store.bytes_per_expert if la is not None else 0  # missed bytes read from its rows
@@ -243,6 +247,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
                         * 1e3, "mean": statistics.fmean(q) * 1e3},
         # every timed step in order, per rep (host stamps of sequence 0's tokens): where a tail of slow steps sits
         "step_ms_reps": reps_steps,
+        "step_missed_experts_reps": reps_missed,  # distinct missing experts read by each of those steps
         # host time between steps spent committing and scheduling admissions (the GPU waits for it)
         "boundary_ms_per_step": boundary_s * 1e3 / boundary_steps if boundary_steps else None,
         "hit_rate": hits / (hits + misses) if hits + misses else None,

@@ -219,9 +219,18 @@ def tail(c: dict) -> dict | None:
     early = [x for r in reps for x in r[:EARLY_STEPS]]
     rest = [x for r in reps for x in r[EARLY_STEPS:]]
     slow = [[i + 1 for i, x in enumerate(r) if x > SLOW_OVER_MEDIAN * m["median"]] for r in reps]
-    return {"early_mean_ms": sum(early) / len(early) if early else None,
-            "rest_mean_ms": sum(rest) / len(rest) if rest else None,
-            "slow_steps": slow, "slow_share": sum(map(len, slow)) / sum(map(len, reps))}
+    out = {"early_mean_ms": sum(early) / len(early) if early else None,
+           "rest_mean_ms": sum(rest) / len(rest) if rest else None,
+           "slow_steps": slow, "slow_share": sum(map(len, slow)) / sum(map(len, reps)),
+           "slow_missed_experts": None, "other_missed_experts": None}
+    missed = c.get("step_missed_experts_reps")
+    if missed and [len(r) for r in missed] == [len(r) for r in reps]:  # results before the per-step counts: none
+        at = [set(s) for s in slow]
+        hot = [x for r, a in zip(missed, at) for i, x in enumerate(r) if i + 1 in a]
+        cold = [x for r, a in zip(missed, at) for i, x in enumerate(r) if i + 1 not in a]
+        out["slow_missed_experts"] = sum(hot) / len(hot) if hot else None
+        out["other_missed_experts"] = sum(cold) / len(cold) if cold else None
+    return out
 
 
 def _tail_table(result: dict) -> list[str]:
@@ -232,14 +241,18 @@ def _tail_table(result: dict) -> list[str]:
         return []
     lines = ["", f"## Slow-step tails (cells whose p90 step is > {TAIL_P90_OVER_MEDIAN:g} x the median)", "",
              "tok/s follows the mean step, which a tail of slow steps moves far from the median. Slow = "
-             f"> {SLOW_OVER_MEDIAN:g} x the median; positions are steps after the prefill, per timed rep.", "",
+             f"> {SLOW_OVER_MEDIAN:g} x the median; positions are steps after the prefill, per timed rep; missed "
+             "experts = distinct missing experts a step read from host memory (all layers), slow steps against the "
+             "others.", "",
              f"| residency | batch | median ms | mean ms | mean of steps 1-{EARLY_STEPS} | mean of the rest | "
-             "slow steps | at steps |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "slow steps | at steps | missed experts a step, slow / other |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c, t in rows:
         at = "; ".join(", ".join(map(str, r)) or "none" for r in t["slow_steps"])
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['ms_per_step']['median'])} | "
                      f"{_num(c['ms_per_step']['mean'])} | {_num(t['early_mean_ms'])} | {_num(t['rest_mean_ms'])} | "
-                     f"{100 * t['slow_share']:.0f} % | {at} |")
+                     f"{100 * t['slow_share']:.0f} % | {at} | {_num(t['slow_missed_experts'], 1)} / "
+                     f"{_num(t['other_missed_experts'], 1)} |")
     return lines
 
 

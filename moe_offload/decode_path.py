@@ -331,7 +331,8 @@ class DecodeResidency:
 
     def step_counts(self) -> np.ndarray | None:
         """HOST SYNC (benchmarks): what each step recorded since ``record_step_counts(True)`` (or the last
-        ``reset_counts``) added to the counts, ``[steps, L, 6]`` (the columns of ``counts``); None when not recording."""
+        ``reset_counts``) added to the counts, ``[steps, L, 6]`` (the columns of ``counts``); None when not
+        recording."""
         if self._step_counts is None:
             return None
         if not self._step_counts:

@@ -49,7 +49,7 @@ def end_failed_capture(device: torch.device, pool) -> bool:
         end(index, pool)
     except RuntimeError:  # "not currently recording to mempool_id": capture_end already ended it
         return False
-    generator = _end_generator_capture(index)
+    generator = end_generator_capture(index)
     log.log_once("cuda_graph_capture_ended_for_allocator", "cuda_graph_capture_ended_for_allocator", logging.INFO,
                  torch=torch.__version__, generator_reset=generator,
                  detail="a failed capture left the caching allocator routing to its pool and the default CUDA "
@@ -57,9 +57,10 @@ def end_failed_capture(device: torch.device, pool) -> bool:
     return True
 
 
-def _end_generator_capture(index: int) -> bool:
+def end_generator_capture(index: int) -> bool:
     """Give device ``index``'s default CUDA generator a copy of its state that is not in capture mode (see the module
-    docstring). False where this torch has no such generator or API."""
+    docstring; ``end_failed_capture`` calls it when the capture's tail was skipped). False where this torch has no
+    such generator or API."""
     generators = getattr(torch.cuda, "default_generators", ())
     if index >= len(generators):
         return False

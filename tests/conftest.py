@@ -169,8 +169,9 @@ def pytest_runtest_teardown(item, nextitem):
     # their first random op. Fail the test that left it so (at its teardown) and give the generator a fresh state, so
     # the tests after it run as they would alone.
     if not torch.cuda.is_current_stream_capturing() and _generator_left_capturing():
-        gen = torch.cuda.default_generators[torch.cuda.current_device()]
-        gen.graphsafe_set_state(gen.clone_state())
+        from moe_offload.graph_capture import end_generator_capture
+
+        end_generator_capture(torch.cuda.current_device())
         pytest.fail(f"{item.nodeid} left the default CUDA generator in capture mode (a failed capture that was not "
                     "ended with moe_offload.graph_capture.end_failed_capture)", pytrace=False)
 

@@ -234,9 +234,8 @@ def tail(c: dict) -> dict | None:
 
 
 def _tail_table(result: dict) -> list[str]:
-    rows = [(c, tail(c)) for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"]))
-            if not c.get("error")]
-    rows = [(c, t) for c, t in rows if t is not None]
+    cells = sorted((c for c in result["cells"] if not c.get("error")), key=lambda c: (c["residency"], c["batch"]))
+    rows = [(c, t) for c, t in ((c, tail(c)) for c in cells) if t is not None]
     if not rows:
         return []
     lines = ["", f"## Slow-step tails (cells whose p90 step is > {TAIL_P90_OVER_MEDIAN:g} x the median)", "",

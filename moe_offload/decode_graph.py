@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from moe_offload import log
-from moe_offload.graph_capture import end_failed_capture
+from moe_offload.graph_capture import capture
 from moe_offload.prefill_graph import PrefillGraphs
 
 
@@ -235,12 +235,10 @@ class StaticDecoder:
         self.capture_stream.wait_stream(cur)
         pool = torch.cuda.graph_pool_handle()  # named here: a failed capture's pool must be ended (graph_capture.py)
         try:
-            with (torch.cuda.graph(graph, pool=pool, stream=self.capture_stream, capture_error_mode="thread_local"),
-                  self.engine.pdl_launches(self.batch)):
+            with capture(graph, pool, self.capture_stream), self.engine.pdl_launches(self.batch):
                 out = self.engine.model(**self._step_kwargs())
                 logits_BV = out.logits[:, -1]
         except Exception as exc:  # an op that syncs or cannot be captured: eager from now on
-            end_failed_capture(self.capture_stream.device, pool)
             cur.wait_stream(self.capture_stream)
             self._decline("capture_failed", f"{type(exc).__name__}: {exc}")
             return False

@@ -17,6 +17,17 @@ capture mode: every later random op on that device outside a capture (``torch.ra
 "Offset increment outside graph capture encountered unexpectedly". Found at 47c82c8 on an H100: after the GPU test
 that invalidates a capture on purpose, 39 later GPU tests failed that way (README "47c82c8 on an H100").
 
+Two more things the same raise leaves, measured at a21f336 on an H100 (``benchmarks/failed_capture_probe.py``, output
+in ``benchmarks/results/failed-capture-probe-a21f336-h100.txt``):
+
+- ``torch.cuda.graph.__exit__`` calls ``capture_end`` before it leaves its stream context, so when ``capture_end``
+  raises, the capture's side stream stays the thread's current stream: later eager work runs on it, not on the
+  stream the caller had. ``capture`` (below) makes the caller's stream current again.
+- The failed capture's pool cannot be captured into again: ``capture_begin`` into it raises "beginAllocateToPool:
+  already recording to mempool_id" even after ``end_failed_capture`` (the allocator then reports nothing recording
+  to it), on any stream; a new pool captures and replays. Every capture site here therefore stops capturing into a
+  pool after a failure (decode and serving graphs decline to eager; a decode capture takes a new pool each time).
+
 ``end_failed_capture`` ends the allocator's routing to the pool itself, through the binding
 ``torch.cuda.use_mem_pool`` is built on. On a torch that already ended it the allocator finds no such capture and
 raises, which is the expected case there and ignored. The pool's own blocks stay reserved until its graphs go (the
@@ -31,11 +42,28 @@ before keep the state they registered with (their replays advance that one), as 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
 from moe_offload import log
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, pool, stream: torch.cuda.Stream):
+    """``torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local")``. When the capture
+    fails (at its start, in the body or at its end): the stream current before it is made current again, the
+    capture is ended for the allocator and the generator (``end_failed_capture``), and the error is raised. Do not
+    capture into ``pool`` again after a failure (module docstring)."""
+    previous = torch.cuda.current_stream(stream.device)
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(previous)
+        end_failed_capture(stream.device, pool)
+        raise
 
 
 def end_failed_capture(device: torch.device, pool) -> bool:

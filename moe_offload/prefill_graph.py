@@ -60,7 +60,7 @@ from collections import OrderedDict
 import torch
 
 from moe_offload import log
-from moe_offload.graph_capture import end_failed_capture
+from moe_offload.graph_capture import capture, end_failed_capture
 
 #: largest bucket: a longer prompt is prefilled eagerly (its host time is small beside its device time)
 MAX_BUCKET = 4096
@@ -365,9 +365,11 @@ class PrefillGraphs:
                     cache.prefill_split = None
             else:
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                with capture(graph, self._pool, side):
                     logits = self._forward(st, Tb, mode, capture=True)
         except Exception as exc:  # an op that syncs, cannot be captured, or a staged layer: eager from now on
+            # a piecewise stretch whose capture_end raised inside ``split`` is not the one ``abort`` ends (a no-op
+            # where ``capture`` or ``abort`` already ended it)
             end_failed_capture(side.device, self._pool)
             cur.wait_stream(side)
             self.graphs = False

@@ -168,6 +168,12 @@ def pytest_runtest_teardown(item, nextitem):
     # At 47c82c8 on an H100 one test left the default generator in capture mode and 39 later GPU tests failed at
     # their first random op. Fail the test that left it so (at its teardown) and give the generator a fresh state, so
     # the tests after it run as they would alone.
+    # torch.cuda.graph leaves its side stream current when capture_end raises (moe_offload/graph_capture.py): the
+    # tests after such a test would run on that stream. Fail the test that left it, and make the default current.
+    if torch.cuda.current_stream() != torch.cuda.default_stream():
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        pytest.fail(f"{item.nodeid} left a side stream current (a failed capture not made with "
+                    "moe_offload.graph_capture.capture)", pytrace=False)
     if not torch.cuda.is_current_stream_capturing() and _generator_left_capturing():
         from moe_offload.graph_capture import end_generator_capture
 

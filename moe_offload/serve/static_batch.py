@@ -37,7 +37,7 @@ from collections import Counter
 import torch
 
 from moe_offload import log
-from moe_offload.graph_capture import end_failed_capture
+from moe_offload.graph_capture import capture
 
 #: the smallest positions bucket (a power of two): shorter windows would only add graphs
 _MIN_WINDOW = 32
@@ -67,11 +67,8 @@ class CudaGraphs:
         graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(cur)
         try:
-            with torch.cuda.graph(graph, stream=self.stream, pool=self.pool, capture_error_mode="thread_local"):
+            with capture(graph, self.pool, self.stream):
                 out = fn()
-        except BaseException:
-            end_failed_capture(self.device, self.pool)
-            raise
         finally:
             cur.wait_stream(self.stream)
         return _Graph(graph, out)

@@ -41,17 +41,22 @@ def store_of_the_routing_shape() -> ExpertStore:
     return ExpertStore(geometry_from_config(config), get_format("nvfp4-modelopt"), pin=False)
 
 
-def run_batch(store: ExpertStore, residency: float, batch: int, steps: int, budget: int, skew: float) -> dict:
+def run_batch(store: ExpertStore, residency: float, batch: int, steps: int, budget: int, skew: float,
+              window: int = 0, placement: str = "popular") -> dict:
     E, K = store.num_experts, store.geometry.top_k
-    cache = OffloadMoeCache(store, CacheConfig(budget=str(residency), admit_per_step=budget), PrefillConfig(), "cpu",
+    cache = OffloadMoeCache(store, CacheConfig(budget=str(residency), admit_per_step=budget,
+                                               admit_reuse_window=window), PrefillConfig(), "cpu",
                             decode_max_tokens=max(batch, 1))
     rng = np.random.default_rng(0)
     perm_LE = np.stack([rng.permutation(E) for _ in store.layers])  # popularity rank -> expert, per layer
     p_E = 1.0 / np.arange(1, E + 1) ** skew
     p_E /= p_E.sum()
     share = cache.num_slots // len(store.layers)
-    cache.set_residency({layer: perm_LE[lp, :share].tolist() for lp, layer in enumerate(store.layers)})
-    times, admitted = [], []
+    # popular: each layer's most popular experts resident (the steady state); random: experts drawn independently of
+    # the popularity (a prompt whose prefill left experts resident that decode rarely routes to)
+    start_LE = perm_LE if placement == "popular" else np.stack([rng.permutation(E) for _ in store.layers])
+    cache.set_residency({layer: start_LE[lp, :share].tolist() for lp, layer in enumerate(store.layers)})
+    times, admitted, hits_at = [], [], []
     for step in range(steps + 20):  # the first 20 steps settle the admissions; not timed
         for lp, layer in enumerate(store.layers):
             ids_TK = np.stack([perm_LE[lp, rng.choice(E, K, replace=False, p=p_E)] for _ in range(batch)])
@@ -62,11 +67,16 @@ def run_batch(store: ExpertStore, residency: float, batch: int, steps: int, budg
         if step >= 20:
             times.append(time.perf_counter() - t0)
             admitted.append(len(cache.decode._pending))
-    st = cache.stats()["total"]
-    hits, misses = st["hits"], st["misses"]
+        if step in (19, steps + 19):
+            st = cache.stats()["total"]
+            hits_at.append((st["hits"], st["misses"]))
+    (h20, m20), (hits, misses) = hits_at
     return {"residency": residency, "batch": batch, "steps": steps, "admit_per_step": budget,
+            "admit_reuse_window": window, "placement": placement,
             "boundary_us": {"median": float(np.median(times) * 1e6), "p90": float(np.percentile(times, 90) * 1e6)},
-            "admitted_layers_per_step": float(np.mean(admitted)), "hit_rate": hits / max(1, hits + misses)}
+            "admitted_layers_per_step": float(np.mean(admitted)), "hit_rate": hits / max(1, hits + misses),
+            "hit_rate_first_20": h20 / max(1, h20 + m20),
+            "hit_rate_timed": (hits - h20) / max(1, hits - h20 + misses - m20)}
 
 
 def main(argv=None) -> int:
@@ -76,22 +86,32 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--budget", type=int, default=CacheConfig().admit_per_step, help="cache.admit_per_step")
     p.add_argument("--skew", type=float, default=2.0, help="Zipf exponent of each layer's expert popularity")
+    p.add_argument("--window", default=str(CacheConfig().admit_reuse_window),
+                   help="cache.admit_reuse_window, comma-separated values (a cell each)")
+    p.add_argument("--placement", default="popular", help="popular, random or both: the experts resident at the start")
     p.add_argument("--out", type=Path, help="write boundary_host-<sha>.json / .md here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_git_sha_argument(p)
     a = p.parse_args(argv)
     store = store_of_the_routing_shape()
-    cells = [run_batch(store, a.residency, int(b), a.steps, a.budget, a.skew) for b in a.batch.split(",")]
+    placements = ("popular", "random") if a.placement == "both" else (a.placement,)
+    cells = [run_batch(store, a.residency, int(b), a.steps, a.budget, a.skew, int(w), pl)
+             for pl in placements for w in a.window.split(",") for b in a.batch.split(",")]
     result = {**environment(torch.device("cpu"), a.git_sha), "what": "decode step boundary host time, CPU",
               "shape": {"layers": len(store.layers), "experts": store.num_experts, "top_k": store.geometry.top_k},
               "skew": a.skew, "cells": cells}
     lines = [f"# Decode boundary host time, CPU ({result['device']['name']}), git {short_sha(result['git'])}", "",
              f"{len(store.layers)} layers x {store.num_experts} experts, top-{store.geometry.top_k}, Zipf skew "
              f"{a.skew}, cache.admit_per_step {a.budget}, {a.steps} timed steps", "",
-             "| residency | batch | boundary us, median | p90 | admitted layers a step | hit % |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {c['residency']} | {c['batch']} | {c['boundary_us']['median']:.0f} | {c['boundary_us']['p90']:.0f} | "
-              f"{c['admitted_layers_per_step']:.1f} | {100 * c['hit_rate']:.1f} |" for c in cells]
+             "Start: popular = each layer's most popular experts resident; random = resident experts drawn "
+             "independently of the popularity. Hit % over the 20 untimed steps, then over the timed ones.", "",
+             "| start | reuse window | residency | batch | boundary us, median | p90 | admitted layers a step | "
+             "hit %, steps 1-20 | hit %, timed |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {c['placement']} | {c['admit_reuse_window']} | {c['residency']} | {c['batch']} | "
+              f"{c['boundary_us']['median']:.0f} | {c['boundary_us']['p90']:.0f} | "
+              f"{c['admitted_layers_per_step']:.1f} | {100 * c['hit_rate_first_20']:.1f} | "
+              f"{100 * c['hit_rate_timed']:.1f} |" for c in cells]
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         stem = a.out / f"boundary_host-{short_sha(result['git'])}"

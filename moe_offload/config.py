@@ -116,6 +116,10 @@ class CacheConfig(_Strict):
                                 "The first decode steps after a prefill miss the experts decode routes to but the "
                                 "prompt did not: 512 admits them within a step or two, where 64 took ~17 steps "
                                 "(README 'a21f336 on an H100': batch 4 at residency 0.37, 423 against 278 tok/s)")
+    admit_reuse_window: int = Field(0, ge=0, le=1024, description="0: decode admits any missed expert (up to "
+                                    "admit_per_step). N > 0: only an expert its layer also routed at one of the last N "
+                                    "step boundaries, so one missed once in a while is read from host memory and "
+                                    "does not evict a resident one routed often (benchmarks/boundary_host.py)")
 
     @field_validator("budget", mode="before")
     @classmethod

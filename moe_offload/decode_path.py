@@ -59,13 +59,19 @@ class DecodeResidency:
     """The decode path of one cache (see the module docstring)."""
 
     def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int,
-                 lookahead_tokens: int = 0):
+                 lookahead_tokens: int = 0, admit_reuse_window: int = 0):
         """``lookahead_tokens`` > 0: steps of at most that many tokens prefetch the next layer's predicted
-        misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows."""
+        misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows.
+        ``admit_reuse_window`` > 0: a missed expert is admitted only when its layer also routed it at one of the
+        last that many boundaries before (``cache.admit_reuse_window``)."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
         K, L = store.geometry.top_k, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
+        self.admit_reuse_window = admit_reuse_window
+        # per (layer, expert): the admission boundary that last saw it routed (-window - 1: never); the boundary count
+        self._last_routed_LE = np.full((L, store.num_experts), -admit_reuse_window - 1, dtype=np.int64)
+        self._boundaries = 0
         self.scratch_base = pool.num_slots
         # per layer (kernels/decode_miss.py plan kernel): routed pairs, missed pairs, distinct missed experts read in
         # the step, distinct routed experts, distinct missed experts read from a lookahead row, experts the
@@ -241,6 +247,8 @@ class DecodeResidency:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
+        if self.admit_reuse_window > 0:
+            miss_LE = self._reused(lps, hit_LE, miss_LE)
         # victims leave the map and the device table now (one write for every layer); the policy may give fewer
         # than asked; raises with the map unchanged
         plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget)
@@ -263,6 +271,17 @@ class DecodeResidency:
         for layer, experts, _ in plans:
             self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * R
         self._pending = plans
+
+    def _reused(self, lps: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray) -> np.ndarray:
+        """The misses whose layer also routed them at one of the last ``admit_reuse_window`` boundaries (a
+        doorkeeper: an expert missed once in a while is read from host memory and not admitted, so it does not
+        evict a resident one that is routed often); records this boundary's routing."""
+        self._boundaries += 1
+        last_LE = self._last_routed_LE[lps]
+        recent_LE = self._boundaries - last_LE <= self.admit_reuse_window
+        last_LE[hit_LE | miss_LE] = self._boundaries
+        self._last_routed_LE[lps] = last_LE
+        return miss_LE & recent_LE
 
     def commit_pending(self) -> None:
         """Admissions whose copies were enqueued at the last boundary enter the map and the table (one write)."""

@@ -93,6 +93,36 @@ def test_a_missed_expert_is_admitted_at_the_second_boundary_after_its_step(tiny_
     _check_invariants(cache)
 
 
+def test_with_a_reuse_window_an_expert_is_admitted_only_when_routed_again_within_it(tiny_ckpt):
+    """cache.admit_reuse_window 2: an expert routed once is read from host memory and not admitted; one its layer
+    routes again within 2 boundaries is admitted; one routed again later than that is not."""
+    store = _store(tiny_ckpt)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0", admit_reuse_window=2), PrefillConfig(), "cpu")
+    layer = store.layers[0]
+    once, again, late = [1, 5], [9, 13], [2, 6]
+    steps = [once + again, again + late, [3, 7, 10, 14], [11, 15, 12, 0], late + [4, 8]]
+    for ids in steps:
+        _decode_step(cache, {layer: torch.tensor([ids])})
+    cache.step_boundary()  # admits the last step's misses (none pass the window) and commits the ones before
+    cache.step_boundary()
+    resident = cache.resident(layer)
+    assert (resident[again] >= 0).all()  # routed at boundaries 1 and 2
+    assert (resident[once] < 0).all() and (resident[late] < 0).all()  # late: boundaries 2 and 5, 3 apart
+    assert (resident[[3, 7, 10, 14, 11, 15, 12, 0, 4, 8]] < 0).all()
+    _check_invariants(cache)
+
+
+def test_without_a_reuse_window_the_same_routing_admits_every_miss(tiny_ckpt):
+    store = _store(tiny_ckpt)
+    cache = _cache(store, "1.0")
+    layer = store.layers[0]
+    for ids in ([1, 5, 9, 13], [9, 13, 2, 6]):
+        _decode_step(cache, {layer: torch.tensor([ids])})
+    cache.step_boundary()
+    cache.step_boundary()
+    assert (cache.resident(layer)[[1, 5, 9, 13, 2, 6]] >= 0).all()
+
+
 def test_read_late_a_boundary_admits_from_the_step_before_the_one_in_flight(tiny_ckpt):
     """decode.run_ahead's boundaries (``set_late``): the boundary before step 3 runs while step 2 may be in flight, so
     it admits step 1's misses, not step 2's; they are committed at the next boundary, as always."""

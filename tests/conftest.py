@@ -165,21 +165,23 @@ def pytest_runtest_teardown(item, nextitem):
         return
     import gc
 
-    # At 47c82c8 on an H100 one test left the default generator in capture mode and 39 later GPU tests failed at
-    # their first random op. Fail the test that left it so (at its teardown) and give the generator a fresh state, so
-    # the tests after it run as they would alone.
-    # torch.cuda.graph leaves its side stream current when capture_end raises (moe_offload/graph_capture.py): the
-    # tests after such a test would run on that stream. Fail the test that left it, and make the default current.
+    # What a failed capture can leave (moe_offload/graph_capture.py), repaired here so the tests after it run as they
+    # would alone, and reported as the failure of the test that left it (at its teardown):
+    # - a side stream current (torch.cuda.graph leaves it when capture_end raises; found at a21f336 on an H100);
+    # - the default generator in capture mode (at 47c82c8 on an H100 39 later GPU tests failed at their first
+    #   random op).
+    left = []
     if torch.cuda.current_stream() != torch.cuda.default_stream():
         torch.cuda.set_stream(torch.cuda.default_stream())
-        pytest.fail(f"{item.nodeid} left a side stream current (a failed capture not made with "
-                    "moe_offload.graph_capture.capture)", pytrace=False)
+        left.append("a side stream current (a failed capture not made with moe_offload.graph_capture.capture)")
     if not torch.cuda.is_current_stream_capturing() and _generator_left_capturing():
         from moe_offload.graph_capture import end_generator_capture
 
         end_generator_capture(torch.cuda.current_device())
-        pytest.fail(f"{item.nodeid} left the default CUDA generator in capture mode (a failed capture that was not "
-                    "ended with moe_offload.graph_capture.end_failed_capture)", pytrace=False)
+        left.append("the default CUDA generator in capture mode (a failed capture that was not ended with "
+                    "moe_offload.graph_capture.end_failed_capture)")
+    if left:
+        pytest.fail(f"{item.nodeid} left " + " and ".join(left), pytrace=False)
 
     gc.collect()
     torch.cuda.empty_cache()

@@ -42,10 +42,10 @@ def store_of_the_routing_shape() -> ExpertStore:
 
 
 def run_batch(store: ExpertStore, residency: float, batch: int, steps: int, budget: int, skew: float,
-              window: int = 0, placement: str = "popular") -> dict:
+              admit_filter: str = "none", placement: str = "popular") -> dict:
     E, K = store.num_experts, store.geometry.top_k
     cache = OffloadMoeCache(store, CacheConfig(budget=str(residency), admit_per_step=budget,
-                                               admit_reuse_window=window), PrefillConfig(), "cpu",
+                                               admit_filter=admit_filter), PrefillConfig(), "cpu",
                             decode_max_tokens=max(batch, 1))
     rng = np.random.default_rng(0)
     perm_LE = np.stack([rng.permutation(E) for _ in store.layers])  # popularity rank -> expert, per layer
@@ -72,7 +72,7 @@ def run_batch(store: ExpertStore, residency: float, batch: int, steps: int, budg
             hits_at.append((st["hits"], st["misses"]))
     (h20, m20), (hits, misses) = hits_at
     return {"residency": residency, "batch": batch, "steps": steps, "admit_per_step": budget,
-            "admit_reuse_window": window, "placement": placement,
+            "admit_filter": admit_filter, "placement": placement,
             "boundary_us": {"median": float(np.median(times) * 1e6), "p90": float(np.percentile(times, 90) * 1e6)},
             "admitted_layers_per_step": float(np.mean(admitted)), "hit_rate": hits / max(1, hits + misses),
             "hit_rate_first_20": h20 / max(1, h20 + m20),
@@ -86,8 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--budget", type=int, default=CacheConfig().admit_per_step, help="cache.admit_per_step")
     p.add_argument("--skew", type=float, default=2.0, help="Zipf exponent of each layer's expert popularity")
-    p.add_argument("--window", default=str(CacheConfig().admit_reuse_window),
-                   help="cache.admit_reuse_window, comma-separated values (a cell each)")
+    p.add_argument("--filter", default=CacheConfig().admit_filter,
+                   help="cache.admit_filter, comma-separated values (a cell each): none, frequency")
     p.add_argument("--placement", default="popular", help="popular, random or both: the experts resident at the start")
     p.add_argument("--out", type=Path, help="write boundary_host-<sha>.json / .md here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     store = store_of_the_routing_shape()
     placements = ("popular", "random") if a.placement == "both" else (a.placement,)
-    cells = [run_batch(store, a.residency, int(b), a.steps, a.budget, a.skew, int(w), pl)
-             for pl in placements for w in a.window.split(",") for b in a.batch.split(",")]
+    cells = [run_batch(store, a.residency, int(b), a.steps, a.budget, a.skew, f, pl)
+             for pl in placements for f in a.filter.split(",") for b in a.batch.split(",")]
     result = {**environment(torch.device("cpu"), a.git_sha), "what": "decode step boundary host time, CPU",
               "shape": {"layers": len(store.layers), "experts": store.num_experts, "top_k": store.geometry.top_k},
               "skew": a.skew, "cells": cells}
@@ -105,10 +105,10 @@ def main(argv=None) -> int:
              f"{a.skew}, cache.admit_per_step {a.budget}, {a.steps} timed steps", "",
              "Start: popular = each layer's most popular experts resident; random = resident experts drawn "
              "independently of the popularity. Hit % over the 20 untimed steps, then over the timed ones.", "",
-             "| start | reuse window | residency | batch | boundary us, median | p90 | admitted layers a step | "
+             "| start | admit filter | residency | batch | boundary us, median | p90 | admitted layers a step | "
              "hit %, steps 1-20 | hit %, timed |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {c['placement']} | {c['admit_reuse_window']} | {c['residency']} | {c['batch']} | "
+    lines += [f"| {c['placement']} | {c['admit_filter']} | {c['residency']} | {c['batch']} | "
               f"{c['boundary_us']['median']:.0f} | {c['boundary_us']['p90']:.0f} | "
               f"{c['admitted_layers_per_step']:.1f} | {100 * c['hit_rate_first_20']:.1f} | "
               f"{100 * c['hit_rate_timed']:.1f} |" for c in cells]

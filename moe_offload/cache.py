@@ -91,7 +91,7 @@ class OffloadMoeCache:
                             lead_rows=2 * store.num_experts)  # the two staging buffers (staging.py)
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
                                      cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0,
-                                     cache_cfg.admit_reuse_window)
+                                     cache_cfg.admit_filter)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
             if not is_device_oom(exc):

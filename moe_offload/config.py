@@ -116,10 +116,12 @@ class CacheConfig(_Strict):
                                 "The first decode steps after a prefill miss the experts decode routes to but the "
                                 "prompt did not: 512 admits them within a step or two, where 64 took ~17 steps "
                                 "(README 'a21f336 on an H100': batch 4 at residency 0.37, 423 against 278 tok/s)")
-    admit_reuse_window: int = Field(0, ge=0, le=1024, description="0: decode admits any missed expert (up to "
-                                    "admit_per_step). N > 0: only an expert its layer also routed at one of the last N "
-                                    "step boundaries, so one missed once in a while is read from host memory and "
-                                    "does not evict a resident one routed often (benchmarks/boundary_host.py)")
+    admit_filter: Literal["none", "frequency"] = Field(
+        "frequency", description="which missed experts a decode boundary admits (up to admit_per_step). none: every "
+        "one. frequency: one routed at least as often (decayed counts) as the resident it would evict, or any where "
+        "its layer may take a free slot; one missed once in a while is read from host memory and evicts nothing. "
+        "On the routing model of benchmarks/boundary_host.py it held or raised the hit rate in every cell (README "
+        "Decisions); not yet timed on a GPU")
 
     @field_validator("budget", mode="before")
     @classmethod

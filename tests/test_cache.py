@@ -93,34 +93,61 @@ def test_a_missed_expert_is_admitted_at_the_second_boundary_after_its_step(tiny_
     _check_invariants(cache)
 
 
-def test_with_a_reuse_window_an_expert_is_admitted_only_when_routed_again_within_it(tiny_ckpt):
-    """cache.admit_reuse_window 2: an expert routed once is read from host memory and not admitted; one its layer
-    routes again within 2 boundaries is admitted; one routed again later than that is not."""
+def _full_layer(store, admit_filter, resident):
+    """A cache of exactly ``len(resident)`` slots per layer, the first layer holding ``resident``."""
+    slots = len(resident) * len(store.layers)
+    cache = OffloadMoeCache(store, CacheConfig(budget=f"{slots} slots", admit_filter=admit_filter), PrefillConfig(),
+                            "cpu")
+    cache.set_residency({layer: list(resident) for layer in store.layers})
+    return cache
+
+
+def test_the_frequency_filter_admits_an_expert_routed_as_often_as_its_victim_not_one_routed_once(tiny_ckpt):
+    """cache.admit_filter frequency: with the layer full, an expert missed once does not evict a resident routed at
+    every step; one routed at every step does, and evicts the resident decode never routes."""
     store = _store(tiny_ckpt)
-    cache = OffloadMoeCache(store, CacheConfig(budget="1.0", admit_reuse_window=2), PrefillConfig(), "cpu")
     layer = store.layers[0]
-    once, again, late = [1, 5], [9, 13], [2, 6]
-    steps = [once + again, again + late, [3, 7, 10, 14], [11, 15, 12, 0], late + [4, 8]]
+    cache = _full_layer(store, "frequency", [0, 1, 2, 3])  # 3 is never routed below
+    steps = [[0, 1, 2, 9], [0, 1, 2, 9], [0, 1, 2, 5], [0, 1, 2, 9]]  # 9 at every step but one; 5 once
     for ids in steps:
         _decode_step(cache, {layer: torch.tensor([ids])})
-    cache.step_boundary()  # admits the last step's misses (none pass the window) and commits the ones before
+    cache.step_boundary()
     cache.step_boundary()
     resident = cache.resident(layer)
-    assert (resident[again] >= 0).all()  # routed at boundaries 1 and 2
-    assert (resident[once] < 0).all() and (resident[late] < 0).all()  # late: boundaries 2 and 5, 3 apart
-    assert (resident[[3, 7, 10, 14, 11, 15, 12, 0, 4, 8]] < 0).all()
+    assert (resident[[0, 1, 2, 9]] >= 0).all()  # 9 replaced 3, the resident never routed
+    assert resident[3] < 0 and resident[5] < 0  # 5, routed once, evicted nothing
     _check_invariants(cache)
 
 
-def test_without_a_reuse_window_the_same_routing_admits_every_miss(tiny_ckpt):
+def test_the_frequency_filter_admits_every_miss_into_free_slots_and_in_place_of_unrouted_residents(tiny_ckpt):
+    """After a prompt decode routes elsewhere: the residents it never routes count nothing, so every miss is admitted
+    at the first boundary, as without the filter."""
     store = _store(tiny_ckpt)
-    cache = _cache(store, "1.0")
     layer = store.layers[0]
-    for ids in ([1, 5, 9, 13], [9, 13, 2, 6]):
+    for admit_filter in ("frequency", "none"):
+        cache = _full_layer(store, admit_filter, [0, 1, 2, 3])
+        _decode_step(cache, {layer: torch.tensor([[4, 5, 6, 7]])})
+        cache.step_boundary()
+        cache.step_boundary()
+        assert (cache.resident(layer)[[4, 5, 6, 7]] >= 0).all(), admit_filter
+    cache = _cache(store, "1.0")  # free slots: admitted whatever the counts
+    _decode_step(cache, {layer: torch.tensor([[1, 5, 9, 13]])})
+    cache.step_boundary()
+    cache.step_boundary()
+    assert (cache.resident(layer)[[1, 5, 9, 13]] >= 0).all()
+
+
+def test_without_the_filter_an_expert_routed_once_evicts_one_routed_at_every_step(tiny_ckpt):
+    """The churn the frequency filter prevents: the same routing, every miss admitted."""
+    store = _store(tiny_ckpt)
+    layer = store.layers[0]
+    cache = _full_layer(store, "none", [0, 1, 2, 3])
+    for ids in ([0, 1, 2, 9], [0, 1, 2, 9], [0, 1, 2, 5]):
         _decode_step(cache, {layer: torch.tensor([ids])})
     cache.step_boundary()
     cache.step_boundary()
-    assert (cache.resident(layer)[[1, 5, 9, 13, 2, 6]] >= 0).all()
+    resident = cache.resident(layer)
+    assert resident[5] >= 0 and resident[9] < 0 and resident[3] < 0
 
 
 def test_read_late_a_boundary_admits_from_the_step_before_the_one_in_flight(tiny_ckpt):

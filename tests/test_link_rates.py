@@ -31,8 +31,20 @@ def big(qwen3_layer_store):
     return qwen3_layer_store(pin=False)
 
 
+def _measure_on_a_busy_cpu(store):
+    """measure_link on the CPU, again when a timing came out as noise: real copies timed on a machine whose other
+    work can make the larger copy no slower than the smaller (CI run beside a CPU benchmark, 71fe0f3); the product
+    then declines the measurement by name, which ``test_a_rate_is_the_slope...`` covers."""
+    for attempt in range(3):
+        try:
+            return measure_link(store, torch.device("cpu"))
+        except LinkUnmeasurable as exc:
+            if "timing noise" not in str(exc) or attempt == 2:
+                raise
+
+
 def test_both_rates_are_measured_on_the_store_s_own_rows(big):
-    rates = measure_link(big, torch.device("cpu"))
+    rates = _measure_on_a_busy_cpu(big)
     assert rates.h2d_GBps > 0 and rates.uva_GBps > 0
     assert (rates.rows, rates.row_bytes, rates.layer) == (32, big.bytes_per_expert, big.layers[0])
 

@@ -114,9 +114,9 @@ def main(argv=None) -> int:
               f"{100 * c['hit_rate_timed']:.1f} |" for c in cells]
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
-        stem = a.out / f"boundary_host-{short_sha(result['git'])}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-        stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        stem = f"boundary_host-{short_sha(result['git'])}"  # a label may hold dots (e.g. <sha>-skew0.7): no with_suffix
+        (a.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (a.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(result, indent=1) if a.json else "\n".join(lines))
     return 0
 

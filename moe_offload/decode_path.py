@@ -49,13 +49,11 @@ import torch
 
 from moe_offload import log
 from moe_offload.copy_paths import RowCopy
+from moe_offload.policy import make_admission
 from moe_offload.uva import mapped_device_view, pin_mapped, unpin
 
 #: ``record_step_counts`` keeps at most this many steps (a benchmark's runs are 64-256 steps)
 MAX_STEP_COUNTS = 4096
-#: ``cache.admit_filter: frequency``: the weight of a routing after each later boundary (a routing counts half after ~23
-#: boundaries). On the routing model of benchmarks/boundary_host.py 0.97 kept 0.1-0.3 points more hits than 0.9.
-FREQUENCY_DECAY = 0.97
 
 
 class DecodeResidency:
@@ -66,15 +64,12 @@ class DecodeResidency:
         """``lookahead_tokens`` > 0: steps of at most that many tokens prefetch the next layer's predicted
         misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows.
         ``admit_filter`` "frequency": a missed expert is admitted only when it was routed at least as often as the
-        resident it would evict (``cache.admit_filter``, ``_frequent``)."""
+        resident it would evict (``cache.admit_filter``, ``policy.FrequencyAdmission``)."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
         K, L = store.geometry.top_k, len(store.layers)
         self.max_tokens, self.admit_per_step = max_tokens, admit_per_step
-        if admit_filter not in ("none", "frequency"):
-            raise ValueError(f"admit_filter {admit_filter!r}: none or frequency")
-        # per (layer, expert): how often decode routed it, decayed by FREQUENCY_DECAY a boundary ("frequency" only)
-        self._freq_LE = np.zeros((L, store.num_experts), dtype=np.float32) if admit_filter == "frequency" else None
+        self.admission = make_admission(admit_filter, L, store.num_experts)
         self.scratch_base = pool.num_slots
         # per layer (kernels/decode_miss.py plan kernel): routed pairs, missed pairs, distinct missed experts read in
         # the step, distinct routed experts, distinct missed experts read from a lookahead row, experts the
@@ -250,8 +245,8 @@ class DecodeResidency:
             return
         lps, slots_LE, hit_LE, miss_LE = routed_lookup(record_LTK, tokens, self.pool.slot_of_LE)
         self.pool.policy.touch(slots_LE[hit_LE])  # layer order, expert order within a layer (an int array)
-        if self._freq_LE is not None:
-            miss_LE = self._frequent(lps, slots_LE, hit_LE, miss_LE)
+        if self.admission is not None:
+            miss_LE = self.admission.admit(lps, slots_LE, hit_LE, miss_LE, self.pool.policy, self.pool.count_L)
         # victims leave the map and the device table now (one write for every layer); the policy may give fewer
         # than asked; raises with the map unchanged
         plans = self.pool.reserve_decode(lps, slots_LE, hit_LE, miss_LE, self._just_committed, budget)
@@ -274,23 +269,6 @@ class DecodeResidency:
         for layer, experts, _ in plans:
             self.counters.layer(layer).bytes["decode_h2d"] += int(experts.size) * R
         self._pending = plans
-
-    def _frequent(self, lps: np.ndarray, slots_LE: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray) -> np.ndarray:
-        """The misses worth a slot: those routed, before this boundary, at least as often as the least routed
-        resident their layer could give up (resident, not routed now), or any where the layer may take a free slot.
-        The decayed counts then take this boundary's routing. An expert missed once in a while is read from host
-        memory and evicts nothing; one routed often replaces a resident routed less. A prompt's residents that decode
-        never routes count 0, so after a prefill every miss is admitted at once (README Decisions)."""
-        f_LE = self._freq_LE[lps] * FREQUENCY_DECAY
-        policy = self.pool.policy
-        rooms = [policy.room(int(lp), self.pool.count_L) for lp in lps.tolist()] if policy.num_free > 0 else []
-        free_L = np.array([r is None or r > 0 for r in rooms], dtype=bool) if rooms else np.zeros(len(lps), bool)
-        bar_L = np.where((slots_LE >= 0) & ~hit_LE, f_LE, np.inf).min(axis=1)
-        bar_L[free_L] = -np.inf
-        keep_LE = miss_LE & (f_LE >= bar_L[:, None])
-        f_LE += hit_LE | miss_LE
-        self._freq_LE[lps] = f_LE
-        return keep_LE
 
     def commit_pending(self) -> None:
         """Admissions whose copies were enqueued at the last boundary enter the map and the table (one write)."""

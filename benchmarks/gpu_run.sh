@@ -3,7 +3,7 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan
+#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy
 # decode_plan: benchmarks/decode_plan.py, the routing launches (top-k, register vs workspace plan, alignment, their
 # fused forms) timed alone in CUDA graphs at 1/4/16/64 tokens; no checkpoint needed (~1 min; not yet run). The miss
 # copy's rate across layouts and configs: the kernels stage with KERNELS_ARGS=--uva-only.
@@ -75,6 +75,12 @@ python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels
   # locally, `cp .git/index /tmp/i && GIT_INDEX_FILE=/tmp/i git add -A && GIT_INDEX_FILE=/tmp/i git write-tree` on the
   # tree you sent gives the same hash (equal to `git rev-parse <sha>^{tree}` when nothing was uncommitted)
   cp .git/index /tmp/sent-index 2>/dev/null; echo "tree $(GIT_INDEX_FILE=/tmp/sent-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/sent-index git write-tree)"; } > "$RES/env.txt" 2>&1
+if has cond_copy; then  # benchmarks/conditional_copy.py: routed copies through graph IF nodes vs the copy engine and SM
+  # reads, one layer's 128 experts; no checkpoint needed (~1 min; runs before any other stage)
+  timeout $(cap 120) python3 benchmarks/conditional_copy.py --out "$RES" --tag "-${SERVE_CHECK_SHA:-unknown}" \
+    > "$RES/conditional_copy.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
+fi
 if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequant_tuning.json (used by the stages after)
   timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \
     > "$RES/tune_dequant.log" 2>&1

@@ -1,0 +1,197 @@
+"""Can a CUDA graph hand device-known routing to the copy engine? Conditional (IF) nodes measured on one GPU.
+
+    python benchmarks/conditional_copy.py [--out benchmarks/results] [--json] [--reps 20]
+
+Why: short prompts (issue 14) and batch 16 at low residency (issue 12) read their routed misses with SM loads
+from mapped host memory, because a replayed graph cannot tell the copy engine which experts were routed; at
+8-64 missing experts those reads cost 1.19-1.42 x the copy engine's time (README "What bounds the routed
+path"). A graph can hold one IF node per expert whose body is that expert's H2D memcpy (allowed for pinned,
+device-mapped host memory), its predicate set on the device from the routing. This probe prices that before
+any runtime code depends on it.
+
+Legend: E experts of one layer, R bytes of an expert row (Qwen3-30B-A3B NVFP4, padded: 2,654,224), k experts
+copied (predicates true), br parallel branches the E IF nodes are spread over (each branch a stream forked in
+the capture). Every time is a CUDA-event median over --reps (device ms) of one layer:
+- ``copy_engine``: k ``copy_`` calls H2D on one stream, eager (the floor's path);
+- ``graph_plain``: the same k copies captured as plain memcpy nodes and replayed (what a host that knew the
+  routing would replay);
+- ``cond[br]``: E IF nodes (predicate kernel + conditional node each, k true), replayed; k = 0 is the pure
+  cost of the nodes;
+- ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view).
+The ratio to ``copy_engine`` at each k is what a graph-replayed routed path would pay against the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from moe_offload.uva import mapped_device_view, pin_mapped
+
+ROW_BYTES = 2_654_224  # Qwen3-30B-A3B NVFP4 expert row, padded to 16 bytes (host_store.padded_row_bytes)
+
+
+def _time(fn, reps: int, stream: torch.cuda.Stream) -> float:
+    """Median device ms of ``fn()`` enqueued on ``stream`` (two warm-up calls)."""
+    for _ in range(2):
+        with torch.cuda.stream(stream):
+            fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            fn()
+            b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out)
+
+
+def _capture(body, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g, stream=stream):
+        body(g)
+    torch.cuda.synchronize()
+    return g
+
+
+def _cond_body(host_ER, dst_ER, pred_E, branches: int):
+    """Capture body: E IF nodes, expert e on branch e % branches, each copying its row when pred_E[e]."""
+    E = host_ER.shape[0]
+
+    def body(g: torch.cuda.CUDAGraph) -> None:
+        main = torch.cuda.current_stream()
+        streams = [main] + [torch.cuda.Stream() for _ in range(branches - 1)]
+        for s in streams[1:]:
+            s.wait_stream(main)
+        for j, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                for e in range(j, E, branches):
+                    g.begin_capture_to_if_node(pred_E[e])
+                    dst_ER[e].copy_(host_ER[e], non_blocking=True)
+                    g.end_capture_to_conditional_node()
+        for s in streams[1:]:
+            main.wait_stream(s)
+    return body
+
+
+def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int], reps: int) -> dict:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    host_ER = torch.empty((experts, row_bytes), dtype=torch.uint8)
+    host_ER.view(-1)[:: 4096].fill_(7)  # touch the pages
+    if not pin_mapped(host_ER):
+        raise RuntimeError("could not register the host rows as mapped pinned memory")
+    view_ER = mapped_device_view(host_ER, dev)
+    dst_ER = torch.empty((experts, row_bytes), dtype=torch.uint8, device=dev)
+    pred_E = torch.zeros(experts, dtype=torch.bool, device=dev)
+    stream = torch.cuda.Stream()
+    gen = torch.Generator().manual_seed(0)
+    rows: list[dict] = []
+    graphs = {}
+    for br in branches:
+        try:
+            graphs[br] = _capture(_cond_body(host_ER, dst_ER, pred_E, br), stream)
+        except Exception as exc:  # a driver without conditional memcpy bodies: report it, keep the rest
+            graphs[br] = f"{type(exc).__name__}: {exc}"
+    for k in counts:
+        chosen = torch.randperm(experts, generator=gen)[:k].sort().values.tolist()
+        idx = torch.tensor(chosen, dtype=torch.long, device=dev)
+        pred_E.zero_()
+        if k:
+            pred_E[idx] = True
+        torch.cuda.synchronize()
+
+        def copies():
+            for e in chosen:
+                dst_ER[e].copy_(host_ER[e], non_blocking=True)
+
+        row = {"k": k, "bytes": k * row_bytes}
+        if k:
+            row["copy_engine_ms"] = _time(copies, reps, stream)
+            plain = _capture(lambda g: copies(), stream)
+            row["graph_plain_ms"] = _time(plain.replay, reps, stream)
+            out = torch.empty((k, row_bytes), dtype=torch.uint8, device=dev)
+            row["sm_read_ms"] = _time(lambda: torch.index_select(view_ER, 0, idx, out=out), reps, stream)
+        for br, g in graphs.items():
+            if isinstance(g, str):
+                row[f"cond{br}_ms"] = None
+                continue
+            dst_ER.zero_()
+            torch.cuda.synchronize()
+            row[f"cond{br}_ms"] = _time(g.replay, reps, stream)
+            if k:  # the copies landed, and only those
+                got = dst_ER[idx, :: 4096].eq(7).all().item()
+                others = dst_ER.sum(dim=1).ne(0).sum().item()
+                row[f"cond{br}_exact"] = bool(got) and others == k
+        for key in list(row):
+            if key.endswith("_ms") and row[key] and k:
+                row[key.replace("_ms", "_gbps")] = round(k * row_bytes / row[key] / 1e6, 1)
+        if k:
+            ce = row["copy_engine_ms"]
+            for key in list(row):
+                if key.endswith("_ms") and key != "copy_engine_ms" and row[key]:
+                    row[key.replace("_ms", "_x_ce")] = round(row[key] / ce, 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return {"rows": rows, "capture_errors": {br: g for br, g in graphs.items() if isinstance(g, str)}}
+
+
+def _markdown(res: dict) -> str:
+    keys = ["copy_engine", "graph_plain", "sm_read"] + [f"cond{br}" for br in res["branches"]]
+    lines = [f"# Conditional-node copies vs the copy engine ({res['gpu']}, {res['git_sha']}, torch {res['torch']})",
+             "", f"E = {res['experts']} IF nodes, R = {res['row_bytes']} bytes a row, {res['reps']} reps, median "
+             "device ms (x copy_engine).", "",
+             "| k | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
+    for r in res["rows"]:
+        cells = []
+        for key in keys:
+            ms = r.get(f"{key}_ms")
+            x = r.get(f"{key}_x_ce")
+            cells.append("-" if ms is None else f"{ms:.3f}" + (f" ({x:.2f})" if x else ""))
+        lines.append(f"| {r['k']} | " + " | ".join(cells) + " |")
+    if res["capture_errors"]:
+        lines += ["", "Capture errors: " + json.dumps(res["capture_errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--row-bytes", type=int, default=ROW_BYTES)
+    p.add_argument("--counts", default="0,1,8,16,32,64,128")
+    p.add_argument("--branches", default="1,4,16")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tag", default="")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("conditional_copy: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    branches = [int(x) for x in a.branches.split(",")]
+    res = {"git_sha": sha or "unknown", "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
+           "experts": a.experts, "row_bytes": a.row_bytes, "reps": a.reps, "branches": branches}
+    res.update(measure(a.experts, a.row_bytes, [int(x) for x in a.counts.split(",")], branches, a.reps))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"conditional_copy-{res['git_sha']}{a.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    stem.with_suffix(".md").write_text(_markdown(res))
+    print(json.dumps(res) if a.json else _markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,12 +5,12 @@ the step's routing, pick victims, write the device table, enqueue the copies) on
         [--skew 2.0] [--out benchmarks/results] [--json]
 
 Why on the CPU: the boundary is host work that the GPU waits for between decode steps (0.59-3.2 ms a step at
-residency 0.37 on an H200 at c7b7054, README), and most of it is Python and numpy over the residency map, which
-this measures without a GPU. The cache has Qwen3-30B-A3B's routing shape (48 MoE layers x 128 experts, top-8) with
-small expert rows (hidden 64, intermediate 32: the map, the policy and the table do not depend on the row size),
-so a CPU run leaves out what CUDA calls cost on a GPU host (uploads, copy calls), and the rows copied are small.
-Routing: each layer draws its top-k without replacement from a Zipf law over a seeded per-layer permutation of
-its experts (``--skew``: 2.0 gives ~94 % hits at batch 1 with the pool warm; the H200 measured 95.8 %); the cache
+residency 0.37 on an H200 at c7b7054, benchmarks/results/HISTORY.md), and most of it is Python and numpy over the
+residency map, which this measures without a GPU. The cache has Qwen3-30B-A3B's routing shape (48 MoE layers x 128
+experts, top-8) with small expert rows (hidden 64, intermediate 32: the map, the policy and the table do not depend on
+the row size), so a CPU run leaves out what CUDA calls cost on a GPU host (uploads, copy calls), and the rows copied
+are small. Routing: each layer draws its top-k without replacement from a Zipf law over a seeded per-layer permutation
+of its experts (``--skew``: 2.0 gives ~94 % hits at batch 1 with the pool warm; the H200 measured 95.8 %); the cache
 starts with every layer's share of its most popular experts resident. Each step routes every layer through
 ``decode_rows`` (the CPU reference of the miss copy and of the routing record), then the boundary is timed.
 """

@@ -4,10 +4,10 @@
 
 Why: short prompts (issue 14) and batch 16 at low residency (issue 12) read their routed misses with SM loads
 from mapped host memory, because a replayed graph cannot tell the copy engine which experts were routed; at
-8-64 missing experts those reads cost 1.19-1.42 x the copy engine's time (README "What bounds the routed
-path"). A graph can hold one IF node per expert whose body is that expert's H2D memcpy (allowed for pinned,
-device-mapped host memory), its predicate set on the device from the routing. This probe prices that before
-any runtime code depends on it.
+8-64 missing experts those reads cost 1.19-1.42 x the copy engine's time
+(benchmarks/results/HISTORY.md "What bounds the routed path"). A graph can hold one IF node per expert whose body is
+that expert's H2D memcpy (allowed for pinned, device-mapped host memory), its predicate set on the device from the
+routing. This probe prices that before any runtime code depends on it.
 
 Legend: E experts of one layer, R bytes of an expert row (Qwen3-30B-A3B NVFP4, padded: 2,654,224), k experts
 copied (predicates true), br parallel branches the E IF nodes are spread over (each branch a stream forked in

@@ -44,7 +44,8 @@ from fused_moe import SHAPES, random_banks, random_routing, versions  # noqa: E4
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 MISSES = (1, 8, 16, 32, 64)
 # launch shapes swept at these miss counts on padded rows (16-32: what a short prompt misses per layer at residency
-# 0.37, where the SM reads cost ~1.3 x the copy engine's time: README "b18b0cc"), and at 64 on both layouts
+# 0.37, where the SM reads cost ~1.3 x the copy engine's time:
+# benchmarks/results/HISTORY.md "b18b0cc"), and at 64 on both layouts
 SWEEP_MISSES = (1, 16, 32, 64)
 RESIDENCY = 0.37
 # decode_moe rounds the activation and each weighted term to bf16 (2^-9 relative each, accumulated over

@@ -145,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=DECODE_TUNING_PATH, help="tuning table to update")
     ap.add_argument("--maxnreg", nargs="+", type=_maxnreg, default=[None],
                     help="register caps per thread to try with every tile config (none = the compiler's choice), e.g. "
-                         "none 112: the swapped kernels are issue-bound at 25%% occupancy (README 'b18b0cc')")
+                         "none 112: the swapped kernels are issue-bound at 25%% occupancy "
+                         "(benchmarks/results/HISTORY.md 'b18b0cc')")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/tune_decode_moe.py needs CUDA", file=sys.stderr)

@@ -406,9 +406,9 @@ def register_plan_fits(M: int, E: int) -> bool:
     """Whether the register plan serves a step of M pairs over E experts: where they fit one chunk of a one-warp
     program (8 pairs at E = 128). Each chunk is a chain of dependent global loads (ids, then the slot table) and
     cross-thread reductions, twice over, in one program. Timed alone on an H100 at 8bcd799
-    (``benchmarks/decode_plan.py``, README): 6.80 vs 7.16 us with the workspace plan at 8 pairs, but 8.93 vs 7.15 at
-    32 (one chunk at 4 warps), 18.4 vs 7.3 at 128 and 54.4 vs 7.3 at 512. Above that the workspace plan
-    (``_plan_ws``: a fixed number of barriers, 1,024 pairs a step) runs instead."""
+    (``benchmarks/decode_plan.py``, benchmarks/results/HISTORY.md): 6.80 vs 7.16 us with the workspace plan at 8 pairs,
+    but 8.93 vs 7.15 at 32 (one chunk at 4 warps), 18.4 vs 7.3 at 128 and 54.4 vs 7.3 at 512. Above that the workspace
+    plan (``_plan_ws``: a fixed number of barriers, 1,024 pairs a step) runs instead."""
     EB = experts_block(E)
     return EB <= PLAN_REGS_ELEMENTS and M <= plan_chunk(EB, num_warps=1)
 

@@ -22,9 +22,10 @@ class KernelTiles:
     """Tiles of one of the two GEMM kernels: N/K tile, M-block grouping, warps, pipeline stages, and an optional
     cap on registers per thread (``maxnreg``, ptxas' register limit; None: the compiler's choice). The cap
     exists for the decode kernels: at T = 64 the swapped gate_up kernel is bound by instruction issue with 25 %
-    occupancy, 8 CTAs per SM limited by its 128 registers per thread (Nsight Compute on the H200, README
-    "b18b0cc"). Its shared memory (17.4 KB per CTA at 3 stages) allowed 9 CTAs there, so a cap buys warps only
-    together with fewer stages or smaller tiles; a cap too low spills. The tuner measures the combinations."""
+    occupancy, 8 CTAs per SM limited by its 128 registers per thread (Nsight Compute on the H200,
+    benchmarks/results/HISTORY.md "b18b0cc"). Its shared memory (17.4 KB per CTA at 3 stages) allowed 9 CTAs there, so
+    a cap buys warps only together with fewer stages or smaller tiles; a cap too low spills. The tuner measures the
+    combinations."""
 
     block_n: int
     block_k: int

@@ -14,9 +14,10 @@ complete, as always. In a CUDA graph the launch attribute becomes a programmatic
 Which launches use it: the ones made inside :func:`launches` with ``True``. The engine enters it for decode steps
 (one new token a sequence, eager or captured as a step's graph) of at most ``compute.pdl_max_tokens`` sequences
 where :func:`unsupported` finds nothing against it (``Engine.pdl_launches``); prompts launch plainly. Measured on
-H100s (README "3e491a3 / 3bf4dd6" and "bb13400 / 3ce9df3"): batch 1 gains 4.7 %, batch 16 / 64 are level or slightly
-ahead in an ABBA order (their earlier losses were single pairs within the noise); routed prompts of 16-256 tokens
-were level with it and 64-token ones fully resident 3-6 % slower, hence decode steps only, up to 64 sequences.
+H100s (benchmarks/results/HISTORY.md "3e491a3 / 3bf4dd6" and "bb13400 / 3ce9df3"): batch 1 gains 4.7 %, batch 16 / 64
+are level or slightly ahead in an ABBA order (their earlier losses were single pairs within the noise); routed prompts
+of 16-256 tokens were level with it and 64-token ones fully resident 3-6 % slower, hence decode steps only, up to 64
+sequences.
 """
 
 from __future__ import annotations

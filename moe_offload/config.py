@@ -115,7 +115,8 @@ class CacheConfig(_Strict):
                                 "slots before the next step (copied between steps; 0 = never admit in decode). "
                                 "The first decode steps after a prefill miss the experts decode routes to but the "
                                 "prompt did not: 512 admits them within a step or two, where 64 took ~17 steps "
-                                "(README 'a21f336 on an H100': batch 4 at residency 0.37, 423 against 278 tok/s)")
+                                "(benchmarks/results/HISTORY.md 'a21f336 on an H100': batch 4 at residency "
+                                "0.37, 423 against 278 tok/s)")
     admit_filter: Literal["none", "frequency"] = Field(
         "frequency", description="which missed experts a decode boundary admits (up to admit_per_step). none: every "
         "one. frequency: one routed at least as often (decayed counts) as the resident it would evict, or any where "
@@ -159,13 +160,15 @@ class PrefillConfig(_Strict):
                                "experts of the pinned store at start-up (the slope between them; tens of ms; stores "
                                "too small to time keep the table's rates) and the cost model decides with those two "
                                "rates instead of the table's (moe_offload/link_rates.py): the SM-read rate depends on "
-                               "the host (46-47 vs 25.7 GB/s on two H100 hosts, README); false = the table's rates")
+                               "the host (46-47 vs 25.7 GB/s on two H100 hosts, benchmarks/results/HISTORY.md); "
+                               "false = the table's rates")
     routed_copy: Literal["uva", "copy_engine", "auto"] = Field(
         "auto", description="how a prefill that reads only its routed experts gets the missing ones: uva = SMs read "
         "them from mapped host memory inside the graph (no host sync); copy_engine = a piecewise graph (one per "
         "stretch between experts calls) whose experts calls read the layer's routing on the host (one sync a layer, "
         "~0.28 ms) and copy only the routed missing experts over the copy engine; auto = on a host where "
-        "prefill.measure_link measured SM reads below 0.6 x the copy engine's rate (README), copy_engine for the "
+        "prefill.measure_link measured SM reads below 0.6 x the copy engine's rate "
+        "(benchmarks/results/HISTORY.md), copy_engine for the "
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
@@ -257,7 +260,7 @@ class DecodeConfig(_Strict):
                             "decode_path.py, 'read late'). On since 47c82c8's ABBA on an H100: +4.4 / +4.3 % tok/s at "
                             "residency 0.37 batch 1 / 4 (misses +27 / +11 %, median step -14 %), +1.0 / +0.4 % fully "
                             "resident at batch 1 / 16 (e31192f); batch 16 / 64 with misses not yet timed in this "
-                            "form (README, 47c82c8 on an H100)")
+                            "form (benchmarks/results/HISTORY.md, 47c82c8 on an H100)")
     max_cache_len: int = Field(4096, ge=16, le=1 << 20, description="positions of the static KV cache of a graph "
                                "decoder (prompt + new tokens); longer requests decode eagerly")
     max_new_tokens: int = Field(32, ge=1)
@@ -307,7 +310,8 @@ class ComputeConfig(_Strict):
                                       "miss plan and the alignment in one launch (kernels/decode_route.py) for decode "
                                       "steps of up to this many routed pairs (tokens x top-k); 0 = never. Off by "
                                       "default: measured on an H100 at 3ad5d89, that launch took 48.8 us at 128 pairs "
-                                      "(batch 16) against ~10 us for the three it replaces (README)")
+                                      "(batch 16) against ~10 us for the three it replaces "
+                                      "(benchmarks/results/HISTORY.md)")
     moe_sum_in_down: bool = Field(False, description="with fused_moe_launches: the down launch sums each token's "
                                   "top-k terms itself (kernels/fused_moe_swap.py, decode_gemv.py; Triton >= 3.5 for "
                                   "the swapped tiles) instead of a separate sum launch (kernels/moe_sum.py). Off by "
@@ -321,7 +325,7 @@ class ComputeConfig(_Strict):
                                         "torch's GEMM (a logit may differ in its last bit). A forward that "
                                         "route_plan_max_pairs covers keeps that launch. 0 = off, the default: on "
                                         "an H200 at c7b7054 (ABBA, fully resident) it was level at batch 1 and 12 / "
-                                        "9 % slower at batch 16 / 64 (README)")
+                                        "9 % slower at batch 16 / 64 (benchmarks/results/HISTORY.md)")
     pdl_max_tokens: int = Field(64, ge=0, le=4096, description="on CUDA sm_90+, decode steps of at most this "
                                 "many sequences (one new token each; eager or captured) launch their Triton kernels "
                                 "(kernels/ in a decode step) with programmatic dependent launch: each may be launched "
@@ -331,7 +335,8 @@ class ComputeConfig(_Strict):
                                 "level with it and 64-token ones fully resident 3-6 % slower). 64 (every decode "
                                 "bucket measured) from H100 A/Bs: batch 1 fully resident +4.7 % over five pairs "
                                 "(3e491a3 / 3bf4dd6); batch 16 / 64 +0.6 / +1.6 % in an ABBA order of 3 reps a "
-                                "side (bb13400; README). A CUDA device without it: one pdl_declined event")
+                                "side (bb13400; benchmarks/results/HISTORY.md). A CUDA device without it: one "
+                                "pdl_declined event")
     graph_after: int = Field(2, ge=1, le=1000, description="capture a shape on its n-th call (earlier calls run eagerly)")
     max_graphs: int = Field(16, ge=1, le=1024, description="captured shapes kept (least recently used dropped)")
 

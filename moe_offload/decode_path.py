@@ -36,7 +36,7 @@ the last boundary, which run beside step N (at most their own copy time, not the
 Admissions come one step later; what a step computes does not change (a routed expert without a slot is read from
 host memory either way). Measured at e31192f with commits two boundaries on (no wait at all), misses rose by half at
 batch 1 and tok/s fell; in this form (47c82c8) misses rose 27 % at batch 1 and tok/s rose 4.4 % at residency 0.37
-(README "47c82c8 on an H100").
+(benchmarks/results/HISTORY.md "47c82c8 on an H100").
 """
 
 from __future__ import annotations

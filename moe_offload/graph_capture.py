@@ -10,12 +10,14 @@ another, and a long-running server drifts into out-of-memory errors after one de
 
 Found at e31192f on an H100: after the GPU test files whose captures fail on purpose, the faults module's first
 device-memory hog left 78 GiB reserved and unallocated that ``empty_cache`` did not release, and 17 later tests
-failed with out-of-memory errors; the same module alone held nothing (README "e31192f on an H100").
+failed with out-of-memory errors; the same module alone held nothing
+(benchmarks/results/HISTORY.md "e31192f on an H100").
 
 The same early raise skips the capture's epilogue on the device's default CUDA generator, which therefore stays in
 capture mode: every later random op on that device outside a capture (``torch.randint``, sampling, dropout) raises
 "Offset increment outside graph capture encountered unexpectedly". Found at 47c82c8 on an H100: after the GPU test
-that invalidates a capture on purpose, 39 later GPU tests failed that way (README "47c82c8 on an H100").
+that invalidates a capture on purpose, 39 later GPU tests failed that way
+(benchmarks/results/HISTORY.md "47c82c8 on an H100").
 
 Two more things the same raise leaves, measured at a21f336 on an H100 (``benchmarks/failed_capture_probe.py``, output
 in ``benchmarks/results/failed-capture-probe-a21f336-h100.txt``):

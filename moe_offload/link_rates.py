@@ -30,7 +30,7 @@ from moe_offload.prefill_path import CostModel, cost_model
 LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 rows; the smaller one takes a quarter)
 LINK_REPS = 5
 LINK_WARMUP = 3  # untimed copies first: at b703e18 one was too few on a fast H100 host (h2d 40-45 GB/s at start-up
-# against 55.0 for the bench's 1 GiB copy in the same run, README "e9c32fa / 9867ced / b703e18")
+# against 55.0 for the bench's 1 GiB copy in the same run, benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18")
 LINK_MIN_BYTES = 16 << 20  # below this the larger copy is mostly fixed cost (a 2.65 MB expert: ~60 us at 45 GB/s)
 
 

@@ -4,7 +4,7 @@ Legend: B sequences, T prompt tokens, Tb the bucket T is padded to, N = B x Tb r
 V vocab, H hidden.
 
 Eager, a prefill forward costs ~1.7 ms of host time per layer on the H200 (Python, ~50 launches), more
-than the device needs at short prompts and whenever every expert is resident (README Results). A
+than the device needs at short prompts and whenever every expert is resident (benchmarks/results/HISTORY.md). A
 start-0 prefill whose experts calls do no host work is captured once per bucket and replayed:
 - ``routed``: ``B x Tb <= cache.routed_max_tokens`` (or a single prompt that the observed routing,
   ``prefill.routed_adaptive_max_tokens``, sends down the routed path), every experts call takes the routed path (resident
@@ -29,7 +29,7 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   engine (``cache.routed_fills_for``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
   call reads its layer's routing on the host (one sync a layer) and stages only the routed missing experts
   (``staging.py``). Pad rows route as in ``routed``. For hosts whose SM reads of mapped memory run far below
-  the copy engine's rate (README "e9c32fa / 9867ced / b703e18 on two more H100s").
+  the copy engine's rate (benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18 on two more H100s").
 
 A single prompt whose length the observed routing (``observed_routing.py``) may still route but has not yet
 learned is not captured piecewise (its padded forward would not be observed): it runs eagerly, observed, and is

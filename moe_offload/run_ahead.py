@@ -3,9 +3,10 @@ the host between steps.
 
 Without it a decode step's tokens reach the host (a sync) before the next step is enqueued: the GPU idles for the
 host's work between steps: on an H100 under the profiler ~0.47 ms between steps of ~4.1 ms at batch 1 and ~1.0 ms
-between steps of ~10.3 ms at batch 16 (README, bb13400 / 3ce9df3, "graph_gaps"). With it, each step's argmax and a
-finiteness flag are computed on the device and copied into one of two pinned buffers behind an event; the sampled
-ids stay on the device as the next step's input, and the host reads a step's tokens while the step after it runs.
+between steps of ~10.3 ms at batch 16 (benchmarks/results/HISTORY.md, bb13400 / 3ce9df3, "graph_gaps"). With it, each
+step's argmax and a finiteness flag are computed on the device and copied into one of two pinned buffers behind an
+event; the sampled ids stay on the device as the next step's input, and the host reads a step's tokens while the step
+after it runs.
 
 Why it keeps answers: the next step's input is the same argmax, read from the device instead of the host. What it
 costs: a step enqueued after the last sequence stopped is discarded (the caller never reads it), and non-finite

@@ -212,7 +212,7 @@ class SlotPool:
         protects the slots its step routed and ``protected``. Where the policy picks every layer's victims at once
         (``own_victims``: the balanced policy with each of those layers at or above its share, its steady state
         below residency 1) the picks are the same in a few array operations (~100 us a layer of Python on a
-        CI-class CPU before: README "c7b7054 on an H200"); else layer by layer."""
+        CI-class CPU before: benchmarks/results/HISTORY.md "c7b7054 on an H200"); else layer by layer."""
         rows = np.flatnonzero(miss_LE.any(axis=1))
         if budget <= 0 or rows.size == 0:
             return []

@@ -385,8 +385,8 @@ def test_route_and_serve_small_steps_match_the_two_calls(T, K, E, align):
 def test_the_register_plan_runs_only_where_the_pairs_fit_one_chunk(monkeypatch):
     """The default plan: the register kernel up to one one-warp chunk of pairs (E = 128: 8 pairs, batch 1), the
     workspace kernel above (timed alone on an H100 at 8bcd799, ``benchmarks/decode_plan.py``: the register plan
-    lost from 32 pairs up, README), also in the plan + alignment launch; ``registers`` True/False still force
-    either."""
+    lost from 32 pairs up, benchmarks/results/HISTORY.md), also in the plan + alignment launch; ``registers``
+    True/False still force either."""
     from moe_offload.kernels import decode_miss as dm
 
     assert dm.register_plan_fits(8, 128) and not dm.register_plan_fits(9, 128)

@@ -108,7 +108,8 @@ def test_sm_reads_far_below_the_copy_engine_get_a_hint_naming_decode_path_auto(b
     slow = LinkRates(h2d_GBps=49.4, uva_GBps=25.7, rows=32, row_bytes=big.bytes_per_expert, reps=5, layer=0)
     fast = LinkRates(h2d_GBps=54.9, uva_GBps=46.8, rows=32, row_bytes=big.bytes_per_expert, reps=5, layer=0)
     links = []
-    for rates in (slow, fast):  # the measurement replaced by the two hosts' measured rates (README)
+    for rates in (slow, fast):  # the measurement replaced by the two hosts' measured rates
+        # (benchmarks/results/HISTORY.md)
         monkeypatch.setattr(link_rates, "measure_link", lambda store, device, r=rates: r)
         links.append(measured_link_model(big, torch.device("cpu"), cost_model(H200, *QWEN3))[1])
     assert "0.52 x" in links[0]["hint"] and "decode.path: auto" in links[0]["hint"]

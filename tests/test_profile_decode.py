@@ -44,7 +44,7 @@ def test_an_empty_or_single_event_trace_has_no_boundaries():
 def test_the_h100_batch16_trace_idles_under_half_a_microsecond_a_boundary():
     """The graph trace of bb13400 on an H100 (8 layers, batch 16, PDL off at that commit's default): the replay's
     kernels sit ~0.5 us apart, ~18 boundaries a layer, ~4 % of the replay's kernel time; the host's stretches
-    between steps are far longer (README "bb13400 on an H100")."""
+    between steps are far longer (benchmarks/results/HISTORY.md "bb13400 / 3ce9df3 on an H100")."""
     d = json.loads((ROOT / "benchmarks/results/profile-decode-l8-r1.0-b16-bb13400-h100f.json").read_text())
     g = boundary_gaps(d["graph_trace"], steps=2)
     assert 0.3 < g["inside_us_per_boundary"] < 0.7

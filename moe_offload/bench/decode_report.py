@@ -15,7 +15,8 @@ Floors of one decode step, from figures of the same run:
 >= 0.8 x floor speed at batch 16 and 64, i.e. a ratio <= 1.25. ``ratio_to_floor = median ms/step / max(HBM floor,
 PCIe floor)`` is the typical step's ratio, reported beside it. The targets judged the median step until 47c82c8's H100
 grid showed steps below residency 1 with a long tail (batch 4 at residency 0.37: median 7.8 ms, p90 46 ms, mean
-16.2 ms): the median said 1.18 x at batch 16 where the speed was 1.30 x the floor's (README "47c82c8 on an H100").
+16.2 ms): the median said 1.18 x at batch 16 where the speed was 1.30 x the floor's
+(benchmarks/results/HISTORY.md "47c82c8 on an H100").
 """
 
 from __future__ import annotations

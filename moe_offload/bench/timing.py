@@ -76,7 +76,7 @@ def measure_uva(engine, device: torch.device) -> dict:
     host memory on CUDA; the torch reference copy on a CPU) into device rows, median of ``H2D_REPS`` (CUDA events;
     CPU: perf_counter), in GB/s. The PCIe floor stays the copy engine's (``measure_h2d``); this one says how
     close this host lets the SMs' reads come to it: 46-47 GB/s on one H100 host and 25.7 on another at
-    8bcd799/de3b3ad, with the same copy code (README)."""
+    8bcd799/de3b3ad, with the same copy code (benchmarks/results/HISTORY.md)."""
     from moe_offload import uva
     from moe_offload.bench.ttft import BenchError
 

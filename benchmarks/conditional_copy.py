@@ -17,7 +17,11 @@ the capture). Every time is a CUDA-event median over --reps (device ms) of one l
   routing would replay);
 - ``cond[br]``: E IF nodes (predicate kernel + conditional node each, k true), replayed; k = 0 is the pure
   cost of the nodes;
-- ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view).
+- ``condb``: the same E IF nodes made by ``benchmarks/conditional_copy.cu`` (built here with nvcc; for torch builds
+  without ``begin_capture_to_if_node``, e.g. 2.11): ONE kernel sets all E conditions, then the E IF nodes run in
+  parallel, each holding one H2D memcpy node;
+- ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view; a generic
+  gather, slower than the runtime's tuned miss copy).
 The ratio to ``copy_engine`` at each k is what a graph-replayed routed path would pay against the floor.
 """
 
@@ -85,6 +89,41 @@ def _cond_body(host_ER, dst_ER, pred_E, branches: int):
     return body
 
 
+def _probe_lib():
+    """ctypes handle of benchmarks/conditional_copy.cu built with nvcc into a temporary folder, or the error text."""
+    import ctypes
+    import shutil
+    import tempfile
+
+    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local/cuda/bin").glob("nvcc")), None)
+    if nvcc is None:
+        return "nvcc not found"
+    so = Path(tempfile.mkdtemp()) / "libconditional_copy.so"
+    r = subprocess.run([nvcc, "-O2", "-shared", "-Xcompiler", "-fPIC", "--cudart", "shared", "-arch=native", "-o",
+                        str(so), str(Path(__file__).with_suffix(".cu"))], capture_output=True, text=True)
+    if r.returncode:
+        return f"nvcc failed: {r.stderr[-2000:]}"
+    lib = ctypes.CDLL(str(so))
+    lib.add_if_copies.restype = ctypes.c_int
+    lib.add_if_copies.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                  ctypes.c_int]
+    return lib
+
+
+def _condb_body(lib, host_ER, dst_ER, pred_E):
+    import ctypes
+
+    E, R = host_ER.shape
+    dst = (ctypes.c_ulonglong * E)(*[dst_ER[e].data_ptr() for e in range(E)])
+    src = (ctypes.c_ulonglong * E)(*[host_ER[e].data_ptr() for e in range(E)])
+
+    def body(g: torch.cuda.CUDAGraph) -> None:
+        err = lib.add_if_copies(torch.cuda.current_stream().cuda_stream, pred_E.data_ptr(), dst, src, R, E)
+        if err:
+            raise RuntimeError(f"add_if_copies returned {err}")
+    return body
+
+
 def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int], reps: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     host_ER = torch.empty((experts, row_bytes), dtype=torch.uint8)
@@ -103,6 +142,14 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
             graphs[br] = _capture(_cond_body(host_ER, dst_ER, pred_E, br), stream)
         except Exception as exc:  # a driver without conditional memcpy bodies: report it, keep the rest
             graphs[br] = f"{type(exc).__name__}: {exc}"
+    lib = _probe_lib()
+    if isinstance(lib, str):
+        graphs["b"] = lib
+    else:
+        try:
+            graphs["b"] = _capture(_condb_body(lib, host_ER, dst_ER, pred_E), stream)
+        except Exception as exc:
+            graphs["b"] = f"{type(exc).__name__}: {exc}"
     for k in counts:
         chosen = torch.randperm(experts, generator=gen)[:k].sort().values.tolist()
         idx = torch.tensor(chosen, dtype=torch.long, device=dev)
@@ -147,7 +194,7 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
 
 
 def _markdown(res: dict) -> str:
-    keys = ["copy_engine", "graph_plain", "sm_read"] + [f"cond{br}" for br in res["branches"]]
+    keys = ["copy_engine", "graph_plain", "sm_read"] + [f"cond{br}" for br in res["branches"]] + ["condb"]
     lines = [f"# Conditional-node copies vs the copy engine ({res['gpu']}, {res['git_sha']}, torch {res['torch']})",
              "", f"E = {res['experts']} IF nodes, R = {res['row_bytes']} bytes a row, {res['reps']} reps, median "
              "device ms (x copy_engine).", "",

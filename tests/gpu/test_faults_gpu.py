@@ -41,6 +41,7 @@ from moe_offload.engine import Engine
 from moe_offload.hit_copy import HitPathUnavailable
 from moe_offload.host_store import ExpertStore
 from moe_offload.kernels import batch_memcpy as bm
+from moe_offload.kernels import copy as copy_kernels
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -243,8 +244,10 @@ def test_a_device_oom_in_a_prefill_admission_into_free_slots_fails_the_request_a
 
 def test_a_device_oom_in_the_prefill_hit_copy_falls_back_to_full_layer_copies_with_one_event_and_a_count(
         tiny, monkeypatch, events):
-    """The gather's index tensors (``hit_copy.index_tensor``) fail: the hit path is declined for the rest of
-    the cache's life (``cache._hit_failed``), the request itself is answered correctly."""
+    """The gather fails with a device OOM (its index tensors, ``hit_copy.index_tensor``, or, where the hit copy reads
+    the device slot table, ``kernels.copy.gather_resident``: the path the cache takes since the gather read the table;
+    at 4c209c0 the injected fault sat only in the first and was never reached): the hit path is declined for the
+    rest of the cache's life (``cache._hit_failed``), the request itself is answered correctly."""
     # read_in_place off: a layer with hits and misses is otherwise a mixed fill, whose hits are read from their
     # slots without any hit copy (staging.py), and the injected fault was never reached (3 failures at e31192f)
     want = reference(tiny, "cache.budget=0.5", "prefill.read_in_place=false")
@@ -253,6 +256,7 @@ def test_a_device_oom_in_the_prefill_hit_copy_falls_back_to_full_layer_copies_wi
     eng.cache.reset()
     calls: dict = {}
     monkeypatch.setattr(hit_copy_mod, "index_tensor", _raise_on_call(hit_copy_mod.index_tensor, 1, OOM, calls))
+    monkeypatch.setattr(copy_kernels, "gather_resident", _raise_on_call(copy_kernels.gather_resident, 1, OOM, calls))
     assert eng.generate(PROMPT_LONG, NEW_TOKENS).token_ids == want["long"]
     st = eng.cache.stats()
     assert calls["n"] == 1 and st["hit_path"] == "full_layer_copy" and st["hit_d2d_fallbacks"].get("call_failed", 0) >= 1

@@ -53,7 +53,7 @@ class OffloadMoeCache:
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
                  decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
-                 cost_model=None, observe_routing: bool = False, lookahead: bool = False):
+                 cost_model=None, observe_routing: bool = False, lookahead: bool = False, miss_copy: str = "uva"):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
@@ -64,7 +64,9 @@ class OffloadMoeCache:
         (``begin_forward``/``end_forward``, as ``Engine.run_model`` does), so ``prefill.routed_adaptive_max_tokens``
         may apply; a cache whose caller announces nothing keeps the fixed threshold and pays no scratch rows
         for it. ``lookahead`` (``decode.lookahead``): decode steps prefetch the next MoE layer's predicted misses
-        (``lookahead.py``: its rows come out of the budget; ``lookahead.attach_routers`` gives it the routers)."""
+        (``lookahead.py``: its rows come out of the budget; ``lookahead.attach_routers`` gives it the routers).
+        ``miss_copy`` (``decode.miss_copy``): "copy_engine" copies a captured step's routed misses with the copy
+        engine (``graph_copy.py``)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -91,7 +93,7 @@ class OffloadMoeCache:
                             lead_rows=2 * store.num_experts)  # the two staging buffers (staging.py)
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
                                      cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0,
-                                     cache_cfg.admit_filter)
+                                     cache_cfg.admit_filter, miss_copy)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
             if not is_device_oom(exc):

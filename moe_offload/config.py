@@ -251,6 +251,13 @@ class DecodeConfig(_Strict):
                             "ones are copied from host memory on a side stream while this layer computes "
                             "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
                             "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
+    miss_copy: Literal["uva", "copy_engine"] = Field(
+        "uva", description="how a captured routed step (decode steps, routed prefill graphs) gets its missing experts. "
+        "uva: SMs read them from mapped host memory (kernels/decode_miss.py). copy_engine: the copy engine copies "
+        "them inside the graph, one conditional node per expert enabled on the device from the step's routing "
+        "(moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off), where the "
+        "SM-read rate is below the copy engine's (28.5 against 54.3 GB/s on the H100 of 4c209c0). Eager forwards "
+        "read over UVA either way; a declined setting logs decode_miss_copy_declined. Not yet timed on a GPU")
     run_ahead: bool = Field(True, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "

@@ -60,11 +60,13 @@ class DecodeResidency:
     """The decode path of one cache (see the module docstring)."""
 
     def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int,
-                 lookahead_tokens: int = 0, admit_filter: str = "none"):
+                 lookahead_tokens: int = 0, admit_filter: str = "none", miss_copy: str = "uva"):
         """``lookahead_tokens`` > 0: steps of at most that many tokens prefetch the next layer's predicted
         misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows.
         ``admit_filter`` "frequency": a missed expert is admitted only when it was routed at least as often as the
-        resident it would evict (``cache.admit_filter``, ``policy.FrequencyAdmission``)."""
+        resident it would evict (``cache.admit_filter``, ``policy.FrequencyAdmission``). ``miss_copy`` "copy_engine":
+        captured steps copy their routed misses with the copy engine (``graph_copy.py``; declined with one event
+        where it does not apply)."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
         K, L = store.geometry.top_k, len(store.layers)
@@ -85,6 +87,11 @@ class DecodeResidency:
 
             rows = lookahead_rows(lookahead_tokens, store)
             self.lookahead = Lookahead(store, pool, streams, pool.rows_NR.shape[0] - rows, rows // 2, lookahead_tokens)
+        from moe_offload.graph_copy import graph_miss_copy
+
+        # a declined setting stays counted in stats() across counter resets (reset_counts)
+        self.graph_copy, self.miss_copy_declined = graph_miss_copy(miss_copy, store, pool, self.scratch_base,
+                                                                   counters, self.lookahead is not None)
         self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
@@ -129,6 +136,8 @@ class DecodeResidency:
                              "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
         table_E = self.pool.table_LE[lp]
         pf_E = self.lookahead.take(lp) if self.lookahead is not None else None
+        if self.graph_copy is not None and torch.cuda.is_current_stream_capturing():
+            pf_E = self.graph_copy.enqueue(layer, table_E, ids_TK)  # the copy engine fills the rows (graph_copy.py)
         if self.device.type == "cuda":
             from moe_offload.kernels.decode_miss import serve_misses_plan
 
@@ -157,7 +166,7 @@ class DecodeResidency:
         from moe_offload.kernels.decode_route import route_plan_applies
 
         return (self.device.type == "cuda" and T <= self.max_tokens and E == self.store.num_experts
-                and route_plan_applies(T, K, self.lookahead is not None))
+                and self.graph_copy is None and route_plan_applies(T, K, self.lookahead is not None))
 
     def route(self, layer: int, logits_TE: torch.Tensor, top_k: int, renorm: bool, w_dtype: torch.dtype,
               align_block_m: int | None = None):
@@ -313,6 +322,8 @@ class DecodeResidency:
             c.hits, c.misses, c.bytes["decode_uva"] = pairs - missed, missed, distinct * R
             c.routed_experts = routed
             c.bytes["decode_lookahead"] = copied * R
+            if self.graph_copy is not None:  # its rows are the row map's: column 4 counts them (graph_copy.py)
+                c.bytes["decode_graph_h2d"] = used * R
             la["copied"] += copied
             la["used"] += used
             la["missed_experts"] += (distinct + used) if layer != first else 0
@@ -325,6 +336,8 @@ class DecodeResidency:
 
     def reset_counts(self) -> None:
         self.counts_LC.zero_()
+        if self.miss_copy_declined:
+            self.counters.declined[f"decode_miss_copy:{self.miss_copy_declined}"] = 1
         if self._step_counts is not None:
             self.record_step_counts(True)
 

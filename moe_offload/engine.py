@@ -148,7 +148,8 @@ class Engine:
                                                           or nvfp4_kernels_usable(fmt, device))
         cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
                                 fused_decode=fused_decode, decode_path=cfg.decode.path,
-                                observe_routing=True, lookahead=cfg.decode.lookahead)
+                                observe_routing=True, lookahead=cfg.decode.lookahead,
+                                miss_copy=cfg.decode.miss_copy)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
         decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch",

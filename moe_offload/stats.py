@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 #: copy paths whose bytes are counted (decode_uva: misses read from mapped host memory by the decode
 #: step; decode_lookahead: experts the decode lookahead copied from mapped host memory a layer ahead;
-#: decode_h2d: admissions into slots between steps; prefill_routed_h2d: the routed misses of routed fills, staging.py)
+#: decode_h2d: admissions into slots between steps; prefill_routed_h2d: the routed misses of routed fills, staging.py;
+#: decode_graph_h2d: routed misses a captured step copied with the copy engine, graph_copy.py)
 PATHS = ("decode_uva", "decode_lookahead", "decode_h2d", "prefill_full_h2d", "prefill_miss_h2d", "prefill_routed_h2d",
-         "prefill_hit_d2d", "prefill_hit_gather")
+         "prefill_hit_d2d", "prefill_hit_gather", "decode_graph_h2d")
 
 
 @dataclass

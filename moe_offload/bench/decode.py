@@ -201,7 +201,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     engine.cache.set_residency(resident)
     _run(engine, prompts, plan.steps)
     B, tok_s, per_step, reps_steps, reps_missed = len(prompts), [], [], [], []
-    hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = 0
+    hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = graph = 0
     boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
@@ -211,7 +211,9 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         engine.cache.reset()
         decode_s, steps_s, stats = _run(engine, prompts, plan.steps)
         # distinct missing experts each decode step read (the last ``steps`` entries: a routed prefill counts too)
-        reps_missed.append(engine.cache.decode.step_counts()[-plan.steps:, :, 2].sum(axis=1).tolist())
+        # (with decode.miss_copy copy_engine the graph's copies are column 4, the row map's: graph_copy.py)
+        cols = [2, 4] if engine.cache.decode.graph_copy is not None else [2]
+        reps_missed.append(engine.cache.decode.step_counts()[-plan.steps:, :, cols].sum(axis=(1, 2)).tolist())
         tok_s.append(B * plan.steps / decode_s)
         per_step += steps_s
         reps_steps.append([round(x * 1e3, 3) for x in steps_s])
@@ -220,6 +222,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         uva, h2d = uva + t["bytes"]["decode_uva"], h2d + t["bytes"]["decode_h2d"]
         boundary_s, boundary_steps = boundary_s + stats["decode_boundary_s"], boundary_steps + stats["decode_steps"]
         ahead += t["bytes"].get("decode_lookahead", 0)
+        graph += t["bytes"].get("decode_graph_h2d", 0)  # decode.miss_copy copy_engine (graph_copy.py)
         if la is not None:
             for k in la:
                 la[k] += stats["lookahead"][k]
@@ -256,10 +259,11 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "routed_experts_per_step": routed / n, "routed_pairs_per_step": (hits + misses) / n,
         "missed_pairs_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
-        "pcie_bytes_per_step": {"total": (uva + ahead + h2d + staged_h2d) / n, "decode_uva": uva / n,
+        "pcie_bytes_per_step": {"total": (uva + ahead + graph + h2d + staged_h2d) / n, "decode_uva": uva / n,
+                                "decode_graph_h2d": graph / n,
                                 "decode_lookahead": ahead / n, "decode_h2d": h2d / n, "staged_h2d": staged_h2d / n,
                                 # the distinct missing experts the steps read, wherever from: the PCIe floor's bytes
-                                "missed": (uva + used) / n},
+                                "missed": (uva + used + graph) / n},
         "lookahead": la,
         "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),

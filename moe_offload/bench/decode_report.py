@@ -169,7 +169,7 @@ def _header(result: dict) -> list[str]:
 
 def _cells_table(result: dict) -> list[str]:
     head = ("| residency | batch | tok/s | ms/step median | p90 | host boundary ms/step | hit % | "
-            "PCIe MB/step (uva + h2d [+ staged] [+ lookahead]) | HBM floor ms | PCIe floor ms | ×floor | "
+            "PCIe MB/step (uva + h2d [+ staged] [+ lookahead] [+ graph]) | HBM floor ms | PCIe floor ms | ×floor | "
             "×floor median | ×UVA floor | graph |")
     lines = ["", "## Cells", "", head, "| " + " | ".join(["---"] * 14) + " |"]
     for c in sorted(result["cells"], key=lambda c: (c["residency"], c["batch"])):
@@ -185,6 +185,8 @@ def _cells_table(result: dict) -> list[str]:
         staged = f" + {p['staged_h2d'] / 1e6:.3g}" if p.get("staged_h2d") else ""
         if c.get("lookahead") is not None:
             staged += f" + lookahead {p['decode_lookahead'] / 1e6:.3g}"
+        if p.get("decode_graph_h2d"):  # decode.miss_copy copy_engine: misses the copy engine moved in the graph
+            staged += f" + graph {p['decode_graph_h2d'] / 1e6:.3g}"
         lines.append(f"| {c['residency']:g} | {c['batch']} | {_num(c['tok_s']['median'], 1)} | "
                      f"{_num(c['ms_per_step']['median'])} | {_num(c['ms_per_step']['p90'])} | "
                      f"{_num(c.get('boundary_ms_per_step'), 3)} | {_num(hit, 1)} | "

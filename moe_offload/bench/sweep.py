@@ -131,7 +131,8 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     free_memory()
     engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
                                          fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
-                                         observe_routing=True, lookahead=cfg.decode.lookahead))
+                                         observe_routing=True, lookahead=cfg.decode.lookahead,
+                                         miss_copy=cfg.decode.miss_copy))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()

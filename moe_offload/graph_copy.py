@@ -41,8 +41,9 @@ import threading
 import torch
 
 from moe_offload import log
+from moe_offload.graph_capture import capture
 
-#: the kernel of step 1: one block, E flags in shared memory (E <= 1024 experts per layer)
+#: the kernel of step 1: one block, E flags in shared memory (E <= MAX_EXPERTS), conditions for experts e0 .. e0 + n - 1
 _KERNEL = r"""
 extern "C" __device__ __cudart_builtin__ void CUDARTAPI cudaGraphSetConditional(
     cudaGraphConditionalHandle handle, unsigned int value);
@@ -276,7 +277,7 @@ def graph_miss_copy(setting: str, store, pool, scratch_base: int, counters, look
 
 def _probe(g: GraphMissCopy, store, pool) -> None:
     """Capture the first layer with expert 0 routed and missing, replay it, and check the row's bytes and ``pf_E``;
-    the scratch row and the layer's table are left as they were (nothing else reads them between steps)."""
+    the scratch row, the row map and the counters are left as they were (nothing reads them between steps)."""
     layer = store.layers[0]
     dev = pool.device
     ids = torch.zeros((1, 1), dtype=torch.int64, device=dev)
@@ -284,14 +285,17 @@ def _probe(g: GraphMissCopy, store, pool) -> None:
     table[1:] = 0  # only expert 0 is missing (the others would be read from slot 0, never copied)
     row = pool.rows_NR[g.base]
     keep = row.clone()
-    row.zero_()
-    torch.cuda.synchronize(dev)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pf = g.enqueue(layer, table, ids)
-    graph.replay()
-    torch.cuda.synchronize(dev)
+    layers_before = g.counters.compute["decode_graph_copy_layers"]
+    pf = None
     try:
+        row.zero_()
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(dev):
+            with capture(graph, torch.cuda.graph_pool_handle(), torch.cuda.Stream(dev)):
+                pf = g.enqueue(layer, table, ids)  # a failed capture is ended for the allocator too (capture)
+            graph.replay()
+        torch.cuda.synchronize(dev)
         want = store.rows(layer)[0].to(dev)
         if not torch.equal(row, want):
             raise RuntimeError("the captured IF-copy left the scratch row unlike host row 0")
@@ -300,6 +304,9 @@ def _probe(g: GraphMissCopy, store, pool) -> None:
             raise RuntimeError(f"the row map came out {got}, expected [{g.base}, -1]")
     finally:
         row.copy_(keep)
-        pf.fill_(-1)
-        g.counters.compute["decode_graph_copy_layers"] -= 1
-        del graph
+        if pf is not None:
+            pf.fill_(-1)
+        if layers_before:
+            g.counters.compute["decode_graph_copy_layers"] = layers_before
+        else:
+            g.counters.compute.pop("decode_graph_copy_layers", None)

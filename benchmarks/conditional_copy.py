@@ -21,7 +21,10 @@ the capture). Every time is a CUDA-event median over --reps (device ms) of one l
   without ``begin_capture_to_if_node``, e.g. 2.11): ONE kernel sets all E conditions, then the E IF nodes run in
   parallel, each holding one H2D memcpy node;
 - ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view; a generic
-  gather, slower than the runtime's tuned miss copy).
+  gather, slower than the runtime's tuned miss copy);
+- ``miss_copy``: the same k experts through the runtime's miss server (``kernels/decode_miss.serve_misses``: the
+  plan launch and the persistent SM copy of a decode step, default launch shape), i.e. what ``decode.miss_copy: uva``
+  pays.
 The ratio to ``copy_engine`` at each k is what a graph-replayed routed path would pay against the floor.
 """
 
@@ -37,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.kernels.decode_miss import serve_misses
 from moe_offload.uva import mapped_device_view, pin_mapped
 
 ROW_BYTES = 2_654_224  # Qwen3-30B-A3B NVFP4 expert row, padded to 16 bytes (host_store.padded_row_bytes)
@@ -169,6 +173,9 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
             row["graph_plain_ms"] = _time(plain.replay, reps, stream)
             out = torch.empty((k, row_bytes), dtype=torch.uint8, device=dev)
             row["sm_read_ms"] = _time(lambda: torch.index_select(view_ER, 0, idx, out=out), reps, stream)
+            slot_E = torch.full((experts,), -1, dtype=torch.int32, device=dev)
+            ids_1K = idx.view(1, k)
+            row["miss_copy_ms"] = _time(lambda: serve_misses(slot_E, ids_1K, view_ER, dst_ER, 0), reps, stream)
         for br, g in graphs.items():
             if isinstance(g, str):
                 row[f"cond{br}_ms"] = None
@@ -194,7 +201,7 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
 
 
 def _markdown(res: dict) -> str:
-    keys = ["copy_engine", "graph_plain", "sm_read"] + [f"cond{br}" for br in res["branches"]] + ["condb"]
+    keys = ["copy_engine", "graph_plain", "sm_read", "miss_copy"] + [f"cond{br}" for br in res["branches"]] + ["condb"]
     lines = [f"# Conditional-node copies vs the copy engine ({res['gpu']}, {res['git_sha']}, torch {res['torch']})",
              "", f"E = {res['experts']} IF nodes, R = {res['row_bytes']} bytes a row, {res['reps']} reps, median "
              "device ms (x copy_engine).", "",

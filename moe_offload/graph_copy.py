@@ -149,13 +149,18 @@ _lock = threading.Lock()
 _kernels: dict = {}
 
 
+def kernel_source(dtype: torch.dtype) -> tuple[str, str]:
+    """``(source, name)`` of the kernel for routed ids of ``dtype`` (int32 or int64)."""
+    name = f"routed_miss_rows_{_IDT[dtype].replace(' ', '_')}"
+    src = _KERNEL.replace("routed_miss_rows_IDT", name).replace("const IDT*", f"const {_IDT[dtype]}*")
+    return src.replace("CHUNK", str(CHUNK)), name
+
+
 def _kernel(dtype: torch.dtype):
     """The NVRTC-compiled kernel for routed ids of ``dtype`` (cached per process)."""
     with _lock:
         if dtype not in _kernels:
-            src = _KERNEL.replace("routed_miss_rows_IDT", f"routed_miss_rows_{_IDT[dtype].replace(' ', '_')}")
-            src = src.replace("const IDT*", f"const {_IDT[dtype]}*").replace("CHUNK", str(CHUNK))
-            _kernels[dtype] = torch.cuda._compile_kernel(src, f"routed_miss_rows_{_IDT[dtype].replace(' ', '_')}")
+            _kernels[dtype] = torch.cuda._compile_kernel(*kernel_source(dtype))
         return _kernels[dtype]
 
 

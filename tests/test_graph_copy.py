@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from test_decode_static import _engine, _static_greedy
 
 from moe_offload import log
-from moe_offload.graph_copy import routed_miss_rows_reference
+from moe_offload.graph_copy import CHUNK, _ConditionalParams, _Handles, _NodeParams, kernel_source, \
+    routed_miss_rows_reference
 from moe_offload.kernels.decode_miss import count_step_reference, serve_misses, serve_misses_reference
 
 
@@ -86,3 +87,17 @@ def test_copy_engine_on_a_cpu_is_declined_once_counted_and_decodes_like_uva(tiny
     assert len(declined) == 1 and declined[0]["reason"] == "not_cuda" and "miss_copy=uva" in declined[0]["change_with"]
     assert eng.cache.stats()["declined"]["decode_miss_copy:not_cuda"] == 1
     assert got == want
+
+
+def test_the_runtime_structs_have_the_cuda_layout_and_the_kernel_source_is_filled_in():
+    """cudaGraphNodeParams is 256 bytes with its union at byte 16; cudaConditionalNodeParams starts with the handle
+    (8), type (4), size (4), then phGraph_out (8). The handles ride in the kernel parameters (<= 4 KiB in all)."""
+    import ctypes
+
+    assert ctypes.sizeof(_NodeParams) == 256 and _NodeParams.conditional.offset == 16
+    assert [getattr(_ConditionalParams, f).offset for f in ("handle", "type", "size", "phGraph_out")] == [0, 8, 12, 16]
+    assert ctypes.sizeof(_Handles) == 8 * CHUNK and ctypes.sizeof(_Handles) + 64 <= 4096
+    for dtype, idt in ((torch.int32, "int"), (torch.int64, "long long")):
+        src, name = kernel_source(dtype)
+        assert "IDT" not in src and "CHUNK" not in src and f"h[{CHUNK}]" in src
+        assert f'extern "C" __global__ void {name}(const {idt}* ids' in src

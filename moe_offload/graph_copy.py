@@ -11,9 +11,9 @@ residency 0.37 then ran at 1.03 / 1.04 x the SM-read floor and 2.0 x the copy en
 
 How (per MoE layer, while a step is captured; ``enqueue``):
 1. one kernel per 256 experts (compiled once with NVRTC, ``torch.cuda._compile_kernel``, launched with the
-   handles in its parameters) reads the step's routed ids and the layer's device slot table, marks each expert that is routed and not resident, writes the row map ``pf_E``
-   (``base + e`` for such an expert, -1 otherwise) and sets one graph condition per expert
-   (``cudaGraphSetConditional``);
+   handles in its parameters) reads the step's routed ids and the layer's device slot table, marks each expert
+   that is routed and not resident, writes the row map ``pf_E`` (``base + e`` for such an expert, -1 otherwise)
+   and sets one graph condition per expert (``cudaGraphSetConditional``);
 2. E conditional (IF) nodes after it, each holding one H2D memcpy node: host row e -> pool row ``base + e``.
    The IF nodes run in parallel; the capture continues after all of them (CUDA runtime via ctypes:
    ``cudaGraphConditionalHandleCreate``, ``cudaGraphAddNode``, ``cudaGraphAddMemcpyNode1D``,

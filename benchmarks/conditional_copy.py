@@ -17,9 +17,9 @@ the capture). Every time is a CUDA-event median over --reps (device ms) of one l
   routing would replay);
 - ``cond[br]``: E IF nodes (predicate kernel + conditional node each, k true), replayed; k = 0 is the pure
   cost of the nodes;
-- ``condb``: the same E IF nodes made by ``benchmarks/conditional_copy.cu`` (built here with nvcc; for torch builds
-  without ``begin_capture_to_if_node``, e.g. 2.11): ONE kernel sets all E conditions, then the E IF nodes run in
-  parallel, each holding one H2D memcpy node;
+- ``condb``: the same E IF nodes as the runtime makes them (``moe_offload/graph_copy.GraphMissCopy.enqueue``, which
+  needs no ``begin_capture_to_if_node``, absent from torch 2.11): ONE kernel sets all E conditions from the routed
+  ids, then the E IF nodes run in parallel, each holding one H2D memcpy node;
 - ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view; a generic
   gather, slower than the runtime's tuned miss copy);
 - ``miss_copy``: the same k experts through the runtime's miss server (``kernels/decode_miss.serve_misses``: the
@@ -93,39 +93,20 @@ def _cond_body(host_ER, dst_ER, pred_E, branches: int):
     return body
 
 
-def _probe_lib():
-    """ctypes handle of benchmarks/conditional_copy.cu built with nvcc into a temporary folder, or the error text."""
-    import ctypes
-    import shutil
-    import tempfile
+def _condb_body(host_ER, dst_ER, ids_1E):
+    """Capture body: ``GraphMissCopy.enqueue`` over these rows as one layer (a store and a pool of just them), every
+    expert missing; the routed ids are ``ids_1E`` (-1 pads are ignored), read at replay."""
+    from collections import Counter
+    from types import SimpleNamespace
 
-    nvcc = shutil.which("nvcc") or next((str(p) for p in Path("/usr/local/cuda/bin").glob("nvcc")), None)
-    if nvcc is None:
-        return "nvcc not found"
-    so = Path(tempfile.mkdtemp()) / "libconditional_copy.so"
-    r = subprocess.run([nvcc, "-O2", "-shared", "-Xcompiler", "-fPIC", "--cudart", "shared", "-arch=native", "-o",
-                        str(so), str(Path(__file__).with_suffix(".cu"))], capture_output=True, text=True)
-    if r.returncode:
-        return f"nvcc failed: {r.stderr[-2000:]}"
-    lib = ctypes.CDLL(str(so))
-    lib.add_if_copies.restype = ctypes.c_int
-    lib.add_if_copies.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                  ctypes.c_int]
-    return lib
-
-
-def _condb_body(lib, host_ER, dst_ER, pred_E):
-    import ctypes
+    from moe_offload.graph_copy import GraphMissCopy
 
     E, R = host_ER.shape
-    dst = (ctypes.c_ulonglong * E)(*[dst_ER[e].data_ptr() for e in range(E)])
-    src = (ctypes.c_ulonglong * E)(*[host_ER[e].data_ptr() for e in range(E)])
-
-    def body(g: torch.cuda.CUDAGraph) -> None:
-        err = lib.add_if_copies(torch.cuda.current_stream().cuda_stream, pred_E.data_ptr(), dst, src, R, E)
-        if err:
-            raise RuntimeError(f"add_if_copies returned {err}")
-    return body
+    store = SimpleNamespace(num_experts=E, bytes_per_expert=R, layers=[0], rows=lambda layer: host_ER)
+    pool = SimpleNamespace(device=dst_ER.device, layer_pos={0: 0}, rows_NR=dst_ER)
+    copier = GraphMissCopy(store, pool, 0, SimpleNamespace(compute=Counter()))
+    table_E = torch.full((E,), -1, dtype=torch.int32, device=dst_ER.device)
+    return lambda g: copier.enqueue(0, table_E, ids_1E)
 
 
 def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int], reps: int) -> dict:
@@ -146,20 +127,19 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
             graphs[br] = _capture(_cond_body(host_ER, dst_ER, pred_E, br), stream)
         except Exception as exc:  # a driver without conditional memcpy bodies: report it, keep the rest
             graphs[br] = f"{type(exc).__name__}: {exc}"
-    lib = _probe_lib()
-    if isinstance(lib, str):
-        graphs["b"] = lib
-    else:
-        try:
-            graphs["b"] = _capture(_condb_body(lib, host_ER, dst_ER, pred_E), stream)
-        except Exception as exc:
-            graphs["b"] = f"{type(exc).__name__}: {exc}"
+    ids_1E = torch.full((1, experts), -1, dtype=torch.int64, device=dev)
+    try:
+        graphs["b"] = _capture(_condb_body(host_ER, dst_ER, ids_1E), stream)
+    except Exception as exc:  # the runtime, NVRTC or the capture: report it, keep the rest
+        graphs["b"] = f"{type(exc).__name__}: {exc}"
     for k in counts:
         chosen = torch.randperm(experts, generator=gen)[:k].sort().values.tolist()
         idx = torch.tensor(chosen, dtype=torch.long, device=dev)
         pred_E.zero_()
+        ids_1E.fill_(-1)
         if k:
             pred_E[idx] = True
+            ids_1E[0, :k] = idx
         torch.cuda.synchronize()
 
         def copies():

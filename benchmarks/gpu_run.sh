@@ -77,8 +77,8 @@ python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels
   cp .git/index /tmp/sent-index 2>/dev/null; echo "tree $(GIT_INDEX_FILE=/tmp/sent-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/sent-index git write-tree)"; } > "$RES/env.txt" 2>&1
 if has cond_copy; then  # benchmarks/conditional_copy.py: routed copies through graph IF nodes vs the copy engine and SM
   # reads, one layer's 128 experts; no checkpoint needed (~1 min; runs before any other stage)
-  # (--tag=...: a value starting with "-" is read as an option otherwise, as at 4c209c0; nvcc builds the .cu probe)
-  PATH=/usr/local/cuda/bin:$PATH timeout $(cap 120) python3 benchmarks/conditional_copy.py --out "$RES" \
+  # (--tag=...: a value starting with "-" is read as an option otherwise, as at 4c209c0)
+  timeout $(cap 120) python3 benchmarks/conditional_copy.py --out "$RES" \
     --tag="-${SERVE_CHECK_SHA:-unknown}" \
     > "$RES/conditional_copy.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .

@@ -138,6 +138,17 @@ class _Runtime:
         self.error_name = lib.cudaGetErrorName
         self.error_name.argtypes, self.error_name.restype = [ci], ctypes.c_char_p
 
+    def capture_state(self, stream: ctypes.c_void_p):
+        """``(graph, deps)`` of ``stream``'s capture in progress: the graph it captures into and a copy of its current
+        dependency nodes (the runtime's own array is valid only until the next call on the stream)."""
+        status, graph = ctypes.c_int(), ctypes.c_void_p()
+        deps, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
+        self.check(self.capture_info(stream, ctypes.byref(status), None, ctypes.byref(graph), ctypes.byref(deps),
+                                     None, ctypes.byref(n)), "cudaStreamGetCaptureInfo")
+        if status.value != _CAPTURE_ACTIVE:
+            raise RuntimeError("GraphMissCopy.enqueue needs a stream capture in progress")
+        return graph, (ctypes.c_void_p * n.value)(*[deps[i] for i in range(n.value)])
+
     def check(self, err: int, what: str) -> None:
         if err:
             self.last_error()  # clear it, or torch reports it at its next launch
@@ -206,12 +217,7 @@ class GraphMissCopy:
         rt, E, R = self.rt, self.E, self.R
         stream = torch.cuda.current_stream()
         s = ctypes.c_void_p(stream.cuda_stream)
-        status, graph = ctypes.c_int(), ctypes.c_void_p()
-        deps, n_deps = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_size_t()
-        rt.check(rt.capture_info(s, ctypes.byref(status), None, ctypes.byref(graph), ctypes.byref(deps), None,
-                                 ctypes.byref(n_deps)), "cudaStreamGetCaptureInfo")
-        if status.value != _CAPTURE_ACTIVE:
-            raise RuntimeError("GraphMissCopy.enqueue needs a stream capture in progress")
+        graph, _ = rt.capture_state(s)
         handles = []
         for _ in range(E):
             h = ctypes.c_ulonglong()
@@ -226,9 +232,7 @@ class GraphMissCopy:
         table = (table_E if table_E.dtype == torch.int32 else table_E.to(torch.int32)).contiguous()
         for e0 in range(0, E, CHUNK):
             _launch(_kernel(ids.dtype), stream, 4 * E, ids, table, E, handles[e0:e0 + CHUNK], e0, pf_E, self.base)
-        rt.check(rt.capture_info(s, ctypes.byref(status), None, ctypes.byref(graph), ctypes.byref(deps), None,
-                                 ctypes.byref(n_deps)), "cudaStreamGetCaptureInfo")
-        kdeps = (ctypes.c_void_p * n_deps.value)(*[deps[i] for i in range(n_deps.value)])
+        _, kdeps = rt.capture_state(s)  # the kernel node(s) just captured
         host = self.store.rows(layer)
         dst = self.pool.rows_NR
         conds = (ctypes.c_void_p * E)()
@@ -239,7 +243,7 @@ class GraphMissCopy:
             p.conditional.type = _COND_TYPE_IF
             p.conditional.size = 1
             node = ctypes.c_void_p()
-            rt.check(rt.add_node(ctypes.byref(node), graph, kdeps, None, n_deps.value, ctypes.byref(p)),
+            rt.check(rt.add_node(ctypes.byref(node), graph, kdeps, None, len(kdeps), ctypes.byref(p)),
                      "cudaGraphAddNode(conditional)")
             conds[e] = node.value
             body = ctypes.c_void_p(p.conditional.phGraph_out[0])

@@ -44,6 +44,7 @@ from moe_offload.kernels.decode_miss import serve_misses
 from moe_offload.uva import mapped_device_view, pin_mapped
 
 ROW_BYTES = 2_654_224  # Qwen3-30B-A3B NVFP4 expert row, padded to 16 bytes (host_store.padded_row_bytes)
+TOP_K = 8  # Qwen3-30B-A3B routes each token to 8 experts
 
 
 def _time(fn, reps: int, stream: torch.cuda.Stream) -> float:
@@ -111,8 +112,8 @@ def _condb_body(host_ER, dst_ER, ids_1E):
 
 def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int], reps: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
-    host_ER = torch.empty((experts, row_bytes), dtype=torch.uint8)
-    host_ER.view(-1)[:: 4096].fill_(7)  # touch the pages
+    host_ER = torch.zeros((experts, row_bytes), dtype=torch.uint8)
+    host_ER[:, ::4096] = (torch.arange(experts) % 251 + 1).to(torch.uint8)[:, None]  # a mark per row (never 0)
     if not pin_mapped(host_ER):
         raise RuntimeError("could not register the host rows as mapped pinned memory")
     view_ER = mapped_device_view(host_ER, dev)
@@ -154,8 +155,13 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
             out = torch.empty((k, row_bytes), dtype=torch.uint8, device=dev)
             row["sm_read_ms"] = _time(lambda: torch.index_select(view_ER, 0, idx, out=out), reps, stream)
             slot_E = torch.full((experts,), -1, dtype=torch.int32, device=dev)
-            ids_1K = idx.view(1, k)
-            row["miss_copy_ms"] = _time(lambda: serve_misses(slot_E, ids_1K, view_ER, dst_ER, 0), reps, stream)
+            # routed as a decode step routes them: T tokens x top-8 (ids past k are -1, which the plan skips); at
+            # 10cf59a one token of k = 16 ids tripped a device assert, outside the plan's top-k range
+            K = min(k, TOP_K)
+            ids_TK = torch.full((-(-k // K) * K,), -1, dtype=torch.long, device=dev)
+            ids_TK[:k] = idx
+            ids_TK = ids_TK.view(-1, K)
+            row["miss_copy_ms"] = _time(lambda: serve_misses(slot_E, ids_TK, view_ER, dst_ER, 0), reps, stream)
         for br, g in graphs.items():
             if isinstance(g, str):
                 row[f"cond{br}_ms"] = None
@@ -163,10 +169,11 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
             dst_ER.zero_()
             torch.cuda.synchronize()
             row[f"cond{br}_ms"] = _time(g.replay, reps, stream)
-            if k:  # the copies landed, and only those
-                got = dst_ER[idx, :: 4096].eq(7).all().item()
-                others = dst_ER.sum(dim=1).ne(0).sum().item()
-                row[f"cond{br}_exact"] = bool(got) and others == k
+            if k:  # the copies landed (each row's marks), and only those (every other row still 0)
+                marks = dst_ER[:, ::4096]
+                got = torch.equal(marks[idx], host_ER[chosen, ::4096].to(dev))
+                others = marks.ne(0).any(dim=1).sum().item()
+                row[f"cond{br}_exact"] = got and others == k
         for key in list(row):
             if key.endswith("_ms") and row[key] and k:
                 row[key.replace("_ms", "_gbps")] = round(k * row_bytes / row[key] / 1e6, 1)

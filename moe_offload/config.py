@@ -168,7 +168,7 @@ class PrefillConfig(_Strict):
         "them from mapped host memory inside the graph (no host sync); copy_engine = a piecewise graph (one per "
         "stretch between experts calls) whose experts calls read the layer's routing on the host (one sync a layer, "
         "~0.28 ms) and copy only the routed missing experts over the copy engine; auto = on a host where "
-        "prefill.measure_link measured SM reads below 0.6 x the copy engine's rate "
+        "prefill.measure_link measured SM reads below 0.78 x the copy engine's rate "
         "(benchmarks/results/HISTORY.md), copy_engine for the "
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
@@ -255,9 +255,11 @@ class DecodeConfig(_Strict):
         "uva", description="how a captured routed step (decode steps, routed prefill graphs) gets its missing experts. "
         "uva: SMs read them from mapped host memory (kernels/decode_miss.py). copy_engine: the copy engine copies "
         "them inside the graph, one conditional node per expert enabled on the device from the step's routing "
-        "(moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off), where the "
-        "SM-read rate is below the copy engine's (28.5 against 54.3 GB/s on the H100 of 4c209c0). Eager forwards "
-        "read over UVA either way; a declined setting logs decode_miss_copy_declined. Not yet timed on a GPU")
+        "(moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off). An "
+        "experiment, correct but slower everywhere measured: on an H100 whose SM reads ran at ~29 GB/s (10cf59a) "
+        "decode lost 38-56 % and 16-256-token prompts took 1.6 x as long, since 128 conditional nodes cost 0.12 ms "
+        "a layer and their copies ran at 12-17 GB/s (benchmarks/results/HISTORY.md \"10cf59a\"). Eager forwards read "
+        "over UVA either way; a declined setting logs decode_miss_copy_declined")
     run_ahead: bool = Field(True, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "

@@ -28,7 +28,13 @@ Declined (one ``decode_miss_copy_declined`` event, ``stats()["declined"]["decode
 copy serves): ``not_cuda``, ``lookahead`` (it owns the row map), ``scratch_rows`` (X < E), ``probe_failed`` (the
 runtime, NVRTC or a one-expert capture at start-up failed or copied wrong bytes; the detail names it).
 Counted: ``stats()["compute"]["decode_graph_copy_layers"]`` (layers captured this way) and the bytes of the experts
-the copies moved as ``decode_graph_h2d`` (``DecodeResidency.account``). Not yet timed on a GPU.
+the copies moved as ``decode_graph_h2d`` (``DecodeResidency.account``).
+
+Measured (H100, 10cf59a; benchmarks/results/HISTORY.md "10cf59a"): correct on the GPU (tests/gpu/test_graph_copy_gpu.py),
+and slower than the SM reads it replaces on a host where those ran at ~29 GB/s. 128 IF nodes cost 0.12 ms a layer
+with nothing to copy, and their copies ran at 11.7-16.9 GB/s against 46-51 for the copy engine. Decode lost 38-56 %,
+and 16-256-token prompts took ~1.6 x as long. So ``decode.miss_copy`` stays ``uva`` by default; this stays an opt-in
+experiment, re-measured by benchmarks/conditional_copy.py (on a newer driver, say).
 """
 
 from __future__ import annotations

@@ -147,9 +147,12 @@ def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int =
     return LinkRates(h2d_GBps=h2d, uva_GBps=uva, rows=n, row_bytes=store.bytes_per_expert, reps=reps, layer=layer)
 
 
-#: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured``: 0.6 sits between the
-#: 0.85 of the H100 host at 8bcd799 (46.8 vs 54.9 GB/s) and the 0.52 of the one at de3b3ad (25.7 vs 49.4)
-SLOW_SM_READS = 0.6
+#: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured`` (and ``routed_copy``'s
+#: ``auto`` weighs routed fills): 0.78 sits between the 0.85 of the fast H100 host at 8bcd799 (46.8 vs 54.9 GB/s) and
+#: the 0.57-0.72 that start-up measurements gave on a slow one at 10cf59a (27.5-29.2 GB/s of SM reads, the copy
+#: engine read low at 40.8-50.6 against ~53 for the bench's 1 GiB copy; 0.6 until then, at or above which 10 of
+#: that host's 12 bench caches measured it; benchmarks/results/HISTORY.md "10cf59a")
+SLOW_SM_READS = 0.78
 
 
 def link_model(store, prefill_cfg, device, fused_decode: bool, tensor_parallel: bool

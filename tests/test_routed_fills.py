@@ -24,7 +24,9 @@ def test_auto_takes_the_copy_engine_only_where_this_hosts_sm_reads_were_measured
     cuda = torch.device("cuda", 0)
     slow = {"h2d_GBps": 49.6, "uva_GBps": 27.9}  # the H100 host of 9867ced
     fast = {"h2d_GBps": 54.9, "uva_GBps": 46.8}  # the one of 8bcd799
+    low_h2d = {"h2d_GBps": 40.8, "uva_GBps": 29.2}  # a slow host whose copy engine read low at start-up (10cf59a)
     assert routed_copy("auto", cuda, slow)[0] == "per_prompt"  # routed_fills_pay decides each prompt
+    assert routed_copy("auto", cuda, low_h2d)[0] == "per_prompt"  # 0.72 x
     assert routed_copy("auto", cuda, fast)[0] == "uva"
     edge = {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS}
     assert routed_copy("auto", cuda, edge)[0] == "uva"  # at the share itself: not slow

@@ -198,9 +198,9 @@ def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tu
     link = {**rates.to_dict(), "table_h2d_GBps": model.h2d_GBps, "table_uva_GBps": model.uva_GBps}
     if rates.uva_GBps < SLOW_SM_READS * rates.h2d_GBps:
         link["hint"] = (f"this host's SM reads of mapped memory run at {rates.uva_GBps / rates.h2d_GBps:.2f} x its "
-                        "copy engine's rate: decode steps with many misses (large batches at low residency) may run "
-                        "faster staged over the copy engine (decode.path: auto); short prompts get their misses over "
-                        "the copy engine where that pays (prefill.routed_copy: auto)")
+                        "copy engine's rate: decode steps with many misses (large batches at low residency) stage "
+                        "over the copy engine where the cost model says it pays (decode.path: host or auto); short "
+                        "prompts get their misses over the copy engine where that pays (prefill.routed_copy: auto)")
     log.info_rank0("link_rates_measured", h2d_GBps=round(rates.h2d_GBps, 2), uva_GBps=round(rates.uva_GBps, 2),
                    table_h2d_GBps=model.h2d_GBps, table_uva_GBps=model.uva_GBps, entry=entry, rows=rates.rows,
                    hint=link.get("hint"), change_with="prefill.measure_link")
@@ -226,13 +226,34 @@ def routed_copy(setting: str, device: torch.device, link: dict | None) -> tuple[
         return setting, "setting"
     if device.type != "cuda":
         return "uva", "cpu_device"
+    slow, why = _slow_sm_reads(link)
+    return ("per_prompt" if slow else "uva"), why
+
+
+def _slow_sm_reads(link: dict | None) -> tuple[bool, str]:
+    """``(slow, reason)``: whether the measured ``link`` puts SM reads below ``SLOW_SM_READS`` x the copy engine's
+    rate (False where nothing was measured)."""
     rates = link or {}
     if "uva_GBps" not in rates:
-        return "uva", "no measured link rates (prefill.measure_link)"
+        return False, "no measured link rates (prefill.measure_link)"
     share = rates["uva_GBps"] / rates["h2d_GBps"]
-    if share < SLOW_SM_READS:
-        return "per_prompt", f"SM reads at {share:.2f} x the copy engine's rate"
-    return "uva", f"SM reads at {share:.2f} x the copy engine's rate"
+    return share < SLOW_SM_READS, f"SM reads at {share:.2f} x the copy engine's rate"
+
+
+def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
+    """``(path, reason)``: ``decode.path`` resolved to ``"routed"`` or ``"auto"``. ``"host"`` (the default): ``"auto"``
+    on a host whose SM reads were measured below ``SLOW_SM_READS`` x its copy engine's rate at start-up
+    (``prefill.measure_link``), so that decode steps of more rows than the cost model's threshold (at those measured
+    rates) stage their missing layers over the copy engine, eagerly; ``"routed"`` elsewhere (a fast host, a CPU, no
+    measurement, tensor parallelism: every rank must choose the same path). On the slow H100 host of 9867ced
+    (27.9 vs 49.6 GB/s) ``auto`` took 0.53 / 0.66 / 1.02 x the routed step's time at batch 64 / 32 / 16, residency
+    0.37; on fast hosts the routed cells with misses ran within 1.19-1.25 x their floor, and an embedder capturing
+    its own steps needs every step of up to ``decode.max_tokens`` rows routed (benchmarks/results/HISTORY.md
+    "e9c32fa / 9867ced / b703e18", "8bcd799 / de3b3ad")."""
+    if setting != "host":
+        return setting, "setting"
+    slow, why = _slow_sm_reads(link)
+    return ("auto" if slow else "routed"), why
 
 
 def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int) -> bool:

@@ -184,6 +184,7 @@ class RoutedPath:
     link: dict | None = None  # prefill.measure_link: the rates measured (and the table's), or why not measured
     routed_copy: str = "uva"  # prefill.routed_copy resolved: uva, copy_engine or per_prompt (link_rates.routed_copy)
     routed_copy_reason: str = "setting"
+    decode_path_reason: str = "setting"  # why decode.path resolved as it did (link_rates.decode_path)
 
     @property
     def record_tokens(self) -> int:

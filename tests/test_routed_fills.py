@@ -14,6 +14,7 @@ from moe_offload.config import CacheConfig, PrefillConfig, load_config
 from moe_offload.engine import Engine
 from moe_offload.host_store import ExpertStore
 from moe_offload.link_rates import SLOW_SM_READS, routed_copy
+from moe_offload.link_rates import decode_path as link_decode_path
 
 
 def _cache(store, budget, **prefill):
@@ -36,6 +37,36 @@ def test_auto_takes_the_copy_engine_only_where_this_hosts_sm_reads_were_measured
     assert routed_copy("auto", torch.device("cpu"), slow) == ("uva", "cpu_device")
     for setting in ("uva", "copy_engine"):  # a setting is taken as it is, on any device
         assert routed_copy(setting, torch.device("cpu"), None) == (setting, "setting")
+
+
+def test_decode_path_host_stages_large_batches_only_where_this_hosts_sm_reads_were_measured_slow():
+    """decode.path: host (the default) resolves to auto on a slow-SM host and to routed everywhere else, from the same
+    start-up measurement as prefill.routed_copy (link_rates.decode_path)."""
+    slow = {"h2d_GBps": 49.6, "uva_GBps": 27.9}  # the H100 host of 9867ced, where auto ran batch 64 1.88 x faster
+    low_h2d = {"h2d_GBps": 40.8, "uva_GBps": 29.2}  # the slow host of 10cf59a, its copy engine measured low
+    fast = {"h2d_GBps": 54.9, "uva_GBps": 46.8}  # the H100 host of 8bcd799
+    assert link_decode_path("host", slow) == ("auto", "SM reads at 0.56 x the copy engine's rate")
+    assert link_decode_path("host", low_h2d)[0] == "auto"
+    assert link_decode_path("host", fast) == ("routed", "SM reads at 0.85 x the copy engine's rate")
+    assert link_decode_path("host", {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS})[0] == "routed"
+    for link in (None, {"off": "tensor parallelism (every rank must choose the same path)"}, {"declined": "x"}):
+        assert link_decode_path("host", link) == ("routed", "no measured link rates (prefill.measure_link)")
+    for setting in ("routed", "auto"):  # a setting is taken as it is, whatever the host measured
+        assert link_decode_path(setting, slow) == (setting, "setting")
+        assert link_decode_path(setting, fast) == (setting, "setting")
+
+
+def test_a_cache_logs_and_reports_what_decode_path_host_resolved_to(tiny_ckpt, caplog):
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(), "cpu", decode_path="host")
+    chosen = [r.event_fields for r in caplog.records
+              if getattr(r, "event_fields", {}).get("event") == "decode_path_chosen"]
+    assert len(chosen) == 1 and chosen[0]["setting"] == "host" and chosen[0]["change_with"] == "decode.path"
+    assert chosen[0]["path"] == "routed"  # a CPU measures no link: routed, so every decode step stays routed
+    rp = cache.stats()["routed_path"]
+    assert rp["decode_path"] == "routed" and rp["decode_path_reason"].startswith("no measured link rates")
+    assert cache.routed_max_tokens >= 16  # the decode floor holds (decode.max_tokens), as with routed
 
 
 def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_stats(tiny_ckpt, caplog):

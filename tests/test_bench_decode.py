@@ -13,6 +13,7 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -195,10 +196,24 @@ def test_the_header_states_the_run_ahead_setting_of_the_run(bench):
     assert _run_ahead({"run_ahead": False}) == "; run-ahead off" and _run_ahead({}) == ""
 
 
+def test_a_staged_step_s_floor_counts_its_routed_experts_missing_from_the_resident_set():
+    """staged_step_misses against a hand count: two layers, three decode calls each (the third beyond steps)."""
+    from moe_offload.bench.decode import staged_step_misses
+
+    calls = {0: [np.array([1, 2, 5]), np.array([0, 3]), np.array([7])],
+             1: [np.array([4]), np.array([1, 4, 6]), np.array([0])]}
+    resident = {0: [1, 2, 3], 1: [4, 6]}
+    # step 0: layer 0 misses {5}, layer 1 none; step 1: layer 0 misses {0}, layer 1 misses {1}
+    assert staged_step_misses(calls, resident, 2) == [1, 2]
+    with pytest.raises(RuntimeError, match="layer 0 saw 3 decode calls, expected 4"):
+        staged_step_misses(calls, resident, 4)
+
+
 def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):
     """decode.path auto with the routed threshold at 1: batch 1 stays routed, batch 2 stages every step;
     the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of
-    all expert bytes at residency 0.5) and, having no routed misses to floor it by, no floor ratio."""
+    all expert bytes at residency 0.5) and floors them by the routed missing experts its steps needed, from the
+    routing its untimed run recorded (staged_step_misses)."""
     out = tmp_path / "r"
     argv = _argv(out, tmp_path / "presets", "0.5", "1,2", "--set", "decode.path=auto",
                  "--set", "prefill.routed_max_tokens=1")
@@ -211,7 +226,13 @@ def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reporte
     staged = two["pcie_bytes_per_step"]
     assert staged["decode_uva"] == staged["decode_h2d"] == 0
     assert staged["staged_h2d"] == staged["total"] == result["model"]["all_expert_bytes"] // 2
-    assert two["ratio_to_floor"] is None and two["floor_bound"].startswith("n/a: staged")
+    R, K, L = result["model"]["bytes_per_expert"], result["model"]["top_k"], result["model"]["moe_layers"]
+    missed = two["step_missed_experts_reps"][0]  # per step, summed over layers: at most 2 tokens x top-k a layer
+    assert len(missed) == result["settings"]["steps"] and all(0 < m <= 2 * K * L for m in missed)
+    assert staged["staged_missed"] == pytest.approx(sum(missed) / len(missed) * R)
+    assert staged["staged_missed"] < staged["staged_h2d"]  # a staged step copies more than its routing needs
+    assert two["floor_bound"] in ("hbm", "pcie") and two["ratio_to_floor"] > 0 and two["ratio_to_uva_floor"] is None
+    assert one["pcie_bytes_per_step"]["staged_missed"] is None  # a routed cell counts its misses on the device
     assert "staged (decode.path auto)" in next(out.glob("decode-*.md")).read_text()
 
 

@@ -17,7 +17,10 @@ One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` 
    CUDA the step graph is captured on its 2nd step), then ``--reps`` timed ones, each after
    ``set_residency`` + ``reset``: a prefill of ``--prompt-len`` seeded random ids per sequence, then
    ``--steps`` decode steps. Per-step times are the gaps between ``on_token(0, id)`` calls (each fires
-   once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``. After
+   once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``. A batch that
+   takes the staged path (``decode.path`` auto, or host on a slow-SM host, above the routed threshold) has its
+   routing recorded in the untimed run (forward pre-hooks): its PCIe floor is priced by the routed experts its
+   steps missed (``staged_step_misses``), as a routed step's is. After
    each cell the report is rewritten with the cells so far, marked ``partial`` (no PNG): a run cut short by
    a call's time limit or a crash keeps what it measured;
 4. peers (CUDA only; the engine is closed first): ``decode_peers.py``; then the floors, ratios and
@@ -41,16 +44,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from moe_offload import log
 from moe_offload.bench.env import add_git_sha_argument
-from moe_offload.bench.sweep import (cell_config, failed_cell, free_memory, oom_line, pool_slots, resident_sets,
-                                     use_cache)
+from moe_offload.bench.sweep import (RoutingRecorder, cell_config, failed_cell, free_memory, oom_line, pool_slots,
+                                     resident_sets, use_cache)
 from moe_offload.bench.timing import measure_h2d, measure_hbm, measure_uva
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
+from moe_offload.experts import offloaded_experts
 
 PEERS = ("eager", "compiled")
 # The embedded default is the CI smoke test: seconds on a CPU, so shorter prompts and fewer steps.
@@ -196,11 +201,34 @@ def _run(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[floa
     return steps / res[0].decode_tok_s, per_step, res[0].stats
 
 
+def staged_step_misses(calls: dict, resident: dict, steps: int) -> list[int]:
+    """Distinct routed experts missing from ``resident`` in each of the first ``steps`` decode calls, summed over
+    layers (``calls``: ``RoutingRecorder.calls``): what a staged step must read over PCIe at least (it copies whole
+    missing layers), the bytes of its PCIe floor. Staged steps leave a full pool as it is, so ``resident`` holds."""
+    out = [0] * steps
+    for layer, ids in calls.items():
+        have = np.asarray(resident.get(layer, []), dtype=np.int64)
+        if len(ids) < steps:
+            raise RuntimeError(f"layer {layer} saw {len(ids)} decode calls, expected {steps}")
+        for i in range(steps):
+            out[i] += int(np.setdiff1d(ids[i].astype(np.int64), have).size)
+    return out
+
+
 def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -> dict:
-    """One (residency, batch) cell: an untimed run, then ``plan.reps`` timed runs from ``resident``."""
+    """One (residency, batch) cell: an untimed run, then ``plan.reps`` timed runs from ``resident``. Where the
+    batch takes the staged path (``decode.path`` auto or host, above the routed threshold) the untimed run also
+    records each step's routing (forward pre-hooks, read after the run), which prices the staged steps' floor."""
+    B = len(prompts)
     engine.cache.set_residency(resident)
-    _run(engine, prompts, plan.steps)
-    B, tok_s, per_step, reps_steps, reps_missed = len(prompts), [], [], [], []
+    recorder = RoutingRecorder(offloaded_experts(engine.model)) if B > engine.cache.routed_max_tokens else None
+    try:
+        _run(engine, prompts, plan.steps)
+    finally:
+        if recorder is not None:
+            recorder.remove()
+    staged_missed = staged_step_misses(recorder.calls(B), resident, plan.steps) if recorder is not None else None
+    tok_s, per_step, reps_steps, reps_missed = [], [], [], []
     hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = graph = 0
     boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
@@ -213,7 +241,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         # distinct missing experts each decode step read (the last ``steps`` entries: a routed prefill counts too)
         # (with decode.miss_copy copy_engine the graph's copies are column 4, the row map's: graph_copy.py)
         cols = [2, 4] if engine.cache.decode.graph_copy is not None else [2]
-        reps_missed.append(engine.cache.decode.step_counts()[-plan.steps:, :, cols].sum(axis=(1, 2)).tolist())
+        reps_missed.append(staged_missed if staged_missed is not None else
+                           engine.cache.decode.step_counts()[-plan.steps:, :, cols].sum(axis=(1, 2)).tolist())
         tok_s.append(B * plan.steps / decode_s)
         per_step += steps_s
         reps_steps.append([round(x * 1e3, 3) for x in steps_s])
@@ -263,7 +292,11 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
                                 "decode_graph_h2d": graph / n,
                                 "decode_lookahead": ahead / n, "decode_h2d": h2d / n, "staged_h2d": staged_h2d / n,
                                 # the distinct missing experts the steps read, wherever from: the PCIe floor's bytes
-                                "missed": (uva + used + graph) / n},
+                                "missed": (uva + used + graph) / n,
+                                # staged steps (decode.path auto / host): their routed missing experts, from the
+                                # untimed run's routing (staged_step_misses), the floor's bytes for such a cell
+                                "staged_missed": (statistics.fmean(staged_missed) * engine.store.bytes_per_expert
+                                                  if staged_missed is not None else None)},
         "lookahead": la,
         "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),

@@ -56,22 +56,27 @@ def derive(result: dict) -> None:
         read = expert + m["non_expert_bytes"] + kv
         c["hbm_bytes_per_step"] = {"total": read, "experts": expert, "non_expert": m["non_expert_bytes"], "kv": kv}
         c["hbm_floor_ms"] = read / hbm * 1e3
-        if c.get("path", "routed") != "routed":
-            # decode.path auto staged these steps: no routed-miss count to floor them by (a staged step copies
-            # whole missing layers); judge them against the routed run's floor of the same cell
+        p = c["pcie_bytes_per_step"]
+        staged = c.get("path", "routed") == "staged" and p.get("staged_missed") is not None
+        if c.get("path", "routed") != "routed" and not staged:
+            # mixed steps (some staged, some routed), or staged ones from a bench without their routing: no
+            # routed-miss count to floor them by; judge them against the routed run's floor of the same cell
             c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None
             c["ratio_to_uva_floor"] = c["ratio_to_floor_tok_s"] = None
             c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
             continue
-        p = c["pcie_bytes_per_step"]
-        c["pcie_floor_ms"] = p.get("missed", p["decode_uva"]) / h2d * 1e3
+        # staged steps (decode.path auto / host) copy whole missing layers; their floor is the routed missing
+        # experts their routing needed (bench decode's staged_step_misses), as for a routed step
+        missed = p["staged_missed"] if staged else p.get("missed", p["decode_uva"])
+        c["pcie_floor_ms"] = missed / h2d * 1e3
         c["floor_ms"] = max(c["hbm_floor_ms"], c["pcie_floor_ms"])
         c["floor_bound"] = "hbm" if c["hbm_floor_ms"] >= c["pcie_floor_ms"] else "pcie"
         c["ratio_to_floor"] = c["ms_per_step"]["median"] / c["floor_ms"] if c["floor_ms"] > 0 else None
         c["floor_tok_s"] = c["batch"] * 1e3 / c["floor_ms"] if c["floor_ms"] > 0 else None
         tok_s = c["tok_s"]["median"]
         c["ratio_to_floor_tok_s"] = c["floor_tok_s"] / tok_s if c["floor_tok_s"] and tok_s > 0 else None
-        uva_floor = max(c["hbm_floor_ms"], p.get("missed", p["decode_uva"]) / (uva_rate * 1e9) * 1e3) if uva_rate else 0
+        # staged steps read nothing by SMs from host memory: no UVA floor
+        uva_floor = max(c["hbm_floor_ms"], missed / (uva_rate * 1e9) * 1e3) if uva_rate and not staged else 0
         c["ratio_to_uva_floor"] = c["ms_per_step"]["median"] / uva_floor if uva_floor > 0 else None
     result["targets"] = targets(result)
     if not on_cuda(result):

@@ -89,6 +89,12 @@ class RoutingRecorder:
         return {layer: np.unique(torch.cat([t.reshape(-1) for t in ts]).cpu().numpy())
                 for layer, ts in self._ids.items()}
 
+    def calls(self, tokens: int) -> dict[int, list[np.ndarray]]:
+        """``{layer: [sorted distinct expert ids of each call of exactly tokens rows, in call order]}`` (HOST SYNC):
+        a decode step of a batch of ``tokens`` sequences, told apart from the prompt's longer forwards."""
+        return {layer: [np.unique(t.cpu().numpy()) for t in ts if t.shape[0] == tokens]
+                for layer, ts in self._ids.items()}
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()

@@ -247,8 +247,10 @@ class DecodeConfig(_Strict):
         "rows than it take the staged path (whole missing layers over the copy engine, eagerly: large batches at "
         "low residency, where the cost model predicts staging is cheaper); host: auto on a host whose SM reads of "
         "mapped memory prefill.measure_link measured below 0.78 x its copy engine's rate (batch 64 / 32 at "
-        "residency 0.37 ran 1.88 / 1.52 x faster staged on such an H100, batch 16 the same), routed elsewhere "
-        "(moe_offload/link_rates.py decode_path; one decode_path_chosen event)")
+        "residency 0.37 ran 1.88 / 1.52 x faster staged on such an H100, batch 16 the same), with the threshold "
+        "never below 16 rows, routed elsewhere or where nothing was measured (an integer "
+        "prefill.routed_max_tokens, tensor parallelism, a CPU) (moe_offload/link_rates.py decode_path; one "
+        "decode_path_chosen event)")
     lookahead: bool = Field(False, description="prefetch: at each MoE layer of a decode step, the next MoE layer's "
                             "router applied to this layer's input predicts its experts, and the predicted missing "
                             "ones are copied from host memory on a side stream while this layer computes "

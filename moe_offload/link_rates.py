@@ -240,11 +240,18 @@ def _slow_sm_reads(link: dict | None) -> tuple[bool, str]:
     return share < SLOW_SM_READS, f"SM reads at {share:.2f} x the copy engine's rate"
 
 
+#: with ``decode.path: host`` resolved to ``auto``, steps and prompts of up to this many rows stay routed: batch 16 at
+#: residency 0.37 tied on the slow host of 9867ced (193.5 ms routed, 197.1 staged), and single prompts of up to 16
+#: tokens keep the routed path (with routed fills on such hosts) that short-prompt TTFT was measured on
+HOST_AUTO_MIN_TOKENS = 16
+
+
 def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     """``(path, reason)``: ``decode.path`` resolved to ``"routed"`` or ``"auto"``. ``"host"`` (the default): ``"auto"``
     on a host whose SM reads were measured below ``SLOW_SM_READS`` x its copy engine's rate at start-up
     (``prefill.measure_link``), so that decode steps of more rows than the cost model's threshold (at those measured
-    rates) stage their missing layers over the copy engine, eagerly; ``"routed"`` elsewhere (a fast host, a CPU, no
+    rates, never below ``HOST_AUTO_MIN_TOKENS``) stage their missing layers over the copy engine, eagerly; ``"routed"``
+    elsewhere (a fast host, a CPU, no
     measurement, tensor parallelism: every rank must choose the same path). On the slow H100 host of 9867ced
     (27.9 vs 49.6 GB/s) ``auto`` took 0.53 / 0.66 / 1.02 x the routed step's time at batch 64 / 32 / 16, residency
     0.37; on fast hosts the routed cells with misses ran within 1.19-1.25 x their floor, and an embedder capturing
@@ -253,6 +260,8 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     if setting != "host":
         return setting, "setting"
     slow, why = _slow_sm_reads(link)
+    if not slow and link and "uva_GBps" not in link:  # why nothing was measured, where the link says
+        why = f"no measured link rates: {link.get('off') or link.get('declined')}"
     return ("auto" if slow else "routed"), why
 
 

@@ -282,16 +282,19 @@ def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict
 
 def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, resident: float, device,
             fused_decode: bool, decode_path: str = "routed", adaptive_max_tokens: int = 0,
-            model: tuple[CostModel, str] | None = None) -> RoutedPath:
+            model: tuple[CostModel, str] | None = None, auto_floor: int = 1) -> RoutedPath:
     """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``.
     ``decode_path`` "auto": a setting or the cost model may put the threshold below ``decode_max_tokens``
     (never below 1: a one-token step always reads only its routed experts); without a model (a CPU, the
     unfused decode compute) the threshold stays ``decode_max_tokens``. ``adaptive_max_tokens``
     (``prefill.routed_adaptive_max_tokens``): observed routing may route single prompts up to it (cost model
     thresholds only; the caller turns it off under tensor parallelism). ``model``: ``(CostModel, entry)`` to
-    decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test)."""
+    decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test). ``auto_floor``:
+    the lowest threshold ``auto`` may reach (``decode.path: host`` keeps ``link_rates.HOST_AUTO_MIN_TOKENS``)."""
+    if decode_path not in ("routed", "auto"):
+        raise ValueError(f"decode_path {decode_path!r}: resolve it first (routed or auto; link_rates.decode_path)")
     floor = decode_max_tokens
-    lowest = floor if decode_path == "routed" else 1
+    lowest = floor if decode_path == "routed" else max(1, min(floor, auto_floor))
     if setting != "auto":
         choice = RoutedPath(max(lowest, int(setting)), setting, floor, "setting", decode_path=decode_path)
     elif model is not None or (device.type == "cuda" and fused_decode):
@@ -328,7 +331,7 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
 
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
                decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False,
-               observe_routing: bool = True, extra_rows: int = 0):
+               observe_routing: bool = True, extra_rows: int = 0, auto_floor: int = 1):
     """``(BudgetPlan, RoutedPath)`` of a cache: the threshold is chosen at the slot count the budget buys
     with the decode floor's scratch rows, then the plan is redone with the scratch rows it needs (a
     byte or ``auto`` budget then buys slightly fewer slots). ``extra_rows``: pool rows on top of the scratch
@@ -342,7 +345,7 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     adaptive = prefill_cfg.routed_adaptive_max_tokens if observe_routing else 0
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
                      resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
-                     decode_path, 0 if tensor_parallel else adaptive, model)
+                     decode_path, 0 if tensor_parallel else adaptive, model, auto_floor)
     if tensor_parallel and adaptive and choice.reason == "cost_model":
         choice = replace(choice, adaptive_off="tensor parallelism")
     rows = scratch_rows(choice.record_tokens, K, E) + extra_rows

@@ -196,27 +196,36 @@ def test_the_header_states_the_run_ahead_setting_of_the_run(bench):
     assert _run_ahead({"run_ahead": False}) == "; run-ahead off" and _run_ahead({}) == ""
 
 
-def test_a_staged_step_s_floor_counts_its_routed_experts_missing_from_the_resident_set():
-    """staged_step_misses against a hand count: two layers, three decode calls each (the third beyond steps)."""
-    from moe_offload.bench.decode import staged_step_misses
+def test_a_staged_step_s_floor_counts_its_routed_experts_not_resident_when_it_began():
+    """staged_step_counts against a hand count: two layers of 8 experts, three recorded calls each; the first is the
+    prompt (a one-token prompt has as many rows as a decode step) and the last two the decode steps; residency
+    changes between calls (a staged forward admits into free slots)."""
+    from moe_offload.bench.decode import staged_step_counts
 
-    calls = {0: [np.array([1, 2, 5]), np.array([0, 3]), np.array([7])],
-             1: [np.array([4]), np.array([1, 4, 6]), np.array([0])]}
-    resident = {0: [1, 2, 3], 1: [4, 6]}
-    # step 0: layer 0 misses {5}, layer 1 none; step 1: layer 0 misses {0}, layer 1 misses {1}
-    assert staged_step_misses(calls, resident, 2) == [1, 2]
+    def res(*experts):
+        mask = np.zeros(8, dtype=bool)
+        mask[list(experts)] = True
+        return mask
+
+    calls = {0: [(np.array([0, 1]), res()), (np.array([1, 2, 5]), res(1, 2, 3)), (np.array([0, 3]), res(1, 2, 3, 5))],
+             1: [(np.array([4]), res()), (np.array([4]), res(4, 6)), (np.array([1, 4, 6]), res(4, 6))]}
+    # step 0: layer 0 misses {5} of 3, layer 1 none of 1; step 1: layer 0 misses {0} of 2, layer 1 {1} of 3
+    assert staged_step_counts(calls, 2, (0, 1)) == ([1, 2], [4, 5])
     with pytest.raises(RuntimeError, match="layer 0 saw 3 decode calls, expected 4"):
-        staged_step_misses(calls, resident, 4)
+        staged_step_counts(calls, 4, (0, 1))
+    with pytest.raises(RuntimeError, match=r"recorded at layers \[0, 1\], expected \[0, 1, 2\]"):
+        staged_step_counts(calls, 2, (0, 1, 2))
 
 
-def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path):
+@pytest.mark.parametrize("prompt_len", [PROMPT_LEN, 1])  # 1: the prompt's forward has a decode step's row count
+def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reported_as_such(tmp_path, prompt_len):
     """decode.path auto with the routed threshold at 1: batch 1 stays routed, batch 2 stages every step;
     the staged cell counts the bytes its steps staged (every step copies the same missing layers: half of
     all expert bytes at residency 0.5) and floors them by the routed missing experts its steps needed, from the
-    routing its untimed run recorded (staged_step_misses)."""
+    routing its untimed run recorded (staged_step_counts)."""
     out = tmp_path / "r"
     argv = _argv(out, tmp_path / "presets", "0.5", "1,2", "--set", "decode.path=auto",
-                 "--set", "prefill.routed_max_tokens=1")
+                 "--set", "prefill.routed_max_tokens=1", "--prompt-len", str(prompt_len))
     with contextlib.redirect_stdout(io.StringIO()):
         assert cli_main(argv) == 0
     result = json.loads(next(out.glob("decode-*.json")).read_text())
@@ -231,6 +240,9 @@ def test_with_decode_path_auto_a_batch_above_the_threshold_is_staged_and_reporte
     assert len(missed) == result["settings"]["steps"] and all(0 < m <= 2 * K * L for m in missed)
     assert staged["staged_missed"] == pytest.approx(sum(missed) / len(missed) * R)
     assert staged["staged_missed"] < staged["staged_h2d"]  # a staged step copies more than its routing needs
+    routed = two["routed_experts_per_step"]  # distinct routed experts a step, from the same recorded routing
+    assert sum(missed) / len(missed) <= routed <= 2 * K * L
+    assert two["hbm_bytes_per_step"]["experts"] == pytest.approx(routed * R) and routed > 0
     assert two["floor_bound"] in ("hbm", "pcie") and two["ratio_to_floor"] > 0 and two["ratio_to_uva_floor"] is None
     assert one["pcie_bytes_per_step"]["staged_missed"] is None  # a routed cell counts its misses on the device
     assert "staged (decode.path auto)" in next(out.glob("decode-*.md")).read_text()

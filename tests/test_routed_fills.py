@@ -15,6 +15,7 @@ from moe_offload.engine import Engine
 from moe_offload.host_store import ExpertStore
 from moe_offload.link_rates import SLOW_SM_READS, routed_copy
 from moe_offload.link_rates import decode_path as link_decode_path
+from moe_offload import link_rates as link_rates_mod
 
 
 def _cache(store, budget, **prefill):
@@ -49,8 +50,11 @@ def test_decode_path_host_stages_large_batches_only_where_this_hosts_sm_reads_we
     assert link_decode_path("host", low_h2d)[0] == "auto"
     assert link_decode_path("host", fast) == ("routed", "SM reads at 0.85 x the copy engine's rate")
     assert link_decode_path("host", {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS})[0] == "routed"
-    for link in (None, {"off": "tensor parallelism (every rank must choose the same path)"}, {"declined": "x"}):
-        assert link_decode_path("host", link) == ("routed", "no measured link rates (prefill.measure_link)")
+    assert link_decode_path("host", None) == ("routed", "no measured link rates (prefill.measure_link)")
+    tp = {"off": "tensor parallelism (every rank must choose the same path)"}
+    assert link_decode_path("host", tp) == ("routed", "no measured link rates: " + tp["off"])
+    assert link_decode_path("host", {"declined": "unmeasurable", "detail": "noise"}) == (
+        "routed", "no measured link rates: unmeasurable")
     for setting in ("routed", "auto"):  # a setting is taken as it is, whatever the host measured
         assert link_decode_path(setting, slow) == (setting, "setting")
         assert link_decode_path(setting, fast) == (setting, "setting")
@@ -67,6 +71,35 @@ def test_a_cache_logs_and_reports_what_decode_path_host_resolved_to(tiny_ckpt, c
     rp = cache.stats()["routed_path"]
     assert rp["decode_path"] == "routed" and rp["decode_path_reason"].startswith("no measured link rates")
     assert cache.routed_max_tokens >= 16  # the decode floor holds (decode.max_tokens), as with routed
+
+
+@pytest.mark.parametrize("host", ["slow", "fast"])
+def test_decode_path_host_lowers_a_cache_s_routed_threshold_only_on_a_slow_host_and_not_below_16(
+        qwen3_layer_store, monkeypatch, host):
+    """A real-size MoE layer (128 Qwen3-30B-A3B NVFP4 rows) and a cache sized for decode steps of 64 rows, as bench
+    decode builds it; the start-up measurement replaced by a slow and a fast host's measured rates
+    (benchmarks/results/HISTORY.md). On the slow one host resolves to auto and the cost model's threshold, floored
+    at HOST_AUTO_MIN_TOKENS, stages batches above it; on the fast one every step of up to 64 rows stays routed."""
+    from moe_offload import cache as cache_mod
+    from moe_offload.link_rates import HOST_AUTO_MIN_TOKENS, LinkRates, measured_link_model
+    from moe_offload.prefill_path import cost_model
+
+    store = qwen3_layer_store(pin=False)
+    h2d, uva = {"slow": (49.6, 27.9), "fast": (54.9, 46.8)}[host]
+    rates = LinkRates(h2d_GBps=h2d, uva_GBps=uva, rows=32, row_bytes=store.bytes_per_expert, reps=5, layer=0)
+    monkeypatch.setattr(link_rates_mod, "measure_link", lambda store, device: rates)
+    table = cost_model("NVIDIA H100 80GB HBM3", store.num_experts, store.geometry.top_k, store.bytes_per_expert)
+    measured = measured_link_model(store, torch.device("cpu"), table)
+    monkeypatch.setattr(cache_mod, "link_model", lambda *args: measured)
+    cache = OffloadMoeCache(store, CacheConfig(budget="0.37"), PrefillConfig(), "cpu", decode_max_tokens=64,
+                            decode_path="host")
+    rp = cache.stats()["routed_path"]
+    if host == "slow":
+        assert rp["decode_path"] == "auto" and rp["reason"] == "cost_model"
+        assert HOST_AUTO_MIN_TOKENS <= cache.routed_max_tokens < 64  # batches above it stage
+        assert rp["model_tokens"] <= cache.routed_max_tokens  # the floor, where the model asked for less
+    else:
+        assert rp["decode_path"] == "routed" and cache.routed_max_tokens >= 64
 
 
 def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_stats(tiny_ckpt, caplog):

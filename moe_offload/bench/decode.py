@@ -20,7 +20,7 @@ One run, in order (every figure lands in ``decode-<label>-<sha>.{json,md,png}`` 
    once the step's tokens are on the host); hits, misses and bytes come from ``cache.stats()``. A batch that
    takes the staged path (``decode.path`` auto, or host on a slow-SM host, above the routed threshold) has its
    routing recorded in the untimed run (forward pre-hooks): its PCIe floor is priced by the routed experts its
-   steps missed (``staged_step_misses``), as a routed step's is. After
+   steps missed (``staged_step_counts``), as a routed step's is. After
    each cell the report is rewritten with the cells so far, marked ``partial`` (no PNG): a run cut short by
    a call's time limit or a crash keeps what it measured;
 4. peers (CUDA only; the engine is closed first): ``decode_peers.py``; then the floors, ratios and
@@ -201,18 +201,22 @@ def _run(engine, prompts: list[list[int]], steps: int) -> tuple[float, list[floa
     return steps / res[0].decode_tok_s, per_step, res[0].stats
 
 
-def staged_step_misses(calls: dict, resident: dict, steps: int) -> list[int]:
-    """Distinct routed experts missing from ``resident`` in each of the first ``steps`` decode calls, summed over
-    layers (``calls``: ``RoutingRecorder.calls``): what a staged step must read over PCIe at least (it copies whole
-    missing layers), the bytes of its PCIe floor. Staged steps leave a full pool as it is, so ``resident`` holds."""
-    out = [0] * steps
-    for layer, ids in calls.items():
-        have = np.asarray(resident.get(layer, []), dtype=np.int64)
-        if len(ids) < steps:
-            raise RuntimeError(f"layer {layer} saw {len(ids)} decode calls, expected {steps}")
-        for i in range(steps):
-            out[i] += int(np.setdiff1d(ids[i].astype(np.int64), have).size)
-    return out
+def staged_step_counts(calls: dict, steps: int, layers) -> tuple[list[int], list[int]]:
+    """``(missed, routed)``: per decode step, the distinct routed experts that were not resident when the step's
+    experts call began, and all distinct routed experts, summed over ``layers`` (``calls``: ``RoutingRecorder.calls``
+    with residency, of the batch's row count; the last ``steps`` calls of each layer are the decode steps, which
+    run after the prompt). What a staged step must read at least (it copies whole missing layers): the bytes of its
+    PCIe floor and the experts of its HBM floor."""
+    if sorted(calls) != sorted(layers):
+        raise RuntimeError(f"decode calls recorded at layers {sorted(calls)}, expected {sorted(layers)}")
+    missed, routed = [0] * steps, [0] * steps
+    for layer, recorded in calls.items():
+        if len(recorded) < steps:
+            raise RuntimeError(f"layer {layer} saw {len(recorded)} decode calls, expected {steps}")
+        for i, (ids, resident_E) in enumerate(recorded[-steps:]):
+            routed[i] += int(ids.size)
+            missed[i] += int((~resident_E[ids]).sum())
+    return missed, routed
 
 
 def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -> dict:
@@ -221,13 +225,18 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     records each step's routing (forward pre-hooks, read after the run), which prices the staged steps' floor."""
     B = len(prompts)
     engine.cache.set_residency(resident)
-    recorder = RoutingRecorder(offloaded_experts(engine.model)) if B > engine.cache.routed_max_tokens else None
+    recorder = None
+    if B > engine.cache.routed_max_tokens:  # staged steps: their routing and what was resident at each
+        recorder = RoutingRecorder(offloaded_experts(engine.model), rows=B,
+                                   residency=lambda layer: engine.cache.resident(layer) >= 0)
     try:
         _run(engine, prompts, plan.steps)
     finally:
         if recorder is not None:
             recorder.remove()
-    staged_missed = staged_step_misses(recorder.calls(B), resident, plan.steps) if recorder is not None else None
+    staged_missed = staged_routed = None
+    if recorder is not None:
+        staged_missed, staged_routed = staged_step_counts(recorder.calls(), plan.steps, engine.cache.layers)
     tok_s, per_step, reps_steps, reps_missed = [], [], [], []
     hits = misses = routed = uva = h2d = staged = staged_h2d = ahead = graph = 0
     boundary_s, boundary_steps = 0.0, 0
@@ -285,7 +294,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "hit_rate": hits / (hits + misses) if hits + misses else None,
         # distinct experts routed per step (summed over layers): what the step must read; pairs read each once
         # per routed token (the HBM floor counts the distinct ones)
-        "routed_experts_per_step": routed / n, "routed_pairs_per_step": (hits + misses) / n,
+        "routed_experts_per_step": statistics.fmean(staged_routed) if staged_routed is not None else routed / n,
+        "routed_pairs_per_step": (hits + misses) / n,
         "missed_pairs_per_step": misses / n,
         "routed_per_layer_per_step": {k: v / n for k, v in per_layer.items()},
         "pcie_bytes_per_step": {"total": (uva + ahead + graph + h2d + staged_h2d) / n, "decode_uva": uva / n,
@@ -294,11 +304,13 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
                                 # the distinct missing experts the steps read, wherever from: the PCIe floor's bytes
                                 "missed": (uva + used + graph) / n,
                                 # staged steps (decode.path auto / host): their routed missing experts, from the
-                                # untimed run's routing (staged_step_misses), the floor's bytes for such a cell
+                                # untimed run's routing (staged_step_counts), the floor's bytes for such a cell
                                 "staged_missed": (statistics.fmean(staged_missed) * engine.store.bytes_per_expert
                                                   if staged_missed is not None else None)},
         "lookahead": la,
         "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
+        # decode.path as this cell's cache resolved it (host: by the link it measured) and its routed threshold
+        "decode_path": engine.cache.routed_path.decode_path, "routed_max_tokens": engine.cache.routed_max_tokens,
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
                   "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
     }

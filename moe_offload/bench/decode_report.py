@@ -66,7 +66,7 @@ def derive(result: dict) -> None:
             c["floor_bound"] = "n/a: staged steps (compare with a decode.path=routed run's floor of this cell)"
             continue
         # staged steps (decode.path auto / host) copy whole missing layers; their floor is the routed missing
-        # experts their routing needed (bench decode's staged_step_misses), as for a routed step
+        # experts their routing needed (bench decode's staged_step_counts), as for a routed step
         missed = p["staged_missed"] if staged else p.get("missed", p["decode_uva"])
         c["pcie_floor_ms"] = missed / h2d * 1e3
         c["floor_ms"] = max(c["hbm_floor_ms"], c["pcie_floor_ms"])

@@ -74,26 +74,35 @@ def variant_label(mode: str, path: str, paths: tuple[str, ...]) -> str:
 
 class RoutingRecorder:
     """The routed ids of every experts call of one forward, from forward pre-hooks that keep references
-    (no sync); ``distinct()`` reads them back after the forward (HOST SYNC: call it outside timing)."""
+    (no sync); ``distinct()`` reads them back after the forward (HOST SYNC: call it outside timing).
+    ``rows``: keep only calls of exactly that many rows (a decode step of a batch of ``rows`` sequences; the
+    prompt's long forwards would hold device memory for nothing). ``residency``: ``layer -> [E] bool`` host array,
+    taken at each kept call (what was resident when it started; ``calls``)."""
 
-    def __init__(self, experts: list[torch.nn.Module]):
+    def __init__(self, experts: list[torch.nn.Module], rows: int | None = None, residency=None):
         self._ids: dict[int, list[torch.Tensor]] = {}
+        self._resident: dict[int, list[np.ndarray]] = {}
+        self._rows, self._residency = rows, residency
         self._handles = [m.register_forward_pre_hook(self._pre, with_kwargs=True) for m in experts]
 
     def _pre(self, module, args, kwargs) -> None:
         ids = args[1] if len(args) > 1 else kwargs["top_k_index"]
+        if self._rows is not None and ids.shape[0] != self._rows:
+            return
         self._ids.setdefault(module.layer_idx, []).append(ids)
+        if self._residency is not None:
+            self._resident.setdefault(module.layer_idx, []).append(self._residency(module.layer_idx))
 
     def distinct(self) -> dict[int, np.ndarray]:
         """``{layer: sorted distinct expert ids}`` routed since the recorder was made."""
         return {layer: np.unique(torch.cat([t.reshape(-1) for t in ts]).cpu().numpy())
                 for layer, ts in self._ids.items()}
 
-    def calls(self, tokens: int) -> dict[int, list[np.ndarray]]:
-        """``{layer: [sorted distinct expert ids of each call of exactly tokens rows, in call order]}`` (HOST SYNC):
-        a decode step of a batch of ``tokens`` sequences, told apart from the prompt's longer forwards."""
-        return {layer: [np.unique(t.cpu().numpy()) for t in ts if t.shape[0] == tokens]
-                for layer, ts in self._ids.items()}
+    def calls(self) -> dict[int, list[tuple[np.ndarray, np.ndarray | None]]]:
+        """``{layer: [(sorted distinct expert ids, the residency taken at the call or None) of each kept call, in
+        call order]}`` (HOST SYNC)."""
+        return {layer: [(np.unique(t.cpu().numpy()), res[i] if res else None) for i, t in enumerate(ts)]
+                for layer, ts in self._ids.items() for res in [self._resident.get(layer)]}
 
     def remove(self) -> None:
         for h in self._handles:

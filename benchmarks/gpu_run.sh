@@ -3,7 +3,7 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy
+#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab
 # decode_plan: benchmarks/decode_plan.py, the routing launches (top-k, register vs workspace plan, alignment, their
 # fused forms) timed alone in CUDA graphs at 1/4/16/64 tokens; no checkpoint needed (~1 min; not yet run). The miss
 # copy's rate across layouts and configs: the kernels stage with KERNELS_ARGS=--uva-only.
@@ -344,6 +344,23 @@ if has serve_overhead; then  # ~2 min at 48 layers
     --set decode.max_tokens=64 --set decode.max_cache_len=1152 ${OVERHEAD_ARGS:-} --profile "$RES/serve-overhead-prof" --out "$RES" \
     > "$RES/serve_overhead.log" 2>&1
   tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has ttft_ab; then  # bench ttft with --set TTFT_AB, then TTFT_AB_OFF, in the order of AB_SIDES (default "on off off
+  # on"), same machine; TTFT_AB_ARGS (default: 16 / 64 / 256 tokens at residency 0 / 0.37, 3 reps). The first use is
+  # issue 14's routed fills on a slow-SM host: TTFT_AB=prefill.routed_copy=copy_engine TTFT_AB_OFF=prefill.routed_copy=uva
+  # (~40 s a side after a build)
+  i=0
+  for side in ${AB_SIDES:-on off off on}; do
+    i=$((i + 1)); tag=$side-$i
+    (( $(cap 60) < 60 )) && { echo "ttft_ab: side $tag skipped, the call's limit is near" >> "$RES/ttft-ab-skipped.txt"; continue; }
+    [[ $side == on ]] && set_arg="${TTFT_AB:?}" || set_arg="${TTFT_AB_OFF:?}"
+    timeout $(cap ${TTFT_TIMEOUT:-200}) moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set "$set_arg" \
+      ${TTFT_AB_ARGS:---prompt-lens 16,64,256 --residency 0,0.37 --modes gather --reps 3 --peers none} \
+      --git-sha ${SERVE_CHECK_SHA:-unknown}-$tag --out "$RES/ttft-ab-$tag" --json > "$RES/ttft-ab-$tag.json" \
+      2> "$RES/ttft-ab-$tag.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
 fi
 if has observed; then  # observed routing (prefill path auto) vs staged at short prompts (~2 min)
   timeout ${TTFT_TIMEOUT:-300} moe-offload bench ttft --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \

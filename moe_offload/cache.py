@@ -38,7 +38,7 @@ from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
 from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
-from moe_offload.link_rates import HOST_AUTO_MIN_TOKENS, decode_path as resolve_decode_path, link_model, routed_copy
+from moe_offload.link_rates import decode_path as resolve_decode_path, decode_path_floor, link_model, routed_copy
 from moe_offload.prefill_path import plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
@@ -58,7 +58,7 @@ class OffloadMoeCache:
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
         where the cost model says staging pays; steps above it are then staged. "host": "auto" where this host's
-        start-up link measurement found slow SM reads (its threshold never below ``HOST_AUTO_MIN_TOKENS``), else
+        start-up link measurement found slow SM reads (its threshold never below ``link_rates.decode_path_floor``), else
         "routed" (``link_rates.decode_path``).
         ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model).
         ``cost_model``: ``(prefill_path.CostModel, entry)`` to decide paths with instead of the table's entry
@@ -87,7 +87,7 @@ class OffloadMoeCache:
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
                                                  lookahead_rows(decode_max_tokens, store) if lookahead else 0,
-                                                 HOST_AUTO_MIN_TOKENS if path_setting == "host" else 1)
+                                                 decode_path_floor(path_setting))
         copy, why = routed_copy(prefill_cfg.routed_copy, device, link)
         self.routed_path = replace(self.routed_path, link=link, routed_copy=copy, routed_copy_reason=why,
                                    decode_path_reason=path_why)

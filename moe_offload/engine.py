@@ -159,7 +159,8 @@ class Engine:
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
-        routed_rows = min(cfg.decode.max_tokens, cache.routed_max_tokens)  # < max_tokens only with decode.path auto (or host)
+        # < max_tokens only with decode.path auto (or host on a slow-SM host)
+        routed_rows = min(cfg.decode.max_tokens, cache.routed_max_tokens)
         attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, routed_rows, reduce,
                                                                  graphed, decode))
         model.to(device).eval()

@@ -265,6 +265,12 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     return ("auto" if slow else "routed"), why
 
 
+def decode_path_floor(setting: str) -> int:
+    """The lowest routed threshold ``decode.path`` ``setting`` lets ``auto`` reach (``prefill_path.resolve``'s
+    ``auto_floor``): ``HOST_AUTO_MIN_TOKENS`` for ``host``, 1 for an explicit ``auto``."""
+    return HOST_AUTO_MIN_TOKENS if setting == "host" else 1
+
+
 def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int) -> bool:
     """Whether a layer whose routed tokens miss ``missing_experts`` experts of ``row_bytes`` each is cheaper as a
     routed fill (copy engine plus ``ROUTED_FILL_FIXED_S``) than read by SMs at this host's measured rates."""

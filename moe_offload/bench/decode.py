@@ -242,14 +242,15 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
     boundary_s, boundary_steps = 0.0, 0
     la = {"copied": 0, "used": 0, "missed_experts": 0} if engine.cache.decode.lookahead is not None else None
     per_layer: dict = {}
+    # distinct missing experts a step read: column 2 of the step counts; with decode.miss_copy copy_engine the
+    # graph's copies are column 4, the row map's (graph_copy.py)
+    cols = [2, 4] if engine.cache.decode.graph_copy is not None else [2]
     engine.cache.decode.record_step_counts(True)  # which steps miss what (a device copy a step, read after the run)
     for _ in range(plan.reps):
         engine.cache.set_residency(resident)
         engine.cache.reset()
         decode_s, steps_s, stats = _run(engine, prompts, plan.steps)
         # distinct missing experts each decode step read (the last ``steps`` entries: a routed prefill counts too)
-        # (with decode.miss_copy copy_engine the graph's copies are column 4, the row map's: graph_copy.py)
-        cols = [2, 4] if engine.cache.decode.graph_copy is not None else [2]
         reps_missed.append(staged_missed if staged_missed is not None else
                            engine.cache.decode.step_counts()[-plan.steps:, :, cols].sum(axis=(1, 2)).tolist())
         tok_s.append(B * plan.steps / decode_s)

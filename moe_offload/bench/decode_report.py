@@ -56,9 +56,9 @@ def derive(result: dict) -> None:
         read = expert + m["non_expert_bytes"] + kv
         c["hbm_bytes_per_step"] = {"total": read, "experts": expert, "non_expert": m["non_expert_bytes"], "kv": kv}
         c["hbm_floor_ms"] = read / hbm * 1e3
-        p = c["pcie_bytes_per_step"]
-        staged = c.get("path", "routed") == "staged" and p.get("staged_missed") is not None
-        if c.get("path", "routed") != "routed" and not staged:
+        p, path = c["pcie_bytes_per_step"], c.get("path", "routed")
+        staged = path == "staged" and p.get("staged_missed") is not None
+        if path != "routed" and not staged:
             # mixed steps (some staged, some routed), or staged ones from a bench without their routing: no
             # routed-miss count to floor them by; judge them against the routed run's floor of the same cell
             c["pcie_floor_ms"] = c["floor_ms"] = c["ratio_to_floor"] = c["floor_tok_s"] = None

@@ -101,8 +101,11 @@ class RoutingRecorder:
     def calls(self) -> dict[int, list[tuple[np.ndarray, np.ndarray | None]]]:
         """``{layer: [(sorted distinct expert ids, the residency taken at the call or None) of each kept call, in
         call order]}`` (HOST SYNC)."""
-        return {layer: [(np.unique(t.cpu().numpy()), res[i] if res else None) for i, t in enumerate(ts)]
-                for layer, ts in self._ids.items() for res in [self._resident.get(layer)]}
+        out = {}
+        for layer, ts in self._ids.items():
+            taken = self._resident.get(layer, [None] * len(ts))
+            out[layer] = [(np.unique(t.cpu().numpy()), res) for t, res in zip(ts, taken)]
+        return out
 
     def remove(self) -> None:
         for h in self._handles:

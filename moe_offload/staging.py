@@ -71,8 +71,7 @@ class PrefillStaging:
             raise ValueError(f"the slot pool must hold the two staging buffers in front of its slots (lead_rows=2*E="
                              f"{2 * E}), got lead_rows={pool.lead_rows}")
         self.rows = [pool.backing[b * E:(b + 1) * E] for b in range(2)]
-        # row b * E + e of the backing holds expert e in buffer b (one launch fewer per index)
-        self._buffer_rows = [torch.arange(b * E, (b + 1) * E, dtype=torch.int32, device=pool.device) for b in range(2)]
+        self._arange_E = torch.arange(E, dtype=torch.int32, device=pool.device)
         self.misses_done = [streams.event(), streams.event()]
         self.hits_done = [streams.event(), streams.event()]
         self.released = [streams.event(), streams.event()]
@@ -208,7 +207,7 @@ class PrefillStaging:
             return self.pool.views(), self.in_place[b]
         if self.mixed[b]:  # one bank, staging rows and slots: expert e is slot row table[e], else staging row e
             table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
-            index_N = torch.where(table_E >= 0, table_E + self.pool.lead_rows, self._buffer_rows[b])
+            index_N = torch.where(table_E >= 0, table_E + self.pool.lead_rows, self._arange_E + b * self.pool.E)
             return self.pool.backing_views(), index_N
         return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
 
@@ -218,14 +217,14 @@ class PrefillStaging:
         else its row of the buffer: ``b * E + e``). A compute captured once against the backing and ``out_E``
         then serves any fill (routed fills whose compute is in a graph, ``prefill_graph.Segments``)."""
         b = self._ready(layer, ids_TK)
-        lead = self.pool.lead_rows
+        E, lead = self.pool.E, self.pool.lead_rows
         if self.in_place[b] is not None:
             torch.add(self.in_place[b], lead, out=out_E)
         elif self.mixed[b]:
             table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
-            torch.where(table_E >= 0, table_E + lead, self._buffer_rows[b], out=out_E)
+            torch.where(table_E >= 0, table_E + lead, self._arange_E + b * E, out=out_E)
         else:
-            out_E.copy_(self._buffer_rows[b])
+            torch.add(self._arange_E, b * E, out=out_E)
 
     def _ready(self, layer: int, ids_TK: torch.Tensor | None) -> int:
         """The buffer that holds ``layer`` (assembled now if none does), the compute stream waiting for its copies;

@@ -338,23 +338,14 @@ class OffloadMoeCache:
         """``(views, index_N)`` of ``layer`` for compute (the compute stream waits for them): its staged
         views ``[E, ...]`` and None, or, when every expert of it is resident and ``prefill.read_in_place``
         is on, the pool's views and the layer's device slot table row (``staging.py``). The next layer's
-        assembly is enqueued behind it (``_pass_step``: a pass begins at the first MoE layer). ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
-        self._pass_step(layer)
-        return self.staging.wait(layer, ids_TK)
-
-    def stage_index(self, layer: int, ids_TK: torch.Tensor, out_E: torch.Tensor) -> None:
-        """``stage_rows`` for a compute that reads ``pool.backing_views()`` through an index: writes the backing row
-        of each of ``layer``'s experts into ``out_E`` (int32 [E], compute stream; ``PrefillStaging.wait_index``)."""
-        self._pass_step(layer)
-        self.staging.wait_index(layer, ids_TK, out_E)
-
-    def _pass_step(self, layer: int) -> None:
-        """The first MoE layer of a forward outside ``prefill_pass()`` begins a pass itself."""
+        assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
+        a pass itself. ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
         if layer == self.store.layers[0]:
             if self._pass_open:
                 self._pass_open = False
             else:
                 self._begin()
+        return self.staging.wait(layer, ids_TK)
 
     def done(self, layer: int) -> None:
         """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released and (with

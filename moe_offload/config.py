@@ -172,11 +172,6 @@ class PrefillConfig(_Strict):
         "(benchmarks/results/HISTORY.md), copy_engine for the "
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
-    routed_fill_graphs: bool = Field(
-        True, description="with routed fills (routed_copy resolved to copy_engine for a prompt): each layer's expert "
-        "compute is captured at the head of the next graph stretch, so only the routing read, the routed misses' copy "
-        "and one index write run eagerly between stretches; false = the whole experts call runs eagerly, as before "
-        "(moe_offload/prefill_graph.py Segments)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "

@@ -136,7 +136,7 @@ class OffloadedExperts(nn.Module):
         if routed is not None and routed[0] is topk_ids_TK:  # planned in the router's launch (``route``)
             rows_TK, alignment = routed[1:]
         else:
-            topk_ids_TK = pad_rows_routed(cache, topk_ids_TK)
+            topk_ids_TK = _pad_rows_routed(cache, topk_ids_TK)
             self._begin_step(hidden_TH)
             block_m = self.decode_compute.align_block_m(hidden_TH, topk_ids_TK.shape[1], views) if fused else None
             # the plan of the misses also groups the rows for the tile kernels, in its own launch
@@ -164,14 +164,14 @@ class OffloadedExperts(nn.Module):
         """The staged (prefill) path of one call, eagerly: the layer's bank from the cache's pass (in a routed-fill
         pass only the routed misses, ``staging.py``), the compute, the release (``cache.done``). Before the TP reduce
         (``forward`` applies it)."""
-        topk_ids_TK = pad_rows_routed(self.cache, topk_ids_TK)
+        topk_ids_TK = _pad_rows_routed(self.cache, topk_ids_TK)
         views, index_N = self.cache.stage_rows(self.layer_idx, topk_ids_TK)
         out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)
         return out
 
 
-def pad_rows_routed(cache: OffloadMoeCache, ids_TK: torch.Tensor) -> torch.Tensor:
+def _pad_rows_routed(cache: OffloadMoeCache, ids_TK: torch.Tensor) -> torch.Tensor:
     """In a padded prefill (``cache.pad_src_N``, prefill_graph.py; routed or routed fills) pad rows route as their
     sequence's last real row, so padding copies no expert the prompt did not route; other calls as they are."""
     src_T = cache.pad_src_N

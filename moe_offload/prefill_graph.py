@@ -60,7 +60,6 @@ from collections import OrderedDict
 import torch
 
 from moe_offload import log
-from moe_offload.experts import pad_rows_routed
 from moe_offload.graph_capture import capture, end_failed_capture
 
 #: largest bucket: a longer prompt is prefilled eagerly (its host time is small beside its device time)
@@ -74,23 +73,13 @@ class PrefillNotCapturable(RuntimeError):
 class Segments:
     """One forward captured as CUDA graphs split at its staged experts calls (mode ``piecewise``, see the module
     docstring). ``parts``: ``(graph, call)`` in forward order; ``call`` runs the experts call that follows the graph
-    eagerly (None after the last graph). Replays must follow the capture order (the graphs share one pool).
+    eagerly (None after the last graph). Replays must follow the capture order (the graphs share one pool)."""
 
-    ``compute_in_graph`` (routed fills, ``prefill.routed_fill_graphs``): only the host part of an experts call runs
-    between two stretches: its routing read (the sync), the routed misses' copy and the backing row of each of the
-    layer's experts written into an index every call shares (``cache.stage_index``). Its compute is captured at the
-    head of the next stretch, reading ``pool.backing_views()`` through that index, and the layer is released
-    (``cache.done``: admission into free slots, the buffer's release) at the next call, or after the last stretch,
-    once that stretch is enqueued. After the sync the device is idle until the host enqueues more; eager, the
-    compute's ~10-20 launches were each paid on the host there (~0.28 ms a layer in all, measured at b703e18)."""
-
-    def __init__(self, pool, stream, compute_in_graph: bool = False):
-        self.pool, self.stream, self.compute_in_graph = pool, stream, compute_in_graph
+    def __init__(self, pool, stream):
+        self.pool, self.stream = pool, stream
         self.parts: list[tuple[torch.cuda.CUDAGraph, object]] = []
         self._open: torch.cuda.CUDAGraph | None = None
         self._io: tuple[torch.Tensor, ...] | None = None  # (hidden, ids, weights, out): one set for every call
-        self._index_E: torch.Tensor | None = None  # compute_in_graph: the backing row of each expert, every call's
-        self._pending = None  # compute_in_graph: (cache, layer) whose compute the last replayed stretch enqueued
 
     def capture(self, forward):
         """Capture ``forward()`` (whose experts calls ``split`` it) on ``stream``; returns its result. A failure
@@ -119,8 +108,6 @@ class Segments:
             self._io = tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
                              for t in (hidden_TH, ids_TK, w_TK, hidden_TH))
         h, ids, w, out_TH = self._io
-        if self.compute_in_graph:  # pad rows route as their last real row: the same gather ``staged`` makes
-            ids_TK = pad_rows_routed(module.cache, ids_TK)
         for buf, t in ((h, hidden_TH), (ids, ids_TK), (w, w_TK)):
             if buf.shape != t.shape or buf.dtype != t.dtype:
                 raise PrefillNotCapturable(f"experts call inputs differ between layers ({tuple(t.shape)} {t.dtype} "
@@ -128,8 +115,6 @@ class Segments:
             buf.copy_(t)
         graph, self._open = self._open, None
         graph.capture_end()
-        if self.compute_in_graph:
-            return self._split_host_part(graph, module, h, ids, w)
 
         def call() -> None:
             out_TH.copy_(module.staged(h, ids, w))
@@ -137,29 +122,6 @@ class Segments:
         self.parts.append((graph, call))
         self.begin()
         return out_TH
-
-    def _split_host_part(self, graph, module, h, ids, w) -> torch.Tensor:
-        """``split`` under ``compute_in_graph``: the eager call stages the layer and writes the index; the next
-        stretch begins with the compute (see the class docstring)."""
-        cache, layer = module.cache, module.layer_idx
-        if self._index_E is None:
-            self._index_E = torch.empty(cache.E, dtype=torch.int32, device=h.device)
-        index_E = self._index_E
-
-        def call() -> None:
-            self.release()
-            cache.stage_index(layer, ids, index_E)
-            self._pending = (cache, layer)
-
-        self.parts.append((graph, call))
-        self.begin()
-        return module.prefill_compute(h, ids, w, cache.pool.backing_views(), cache.E, index_E)
-
-    def release(self) -> None:
-        """``cache.done`` of the layer whose compute the last replayed stretch enqueued (``compute_in_graph``)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending[0].done(pending[1])
 
     def end(self) -> None:
         graph, self._open = self._open, None
@@ -178,16 +140,12 @@ class Segments:
                 except Exception:  # noqa: BLE001 - the capture was invalidated; the first error is reported
                     end_failed_capture(self.stream.device, self.pool)
         self.parts.clear()
-        self._pending = None
 
     def replay(self) -> None:
-        try:
-            for graph, call in self.parts:
-                graph.replay()
-                if call is not None:
-                    call()
-        finally:  # the last compute's layer, or the one a failed call left: its buffer is released after it
-            self.release()
+        for graph, call in self.parts:
+            graph.replay()
+            if call is not None:
+                call()
 
 
 def bucket(tokens: int, limit: int) -> int | None:
@@ -399,8 +357,7 @@ class PrefillGraphs:
         cache = dec.engine.cache
         try:
             if mode in ("piecewise", "routed_fills"):
-                graph = Segments(self._pool, side, compute_in_graph=mode == "routed_fills"
-                                 and cache.prefill_cfg.routed_fill_graphs)
+                graph = Segments(self._pool, side)
                 cache.prefill_split = graph
                 try:
                     logits = graph.capture(lambda: self._forward(st, Tb, mode, capture=True))

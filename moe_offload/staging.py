@@ -202,33 +202,6 @@ class PrefillStaging:
         layer: typed views ``[E, ...]`` of its buffer and None; one read in place: the pool's views and the
         layer's slot table row ``[E]`` (row e of the bank is pool row ``index_N[e]``). ``ids_TK``: the call's
         routed ids; in a routed-fill pass (with mixed fills possible) only the routed misses are staged, now."""
-        b = self._ready(layer, ids_TK)
-        if self.in_place[b] is not None:
-            return self.pool.views(), self.in_place[b]
-        if self.mixed[b]:  # one bank, staging rows and slots: expert e is slot row table[e], else staging row e
-            table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
-            index_N = torch.where(table_E >= 0, table_E + self.pool.lead_rows, self._arange_E + b * self.pool.E)
-            return self.pool.backing_views(), index_N
-        return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
-
-    def wait_index(self, layer: int, ids_TK: torch.Tensor | None, out_E: torch.Tensor) -> None:
-        """``wait``, with every form of fill written as one index: ``out_E[e]`` (int32, on the compute stream) is
-        the row of ``pool.backing_views()`` that holds expert e for this compute (a slot: ``lead_rows + table[e]``,
-        else its row of the buffer: ``b * E + e``). A compute captured once against the backing and ``out_E``
-        then serves any fill (routed fills whose compute is in a graph, ``prefill_graph.Segments``)."""
-        b = self._ready(layer, ids_TK)
-        E, lead = self.pool.E, self.pool.lead_rows
-        if self.in_place[b] is not None:
-            torch.add(self.in_place[b], lead, out=out_E)
-        elif self.mixed[b]:
-            table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
-            torch.where(table_E >= 0, table_E + lead, self._arange_E + b * E, out=out_E)
-        else:
-            torch.add(self._arange_E, b * E, out=out_E)
-
-    def _ready(self, layer: int, ids_TK: torch.Tensor | None) -> int:
-        """The buffer that holds ``layer`` (assembled now if none does), the compute stream waiting for its copies;
-        the layer's hits and misses and the form of its fill counted."""
         b = self.buffer_for(layer)
         if b is None:
             self.streams.join_current()
@@ -242,9 +215,13 @@ class PrefillStaging:
         counters.prefill_misses += self.used[b][1]
         if self.in_place[b] is not None:
             self.stats.compute["prefill_in_place_layers"] += 1
-        elif self.mixed[b]:
+            return self.pool.views(), self.in_place[b]
+        if self.mixed[b]:  # one bank, staging rows and slots: expert e is slot row table[e], else staging row e
             self.stats.compute["prefill_mixed_layers"] += 1
-        return b
+            table_E = self.pool.table_LE[self.pool.layer_pos[layer]]
+            index_N = torch.where(table_E >= 0, table_E + self.pool.lead_rows, self._arange_E + b * self.pool.E)
+            return self.pool.backing_views(), index_N
+        return bank_views(self.store.specs, self.store.offsets, self.rows[b]), None
 
     def done(self, layer: int, refill: int | None = None) -> None:
         """The GEMMs reading ``layer``'s staging are enqueued: warm the slot pool from it (free slots

@@ -164,37 +164,6 @@ def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_cop
     assert np.array_equal(cache.pool.table_LE.cpu().numpy(), cache.pool.slot_of_LE)
 
 
-@pytest.mark.parametrize("form", ["routed", "whole", "in_place", "mixed"])
-def test_stage_index_names_the_backing_row_of_every_expert_a_fill_serves(tiny_ckpt, form):
-    """``cache.stage_index`` (the index a compute captured against ``pool.backing_views()`` reads, routed fills
-    with ``prefill.routed_fill_graphs``): for each form of fill, the backing row it names for an expert holds that
-    expert's bytes, for every expert the fill serves (a routed fill: its routed ones; else all)."""
-    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
-    E, K = store.num_experts, store.geometry.top_k
-    cache = _cache(store, "1.0", hit_copy="off" if form == "whole" else "gather", routed_copy="copy_engine")
-    keep = range(E) if form == "in_place" else range(0, E, 4)
-    cache.set_residency({layer: list(keep) for layer in store.layers})
-    rng = np.random.default_rng(1)
-    out_E = torch.full((E,), -7, dtype=torch.int32)
-    with cache.prefill_pass(routed_fills=form == "routed"):
-        for layer in store.layers:
-            ids_TK = torch.from_numpy(rng.choice(E, size=(5, K), replace=True)).long()
-            cache.stage_index(layer, ids_TK, out_E)
-            served = np.unique(ids_TK.numpy()) if form == "routed" else np.arange(E)
-            backing, want = cache.pool.backing_views(), store.views(layer)
-            for e in served.tolist():
-                for name, view in backing.items():
-                    assert torch.equal(view[int(out_E[e])], want[name][e]), (form, layer, e, name)
-            cache.done(layer)
-    st = cache.stats()["compute"]
-    counted = {"routed": "prefill_routed_fills", "in_place": "prefill_in_place_layers",
-               "mixed": "prefill_mixed_layers"}.get(form)
-    if counted is not None:
-        assert st[counted] == len(store.layers)
-    else:  # whole layers over PCIe, read from their buffer
-        assert cache.stats()["total"]["bytes"]["prefill_full_h2d"] > 0
-
-
 def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt):
     """The whole model, one prefill forward at residency 0.25: staging every missing expert vs only the routed
     ones gives the same logits, bit for bit (the same compute reads the same bytes for every routed expert)."""

@@ -3,7 +3,10 @@
 # Usage on the device: bash benchmarks/gpu_run.sh [stage ...]
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
-#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab
+#           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab fill_profile
+# fill_profile: benchmarks/profile_prefill.py --trace on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
+# prefill.routed_copy copy_engine then uva: where the whole device idles for the host (device_idle, per layer), i.e.
+# where a routed fill's ~0.28 ms a layer goes (needs a build; ~1-2 min a side; not yet run)
 # decode_plan: benchmarks/decode_plan.py, the routing launches (top-k, register vs workspace plan, alignment, their
 # fused forms) timed alone in CUDA graphs at 1/4/16/64 tokens; no checkpoint needed (~1 min; not yet run). The miss
 # copy's rate across layouts and configs: the kernels stage with KERNELS_ARGS=--uva-only.
@@ -359,6 +362,15 @@ if has ttft_ab; then  # bench ttft with --set TTFT_AB, then TTFT_AB_OFF, in the 
       ${TTFT_AB_ARGS:---prompt-lens 16,64,256 --residency 0,0.37 --modes gather --reps 3 --peers none} \
       --git-sha ${SERVE_CHECK_SHA:-unknown}-$tag --out "$RES/ttft-ab-$tag" --json > "$RES/ttft-ab-$tag.json" \
       2> "$RES/ttft-ab-$tag.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
+  done
+fi
+if has fill_profile; then
+  for copy in copy_engine uva; do
+    (( $(cap 60) < 60 )) && { echo "fill_profile: $copy skipped, the call's limit is near" >> "$RES/fill-profile-skipped.txt"; continue; }
+    timeout $(cap 200) python3 benchmarks/profile_prefill.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
+      --set model.cache_dir=/tmp/moe-cache --set prefill.routed_copy=$copy --tokens ${FILL_PROFILE_TOKENS:-16} \
+      --residency 0.37,0 --reps 3 --trace --out "$RES/fill-profile-$copy" > "$RES/fill-profile-$copy.log" 2>&1
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

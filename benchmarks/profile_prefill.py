@@ -9,6 +9,10 @@ Writes ``profile-<preset>-l<layers>.txt`` and a JSON summary under ``--out``.
 
     python benchmarks/profile_prefill.py --config configs/qwen3-30b-a3b-nvfp4.yaml --layers 12 \
         --residency 1,0.5 --tokens 1024 --out /tmp/res
+
+With ``--trace`` the report adds where the whole device idles waiting for the host (``device_idle``: per MoE layer,
+by the kernels either side). E.g. a routed fill's fixed cost (one routing read a layer, ``prefill.routed_copy``):
+``--tokens 16 --residency 0.37 --set prefill.routed_copy=copy_engine --trace``, against ``=uva``.
 """
 
 from __future__ import annotations
@@ -86,10 +90,13 @@ def main() -> int:
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as tp:
             engine.measure_ttft(ids)
+        idle = None
         if a.trace:
             trace = out_dir / f"trace-{cfg.model.preset}-l{n_layers}-r{r}.json"
             tp.export_chrome_trace(str(trace))
-            report.write("\n## timeline (chrome trace)\n" + json.dumps(timeline(trace), indent=1) + "\n")
+            tl = timeline(trace, n_layers)
+            idle = tl.get("device_idle")
+            report.write("\n## timeline (chrome trace)\n" + json.dumps(tl, indent=1) + "\n")
             with open(trace, "rb") as f_in, gzip.open(str(trace) + ".gz", "wb") as f_out:
                 f_out.write(f_in.read())
             trace.unlink()
@@ -99,7 +106,8 @@ def main() -> int:
         dev_total = sum(e.self_device_time_total for e in ka) / 1e3
         cell = {"residency": r, "ttft_ms": statistics.median(ttft) * 1e3, "ttft_reps_ms": [x * 1e3 for x in ttft],
                 "host_forward_ms": statistics.median(host_fwd) * 1e3, "host_experts_ms": statistics.median(host_exp) * 1e3,
-                "device_self_total_ms": dev_total, "layers": n_layers, "stats": engine.cache.stats()["total"]}
+                "device_self_total_ms": dev_total, "layers": n_layers, "device_idle": idle,
+                "stats": engine.cache.stats()["total"]}
         summary["cells"].append(cell)
         headline = json.dumps({k: v for k, v in cell.items() if k != "stats"})
         print(headline, flush=True)
@@ -114,10 +122,11 @@ def main() -> int:
     return 0
 
 
-def timeline(trace: Path) -> dict:
+def timeline(trace: Path, layers: int) -> dict:
     """Summary of a chrome trace: per GPU stream its busy ms, first start and last end (ms from the first GPU
     event); the H2D copies' gaps (idle ms between consecutive copies on their stream, the largest 10); the host
-    runtime calls that took over 0.5 ms (synchronizations, pageable copies) with their time."""
+    runtime calls that took over 0.5 ms (synchronizations, pageable copies) with their time; the stretches in which
+    the whole device idles (``device_idle``), per MoE layer of the ``layers``."""
     events = json.loads(trace.read_text())["traceEvents"]
     gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not gpu:
@@ -142,7 +151,33 @@ def timeline(trace: Path) -> dict:
                          "starts_ms": [round(x, 2) for x, _ in h[:64]]}
     slow = [{"name": e["name"], "at_ms": round((e["ts"] - t0) / 1e3, 3), "ms": round(e["dur"] / 1e3, 3)}
             for e in events if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and e.get("dur", 0) > 500]
-    return {"streams": streams, "host_calls_over_0.5ms": slow[:60]}
+    return {"streams": streams, "host_calls_over_0.5ms": slow[:60], "device_idle": device_idle(gpu, layers)}
+
+
+#: an idle stretch of the whole device at least this long waits for the host (kernel-to-kernel boundaries inside a
+#: graph replay measured 0.2-5 us on an H100, benchmarks/profile_decode.py)
+HOST_GAP_US = 10.0
+
+
+def device_idle(gpu_events: list[dict], layers: int, host_gap_us: float = HOST_GAP_US, top: int = 12) -> dict:
+    """Stretches in which NO stream of the device runs anything (kernels, copies, memsets of a chrome trace: ``ts``,
+    ``dur`` in us, ``name``), at least ``host_gap_us`` long: the device waiting for the host (a routed fill's
+    routing read, eager launches after it). Total ms, us per MoE layer (``layers``), and the largest totals by the
+    transition (the last event to end before the stretch -> the first one after it), truncated names."""
+    ev = sorted(gpu_events, key=lambda e: e["ts"])
+    gaps: dict[tuple[str, str], list[float]] = {}
+    end, last = None, None
+    for e in ev:
+        if end is not None and e["ts"] - end >= host_gap_us:
+            gaps.setdefault((last[:60], e["name"][:60]), []).append(e["ts"] - end)
+        if end is None or e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    total = sum(sum(v) for v in gaps.values())
+    rows = sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"host_gap_us": host_gap_us, "idle_ms": round(total / 1e3, 3), "stretches": sum(len(v) for v in gaps.values()),
+            "idle_us_per_layer": round(total / max(layers, 1), 1),
+            "by_transition": [{"after": a, "before": b, "count": len(v), "total_us": round(sum(v), 1),
+                               "mean_us": round(sum(v) / len(v), 1)} for (a, b), v in rows]}
 
 
 if __name__ == "__main__":

@@ -196,7 +196,7 @@ def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tu
                      fallback="the table's rates", detail=str(exc)[:300], setting="prefill.measure_link")
         return None, {"declined": reason, "detail": str(exc)[:300]}
     link = {**rates.to_dict(), "table_h2d_GBps": model.h2d_GBps, "table_uva_GBps": model.uva_GBps}
-    if rates.uva_GBps < SLOW_SM_READS * rates.h2d_GBps:
+    if _slow_sm_reads(link)[0]:
         link["hint"] = (f"this host's SM reads of mapped memory run at {rates.uva_GBps / rates.h2d_GBps:.2f} x its "
                         "copy engine's rate: decode steps with many misses (large batches at low residency) stage "
                         "over the copy engine where the cost model says it pays (decode.path: host or auto); short "
@@ -251,8 +251,7 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     on a host whose SM reads were measured below ``SLOW_SM_READS`` x its copy engine's rate at start-up
     (``prefill.measure_link``), so that decode steps of more rows than the cost model's threshold (at those measured
     rates, never below ``HOST_AUTO_MIN_TOKENS``) stage their missing layers over the copy engine, eagerly; ``"routed"``
-    elsewhere (a fast host, a CPU, no
-    measurement, tensor parallelism: every rank must choose the same path). On the slow H100 host of 9867ced
+    elsewhere (a fast host, a CPU, no measurement, tensor parallelism: every rank must choose the same path). On the slow H100 host of 9867ced
     (27.9 vs 49.6 GB/s) ``auto`` took 0.53 / 0.66 / 1.02 x the routed step's time at batch 64 / 32 / 16, residency
     0.37; on fast hosts the routed cells with misses ran within 1.19-1.25 x their floor, and an embedder capturing
     its own steps needs every step of up to ``decode.max_tokens`` rows routed (benchmarks/results/HISTORY.md

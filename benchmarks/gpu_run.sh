@@ -4,6 +4,10 @@
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
 #           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab fill_profile
+#           decode_overlap
+# decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
+# (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
+# checkpoint needed (~1-2 min; not yet run)
 # fill_profile: benchmarks/profile_prefill.py --trace on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
 # prefill.routed_copy copy_engine then uva: where the whole device idles for the host (device_idle, per layer), i.e.
 # where a routed fill's ~0.28 ms a layer goes (needs a build; ~1-2 min a side; not yet run)
@@ -364,6 +368,11 @@ if has ttft_ab; then  # bench ttft with --set TTFT_AB, then TTFT_AB_OFF, in the 
       2> "$RES/ttft-ab-$tag.log"
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
+fi
+if has decode_overlap; then
+  timeout $(cap 240) python3 benchmarks/decode_overlap.py --out "$RES/decode-overlap" --git-sha ${SERVE_CHECK_SHA:-unknown} \
+    > "$RES/decode-overlap.log" 2>&1
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has fill_profile; then
   for copy in copy_engine uva; do

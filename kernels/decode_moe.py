@@ -33,7 +33,8 @@ import triton.language as tl
 
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
-from moe_offload.kernels.fused_moe import run_fused
+from moe_offload.kernels.fused_moe import check_call, kernel_calls, run_fused
+from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
 from moe_offload.kernels.nvfp4 import device_guard
@@ -227,3 +228,59 @@ def decode_moe_nvfp4(
     """
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, decode_config_for, decode_align,
                      residual_TH, alignment, x_split, sum_in_down, x_split_block_k)
+
+
+def decode_moe_nvfp4_split(
+    hidden_TH: torch.Tensor,
+    rows_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    views: dict,
+    scratch_base: int,
+    join,
+    out_dtype: torch.dtype | None = None,
+    config: FusedMoeConfig | None = None,
+    residual_TH: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``decode_moe_nvfp4`` in two passes over one buffer of per-pair terms, so that the pairs read from slots can run
+    while the misses are still being copied into scratch rows (``decode_miss.copy_misses`` on another stream):
+
+    1. the pairs with ``rows_TK < scratch_base`` (resident: slots, or lookahead rows below the scratch rows): their
+       alignment, gate_up and down launches write their terms;
+    2. ``join()`` (e.g. the compute stream waits for the copy's stream);
+    3. the pairs with ``rows_TK >= scratch_base``: the same three launches write the other terms;
+    4. one fixed-order sum over K (with the residual).
+
+    Each pair's term is computed alone (a pair's output row does not depend on the other pairs of its block), with
+    the tiles of ``decode_config_for(.., T*K)`` in both passes, and the sum is the same launch: the result has the
+    bits of ``decode_moe_nvfp4(.., sum_in_down=False)`` for the same rows (``tests/test_decode_moe.py``). Pairs
+    with a row outside the pool (-1) are left out of both passes, as there. Costs 3 launches more than one pass
+    (an alignment and the two GEMMs) and two elementwise masks."""
+    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
+    T, K = rows_TK.shape
+    M = T * K
+    dev = hidden_TH.device
+    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
+    if M == 0:
+        join()
+        return no_pairs(T, H, out_dtype, dev, residual_TH)
+    if config is None:
+        config = decode_config_for(dev, H, I, M)
+    if hidden_TH.stride(1) != 1:
+        hidden_TH = hidden_TH.contiguous()
+    weights_M = weights_TK.reshape(-1).contiguous()
+    terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
+    out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
+    rows_M = rows_TK.reshape(-1)
+    missed = rows_M >= scratch_base
+    none = torch.full_like(rows_M, -1)
+    for part in (torch.where(missed, none, rows_M), None):
+        if part is None:
+            join()
+            part = torch.where(missed, rows_M, none)
+        alignment = decode_align(part, N, config.block_m)
+        gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config)
+        gate_up()
+        down()
+    if K == 1 and residual_TH is None:
+        return terms_MH
+    return sum_pairs(terms_MH, K, out_TH, residual_TH)

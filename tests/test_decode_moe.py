@@ -25,6 +25,7 @@ from moe_offload.kernels.decode_moe import (  # noqa: E402
     decode_align,
     decode_config_for,
     decode_moe_nvfp4,
+    decode_moe_nvfp4_split,
 )
 from moe_offload.kernels.fused_moe import moe_align, moe_reference  # noqa: E402
 from moe_offload.kernels.fused_moe_tuning import FusedMoeConfig, KernelTiles, load_tuning  # noqa: E402
@@ -171,6 +172,25 @@ def test_the_swapped_down_launch_sums_over_k_with_the_sum_launchs_bits(case, res
         for _ in range(2):
             got = decode_moe_nvfp4(hidden, rows, weights, views, config=config, residual_TH=res)
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("config", ["small", "swap", "table"])
+@pytest.mark.parametrize("case", ["one-token-top8", "duplicate-row-in-a-token", "seventeen-tokens-odd-K"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_split_compute_gives_the_one_pass_bits_whichever_pairs_missed(case, config, residual):
+    """``decode_moe_nvfp4_split`` (the slot pairs, then ``join``, then the scratch pairs, one sum) gives the bits of the
+    one-pass call for the same rows, at every split point: none missed, some, all. ``join`` runs exactly once,
+    between the passes."""
+    views, hidden, res, rows, weights = layer_inputs(*CASES[case], seed=11, residual=residual)
+    N = views["gs"].shape[0]
+    cfg = CONFIGS[config]
+    want = decode_moe_nvfp4(hidden, rows, weights, views, config=cfg, residual_TH=res, sum_in_down=False)
+    for base in (N, N // 2, 1, 0):
+        calls = []
+        got = decode_moe_nvfp4_split(hidden, rows, weights, views, base, lambda: calls.append(1), config=cfg,
+                                     residual_TH=res)
+        assert calls == [1]
+        assert torch.equal(got, want), f"scratch rows from {base}"
 
 
 def test_the_swapped_tiles_take_split_activations_made_elsewhere_and_give_the_same_bits():

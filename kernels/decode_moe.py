@@ -240,12 +240,14 @@ def decode_moe_nvfp4_split(
     out_dtype: torch.dtype | None = None,
     config: FusedMoeConfig | None = None,
     residual_TH: torch.Tensor | None = None,
+    x_split: torch.Tensor | None = None,
+    x_split_block_k: int | None = None,
 ) -> torch.Tensor:
     """``decode_moe_nvfp4`` in two passes over one buffer of per-pair terms, so that the pairs read from slots can run
     while the misses are still being copied into scratch rows (``decode_miss.copy_misses`` on another stream):
 
-    1. the pairs with ``rows_TK < scratch_base`` (resident: slots, or lookahead rows below the scratch rows): their
-       alignment, gate_up and down launches write their terms;
+    1. the pairs with ``rows_TK < scratch_base`` (read from slots): their alignment, gate_up and down launches write
+       their terms;
     2. ``join()`` (e.g. the compute stream waits for the copy's stream);
     3. the pairs with ``rows_TK >= scratch_base``: the same three launches write the other terms;
     4. one fixed-order sum over K (with the residual).
@@ -254,7 +256,8 @@ def decode_moe_nvfp4_split(
     the tiles of ``decode_config_for(.., T*K)`` in both passes, and the sum is the same launch: the result has the
     bits of ``decode_moe_nvfp4(.., sum_in_down=False)`` for the same rows (``tests/test_decode_moe.py``). Pairs
     with a row outside the pool (-1) are left out of both passes, as there. Costs 3 launches more than one pass
-    (an alignment and the two GEMMs) and two elementwise masks."""
+    (an alignment and the two GEMMs) and two elementwise masks. ``x_split`` / ``x_split_block_k``: as for
+    ``decode_moe_nvfp4`` (the swapped tiles' split activations, made by the norm before the MoE)."""
     N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
     T, K = rows_TK.shape
     M = T * K
@@ -267,6 +270,11 @@ def decode_moe_nvfp4_split(
         config = decode_config_for(dev, H, I, M)
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
+    if not config.swap_ab:
+        x_split = None
+    elif x_split is not None and x_split_block_k != config.gate_up.block_k:
+        raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
+                         f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
     weights_M = weights_TK.reshape(-1).contiguous()
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
@@ -278,7 +286,7 @@ def decode_moe_nvfp4_split(
             join()
             part = torch.where(missed, rows_M, none)
         alignment = decode_align(part, N, config.block_m)
-        gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config)
+        gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split)
         gate_up()
         down()
     if K == 1 and residual_TH is None:

@@ -53,7 +53,8 @@ class OffloadMoeCache:
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
                  decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
-                 cost_model=None, observe_routing: bool = False, lookahead: bool = False, miss_copy: str = "uva"):
+                 cost_model=None, observe_routing: bool = False, lookahead: bool = False, miss_copy: str = "uva",
+                 overlap_misses_from: int = 0):
         """``decode_max_tokens``: steps of at most this many tokens always take the decode path; longer
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
@@ -68,7 +69,8 @@ class OffloadMoeCache:
         for it. ``lookahead`` (``decode.lookahead``): decode steps prefetch the next MoE layer's predicted misses
         (``lookahead.py``: its rows come out of the budget; ``lookahead.attach_routers`` gives it the routers).
         ``miss_copy`` (``decode.miss_copy``): "copy_engine" copies a captured step's routed misses with the copy
-        engine (``graph_copy.py``)."""
+        engine (``graph_copy.py``). ``overlap_misses_from`` (``decode.overlap_misses_from``): decode steps of at least
+        that many tokens copy their misses beside the compute of the pairs read from slots (``decode_plan_split``)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -101,7 +103,7 @@ class OffloadMoeCache:
                             lead_rows=2 * store.num_experts)  # the two staging buffers (staging.py)
             decode = DecodeResidency(store, pool, self.streams, self.counters, self.routed_path.record_tokens,
                                      cache_cfg.admit_per_step, decode_max_tokens if lookahead else 0,
-                                     cache_cfg.admit_filter, miss_copy)
+                                     cache_cfg.admit_filter, miss_copy, overlap_misses_from)
             staging = PrefillStaging(store, pool, self.streams, self.counters, self._hit_failed)
         except (torch.OutOfMemoryError, torch.AcceleratorError) as exc:  # a start-up error naming the setting
             if not is_device_oom(exc):
@@ -372,6 +374,15 @@ class OffloadMoeCache:
         pairs for the decode tile kernels, made in the miss plan's launch (None where that does not apply: the
         compute aligns them itself)."""
         return self.decode.plan(layer, ids_TK, hidden_TH, align_block_m)
+
+    def decode_splits(self, T: int) -> bool:
+        """Whether a decode-path forward of T tokens may copy its misses beside the compute (``decode_plan_split``)."""
+        return self.decode.splits(T)
+
+    def decode_plan_split(self, layer: int, ids_TK: torch.Tensor):
+        """``(rows_TK, scratch_base, join)``: the rows of ``decode_rows`` with the misses' copy forked onto a side
+        stream; ``join()`` orders the compute stream after it (``decode_path.DecodeResidency.plan_split``)."""
+        return self.decode.plan_split(layer, ids_TK)
 
     def decode_routes(self, T: int, K: int, E: int) -> bool:
         """Whether ``decode_route`` serves a decode-path forward of T tokens at top-K over E router outputs."""

@@ -265,6 +265,14 @@ class DecodeConfig(_Strict):
         "decode lost 38-56 % and 16-256-token prompts took 1.6 x as long, since 128 conditional nodes cost 0.12 ms "
         "a layer and their copies ran at 12-17 GB/s (benchmarks/results/HISTORY.md \"10cf59a\"). Eager forwards read "
         "over UVA either way; a declined setting logs decode_miss_copy_declined")
+    overlap_misses_from: int = Field(0, ge=0, description="on CUDA, routed-path forwards (decode steps, short "
+                                     "prompts) of at least this many tokens copy their missing experts on a side "
+                                     "stream while the pairs read from slots compute; the missed pairs compute after "
+                                     "the copy, and one sum over K gives the bits of the one-pass layer "
+                                     "(kernels/decode_moe.py decode_moe_nvfp4_split; the fused tile kernels only, "
+                                     "not the GEMVs; declined with one decode_miss_overlap_declined event under "
+                                     "decode.lookahead or decode.miss_copy copy_engine). 0 = never, the default until "
+                                     "a GPU run shows where it pays (benchmarks/decode_overlap.py)")
     run_ahead: bool = Field(True, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "

@@ -60,13 +60,16 @@ class DecodeResidency:
     """The decode path of one cache (see the module docstring)."""
 
     def __init__(self, store, pool, streams, counters, max_tokens: int, admit_per_step: int,
-                 lookahead_tokens: int = 0, admit_filter: str = "none", miss_copy: str = "uva"):
+                 lookahead_tokens: int = 0, admit_filter: str = "none", miss_copy: str = "uva",
+                 overlap_from: int = 0):
         """``lookahead_tokens`` > 0: steps of at most that many tokens prefetch the next layer's predicted
         misses (``lookahead.py``) into the pool's last ``2 * min(lookahead_tokens * K, E)`` rows.
         ``admit_filter`` "frequency": a missed expert is admitted only when it was routed at least as often as the
         resident it would evict (``cache.admit_filter``, ``policy.FrequencyAdmission``). ``miss_copy`` "copy_engine":
         captured steps copy their routed misses with the copy engine (``graph_copy.py``; declined with one event
-        where it does not apply)."""
+        where it does not apply). ``overlap_from`` (``decode.overlap_misses_from``) > 0: steps of at least that many
+        tokens copy their misses on the miss stream while the compute stream computes the pairs read from slots
+        (``plan_split``; declined with one event where it does not apply)."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
         K, L = store.geometry.top_k, len(store.layers)
@@ -92,6 +95,13 @@ class DecodeResidency:
         # a declined setting stays counted in stats() across counter resets (reset_counts)
         self.graph_copy, self.miss_copy_declined = graph_miss_copy(miss_copy, store, pool, self.scratch_base,
                                                                    counters, self.lookahead is not None)
+        self.overlap_from, self.overlap_declined = _overlap(overlap_from, self.device, self.lookahead is not None,
+                                                            self.graph_copy is not None)
+        if self.overlap_declined:
+            log.event("decode_miss_overlap_declined", logging.WARNING, reason=self.overlap_declined,
+                      fallback="the misses are copied before the layer's compute, on the compute stream",
+                      setting="decode.overlap_misses_from", change_with="decode.overlap_misses_from=0")
+            counters.declined[f"decode_miss_overlap:{self.overlap_declined}"] += 1
         self._record_host = _page_aligned_int32((L, max_tokens, K))
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
@@ -159,6 +169,44 @@ class DecodeResidency:
             self.lookahead.issue(lp + 1, hidden_TH, self.counts_LC[lp + 1, 5:])
         self._record_T[lp] = T
         return rows_TK, alignment
+
+    def splits(self, T: int) -> bool:
+        """Whether a step of T tokens may take ``plan_split`` (``decode.overlap_misses_from``, where not declined)."""
+        return 0 < self.overlap_from <= T
+
+    def plan_split(self, layer: int, ids_TK: torch.Tensor):
+        """``(rows_TK, scratch_base, join)``: ``plan``'s rows (``rows_TK >= scratch_base`` marks the missed pairs), the
+        plan enqueued on the compute stream and the misses' copy forked onto the miss stream (``Streams.misses``)
+        after everything the compute stream holds (the previous layer's reads of the scratch rows included), so the
+        compute stream can compute the pairs read from slots meanwhile (``DecodeCompute.split``). ``join()`` makes the
+        compute stream wait for the copy; call it before the missed pairs are read, and in any case before the layer
+        ends (again is harmless): the plan's buffers, allocated on the compute stream, may be reused only then. No
+        host sync; capturable (the fork and the join are graph edges). Where ``splits`` (CUDA; the CPU tests run it in
+        the Triton interpreter, where the copy is done when it returns)."""
+        from moe_offload.kernels.decode_miss import copy_misses, plan_misses
+
+        lp = self.pool.layer_pos[layer]
+        T = ids_TK.shape[0]
+        if T > self.max_tokens:
+            raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
+                             "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
+        host_rows, rows_NR = self.host_rows(layer), self.pool.rows_NR
+        plan = plan_misses(self.pool.table_LE[lp], ids_TK, host_rows, rows_NR, self.scratch_base,
+                           stats=(self.counts_LC[lp], self._record_dev[lp]))
+        s = self.streams
+        side = s.misses()
+        s.fork(side)
+        with s.on(side):
+            copy_misses(plan, host_rows, rows_NR, self.scratch_base)
+        joined = []
+
+        def join() -> None:
+            if not joined:
+                s.join(side)
+                joined.append(True)
+
+        self._record_T[lp] = T
+        return plan.rows_TK, self.scratch_base, join
 
     def routes(self, T: int, K: int, E: int) -> bool:
         """Whether ``route`` serves a step of T tokens at top-K over E router outputs (CUDA, the layer's own experts,
@@ -338,6 +386,8 @@ class DecodeResidency:
         self.counts_LC.zero_()
         if self.miss_copy_declined:
             self.counters.declined[f"decode_miss_copy:{self.miss_copy_declined}"] = 1
+        if self.overlap_declined:
+            self.counters.declined[f"decode_miss_overlap:{self.overlap_declined}"] = 1
         if self._step_counts is not None:
             self.record_step_counts(True)
 
@@ -372,6 +422,18 @@ class DecodeResidency:
 
 
 _PAGE = 4096
+
+
+def _overlap(overlap_from: int, device: torch.device, lookahead: bool, graph_copy: bool) -> tuple[int, str | None]:
+    """``(threshold, declined reason or None)`` of ``decode.overlap_misses_from`` on this cache: 0 (off) where it does
+    not apply. The lookahead's rows sit above the scratch rows (the split would count them as misses and wait for a
+    copy they do not need) and copy-engine misses (``graph_copy``) are copied inside the graph by conditional nodes,
+    not by the kernel the split forks."""
+    if overlap_from <= 0:
+        return 0, None
+    why = ("not_cuda" if device.type != "cuda" else "lookahead" if lookahead
+           else "copy_engine_misses" if graph_copy else None)
+    return (0, why) if why else (overlap_from, None)
 
 
 def _page_aligned_int32(shape: tuple[int, ...]) -> torch.Tensor:

@@ -89,6 +89,13 @@ class GenerateResult:
         }
 
 
+def make_cache(store: ExpertStore, cfg: OffloadConfig, device: torch.device, fused_decode: bool) -> OffloadMoeCache:
+    """The engine's cache over ``store`` from ``cfg`` (its cache, prefill and decode settings)."""
+    return OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens, fused_decode=fused_decode,
+                           decode_path=cfg.decode.path, observe_routing=True, lookahead=cfg.decode.lookahead,
+                           miss_copy=cfg.decode.miss_copy, overlap_misses_from=cfg.decode.overlap_misses_from)
+
+
 class Engine:
     """A transformers MoE model whose experts live in pinned host memory behind an OffloadMoeCache."""
 
@@ -146,16 +153,14 @@ class Engine:
         fmt = get_format(fmt_name)
         fused_decode = cfg.compute.backend != "torch" and (device.type != "cuda" or not fmt.is_quantized
                                                           or nvfp4_kernels_usable(fmt, device))
-        cache = OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens,
-                                fused_decode=fused_decode, decode_path=cfg.decode.path,
-                                observe_routing=True, lookahead=cfg.decode.lookahead,
-                                miss_copy=cfg.decode.miss_copy)
+        cache = make_cache(store, cfg, device, fused_decode)
         compute = make_compute(cfg, fmt, store, device, dtype)
         graphed = prefill_compute(cfg, compute, device, dtype)
         decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch",
                                kernel=cfg.compute.decode_kernel, fused_launches=cfg.compute.fused_moe_launches,
                                route_max_pairs=cfg.compute.route_plan_max_pairs,
-                               sum_in_down=cfg.compute.moe_sum_in_down)
+                               sum_in_down=cfg.compute.moe_sum_in_down,
+                               overlap=cfg.decode.overlap_misses_from > 0)
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)

@@ -100,7 +100,8 @@ class OffloadedExperts(nn.Module):
         dc = self.decode_compute
         if (not hidden_TH.is_cuda or not isinstance(dc, DecodeCompute) or not (dc.fused and dc.fused_launches)
                 or T * top_k > dc.route_max_pairs or top_k != self.top_k or not self.uses_decode_path(T)
-                or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)):
+                or (src_T is not None and src_T.shape[0] == T) or not cache.decode_routes(T, top_k, E)
+                or self._splits(hidden_TH, top_k)):
             return None
         self._begin_step(hidden_TH)
         views = cache.decode_views()
@@ -119,6 +120,14 @@ class OffloadedExperts(nn.Module):
             return None
         return dc.split_block_k(hidden_TH, self.top_k, self.cache.decode_views())
 
+    def _splits(self, hidden_TH, top_k: int) -> bool:
+        """Whether this decode-path forward copies its misses beside the compute of the pairs read from slots
+        (``decode.overlap_misses_from``: the cache's threshold and the tile kernels; not in a padded prefill)."""
+        dc = self.decode_compute
+        return (isinstance(dc, DecodeCompute) and dc.overlap and self.cache.pad_src_N is None
+                and self.cache.decode_splits(hidden_TH.shape[0]) and dc.splits(hidden_TH, top_k,
+                                                                             self.cache.decode_views()))
+
     def _begin_step(self, hidden_TH) -> None:
         """At the first MoE layer of an eager step: the step boundary (admissions), before any plan reads the table.
         A captured step's boundary is its replayer's (Engine) job."""
@@ -133,6 +142,18 @@ class OffloadedExperts(nn.Module):
         routed, self._routed = self._routed, None
         views = cache.decode_views()
         fused = isinstance(self.decode_compute, DecodeCompute)
+        if routed is None and self._splits(hidden_TH, topk_ids_TK.shape[1]):
+            # the misses' copy on a side stream while the pairs read from slots compute (decode.overlap_misses_from)
+            self._begin_step(hidden_TH)
+            rows_TK, scratch_base, join = cache.decode_plan_split(self.layer_idx, topk_ids_TK)
+            try:
+                out = self.decode_compute.split(hidden_TH, rows_TK, topk_w_TK, views, scratch_base, join,
+                                                residual_TH=residual_TH, x_split=x_split_TH)
+            finally:
+                join()  # whatever happened: nothing after this layer may run unordered with its copy
+            if eager and self.layer_idx == layers[-1]:
+                cache.decode_step_enqueued()
+            return out
         if routed is not None and routed[0] is topk_ids_TK:  # planned in the router's launch (``route``)
             rows_TK, alignment = routed[1:]
         else:

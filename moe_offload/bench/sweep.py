@@ -139,7 +139,7 @@ def resident_sets(layers: tuple[int, ...], num_experts: int, counts: dict[float,
 def use_cache(engine, cfg: OffloadConfig) -> None:
     """Give ``engine`` a fresh cache built from ``cfg.cache`` and ``cfg.prefill`` over the same store (no
     checkpoint reload), then warm it up so the hit path resolves under load, as at start-up."""
-    from moe_offload.cache import OffloadMoeCache
+    from moe_offload.engine import make_cache
 
     # the old decoders' graphs, static KV caches and the old pool and staging go before the new ones are allocated
     # (on an 80 GB H100 at 8505610 the decode sweep's batch-64 cell at residency 0.37 ran out of memory; the decoders
@@ -147,10 +147,7 @@ def use_cache(engine, cfg: OffloadConfig) -> None:
     engine.drop_decoders()
     engine.cache.close()
     free_memory()
-    engine.replace_cache(OffloadMoeCache(engine.store, cfg.cache, cfg.prefill, engine.device, cfg.decode.max_tokens,
-                                         fused_decode=cfg.compute.backend != "torch", decode_path=cfg.decode.path,
-                                         observe_routing=True, lookahead=cfg.decode.lookahead,
-                                         miss_copy=cfg.decode.miss_copy))
+    engine.replace_cache(make_cache(engine.store, cfg, engine.device, cfg.compute.backend != "torch"))
     engine.cfg = cfg
     if cfg.prefill.warmup:
         engine.warmup()

@@ -23,13 +23,14 @@ class DecodeCompute:
     """``(hidden_TH, rows_TK, weights_TK, pool_views, num_rows) -> out_TH`` for decode-sized T."""
 
     def __init__(self, fmt, inner, device: torch.device, fused: bool, kernel: str = "auto", fused_launches: bool = True,
-                 route_max_pairs: int = 0, sum_in_down: bool = False):
+                 route_max_pairs: int = 0, sum_in_down: bool = False, overlap: bool = False):
         """``fused_launches`` (``compute.fused_moe_launches``): the fused kernels take the rows grouped by the miss plan's
         launch (``align_block_m``) and the swapped tiles take their split activations from the norm before the MoE
         (``split_block_k``); with it, ``OffloadedExperts.route`` runs the router's top-k in the plan's launch for steps
         of up to ``route_max_pairs`` routed pairs (``compute.route_plan_max_pairs``) and, with ``sum_in_down``
         (``compute.moe_sum_in_down``), the swapped tiles' and the GEMV's per-pair down launches sum over K
-        themselves."""
+        themselves. ``overlap``: the cache may fork a step's miss copy (``decode.overlap_misses_from``), and the tile
+        kernels then take the pairs read from slots first (``split``; the GEMVs never split)."""
         if kernel not in KERNELS:
             raise ValueError(f"DecodeCompute kernel={kernel!r}: expected one of {KERNELS}")
         self.inner = inner
@@ -37,6 +38,7 @@ class DecodeCompute:
         self.fused_launches = fused_launches
         self.route_max_pairs = route_max_pairs if fused_launches else 0
         self.sum_in_down = fused_launches and sum_in_down
+        self.overlap = overlap
         self._stats = None
         self._triton_sums_in_down = True  # this Triton sums over K in the swapped down launch (checked when fused)
         if fused and fmt.is_quantized and device.type == "cuda":
@@ -88,6 +90,27 @@ class DecodeCompute:
         from moe_offload.kernels.decode_moe import decode_config_for
 
         return decode_config_for(dev, H, I, pairs).block_m
+
+    def splits(self, hidden_TH: torch.Tensor, K: int, views) -> bool:
+        """Whether ``split`` serves a call of ``hidden_TH`` ([T, H]) tokens at top-K: the fused tile kernels with
+        ``overlap`` on (a step the GEMVs serve has few pairs: its compute is short and a split would double its
+        launches)."""
+        if not (self.fused and self.overlap):
+            return False
+        H, I = hidden_TH.shape[1], views["w2_q"].shape[2] * 2
+        return self.pick(hidden_TH.device, hidden_TH.shape[0], K, H, I) == "tiles"
+
+    def split(self, hidden_TH, rows_TK, weights_TK, views, scratch_base: int, join, residual_TH=None, x_split=None):
+        """As ``__call__`` with the tile kernels, in two passes: the pairs read from slots (``rows_TK <
+        scratch_base``), then ``join()`` (the miss copy is done), then the missed pairs, one sum over K
+        (``kernels/decode_moe.py`` ``decode_moe_nvfp4_split``: the bits of the one-pass call). Where ``splits``."""
+        from moe_offload.kernels.decode_moe import decode_moe_nvfp4_split
+
+        K = rows_TK.shape[1]
+        return decode_moe_nvfp4_split(hidden_TH, rows_TK, weights_TK, views, scratch_base, join,
+                                      out_dtype=hidden_TH.dtype, residual_TH=residual_TH, x_split=x_split,
+                                      x_split_block_k=None if x_split is None else self.split_block_k(hidden_TH, K,
+                                                                                                      views))
 
     def split_block_k(self, hidden_TH: torch.Tensor, K: int, views) -> int | None:
         """The K chunk of the swapped tile kernels' split activation layout for ``hidden_TH`` ([T, H]) tokens at top-K

@@ -1,0 +1,82 @@
+"""On CUDA: ``decode.overlap_misses_from`` (a layer's miss copy forked onto a side stream while the pairs read from
+slots compute, ``DecodeResidency.plan_split`` + ``decode_moe_nvfp4_split``) changes no bit of any step, eager or
+replayed as a CUDA graph, while admissions change the residency; the counts stay the same; a step makes no host
+sync; and where it does not apply it is declined with one event and a count."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from moe_offload import log
+from moe_offload.decode_graph import StaticDecoder
+
+from test_decode_gpu import _engine, _run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_misses_copied_beside_the_resident_pairs_compute_change_no_bit(tiny_ckpt, monkeypatch, batch):
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    prompt = [list(range(10 + b, 42 + b)) for b in range(batch)]
+    runs, counts = [], []
+    for overlap in (1, 0):
+        eng = _engine(path, "cache.budget=8 slots", "prefill.cuda_graphs=false", "compute.decode_kernel=tiles",
+                      f"decode.overlap_misses_from={overlap}")
+        calls = []
+        real = eng.cache.decode_plan_split
+        monkeypatch.setattr(eng.cache, "decode_plan_split", lambda *a, **k: calls.append(1) or real(*a, **k))
+        eng.cache.reset()
+        runs.append([_run(StaticDecoder(eng, batch, 64, graphs=g), prompt, 6) for g in (False, True)])
+        counts.append(eng.cache.decode.counts())
+        st = eng.cache.stats()
+        assert st["declined"] == {}
+        assert st["total"]["bytes"]["decode_h2d"] > 0 and st["total"]["evictions"] > 0  # misses, residency changed
+        assert bool(calls) == bool(overlap)
+        monkeypatch.undo()
+    for graphs in (0, 1):
+        for i, (a, b) in enumerate(zip(runs[0][graphs], runs[1][graphs])):
+            assert torch.equal(a, b), f"graphs={graphs} step {i} differs"
+    assert counts[0] == counts[1]
+
+
+def test_an_overlapped_step_makes_no_host_sync(tiny_ckpt):
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37", "compute.decode_kernel=tiles",
+                  "decode.overlap_misses_from=1")
+    dec = StaticDecoder(eng, 2, 64, graphs=False)
+    logits = dec.prefill(torch.tensor([list(range(5, 30)), list(range(7, 32))], device="cuda"))
+    for _ in range(3):
+        logits = dec.step(logits.argmax(-1))
+    tok = logits.argmax(-1)
+    eng.cache.step_boundary()
+    eng.cache.step_boundary()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dec.ids_B1.copy_(tok.view(2, 1))
+        if dec._positions:
+            dec.pos_1.fill_(dec.length)
+            dec.pos_B1.fill_(dec.length)
+        with torch.inference_mode():
+            eng.model(**dec._step_kwargs())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert eng.cache.streams.miss is not None  # the side stream was used
+
+
+def test_under_the_lookahead_the_overlap_is_declined_with_one_event_and_a_count(tiny_ckpt):
+    buf = io.StringIO()
+    log.configure(level="WARNING", fmt="json", stream=buf)
+    try:
+        eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "cache.budget=8 slots", "decode.lookahead=true",
+                      "decode.overlap_misses_from=1")
+    finally:
+        events = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+        log.configure(level="WARNING")
+    declined = [e for e in events if e["event"] == "decode_miss_overlap_declined"]
+    assert len(declined) == 1 and declined[0]["reason"] == "lookahead"
+    eng.cache.reset()
+    assert eng.cache.stats()["declined"].get("decode_miss_overlap:lookahead") == 1
+    assert not eng.cache.decode_splits(4)

@@ -196,8 +196,12 @@ class DecodeResidency:
         s = self.streams
         side = s.misses()
         s.fork(side)
-        with s.on(side):
-            copy_misses(plan, host_rows, rows_NR, self.scratch_base)
+        try:
+            with s.on(side):
+                copy_misses(plan, host_rows, rows_NR, self.scratch_base)
+        except BaseException:
+            s.join(side)  # whatever was enqueued there stays ordered before the compute stream's next work
+            raise
         joined = []
 
         def join() -> None:

@@ -180,7 +180,7 @@ class DecodeResidency:
         after everything the compute stream holds (the previous layer's reads of the scratch rows included), so the
         compute stream can compute the pairs read from slots meanwhile (``DecodeCompute.split``). ``join()`` makes the
         compute stream wait for the copy; call it before the missed pairs are read, and in any case before the layer
-        ends (again is harmless): the plan's buffers, allocated on the compute stream, may be reused only then. No
+        ends (again is harmless): the plan's buffers, allocated on the compute stream, are held until then. No
         host sync; capturable (the fork and the join are graph edges). Where ``splits`` (CUDA; the CPU tests run it in
         the Triton interpreter, where the copy is done when it returns)."""
         from moe_offload.kernels.decode_miss import copy_misses, plan_misses
@@ -202,12 +202,15 @@ class DecodeResidency:
         except BaseException:
             s.join(side)  # whatever was enqueued there stays ordered before the compute stream's next work
             raise
-        joined = []
+        # the copy reads the plan's buffers on the side stream, but the caching allocator orders their reuse only on
+        # the compute stream that allocated them: held until the join, after which the compute stream is behind the
+        # copy (bench decode at 80a81c2, which let them go at once, read reused memory: an illegal address)
+        held = [plan]
 
         def join() -> None:
-            if not joined:
+            if held:
                 s.join(side)
-                joined.append(True)
+                held.clear()
 
         self._record_T[lp] = T
         return plan.rows_TK, self.scratch_base, join

@@ -7,6 +7,8 @@ import logging
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moe_offload import log
 from moe_offload.cache import OffloadMoeCache
@@ -238,3 +240,19 @@ def test_per_prompt_choice_follows_the_misses_earlier_fills_of_as_many_rows_foun
     assert not cache.routed_fills_for(16, 16)  # 2 missing a layer: SM reads are cheaper than the fill's fixed cost
     assert cache.routed_fills_for(24, 32)  # 12 missing a layer: the fill pays
     assert cache.routed_fills_for(8, 8)  # a row count never filled: still the uniform estimate
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 300).flatmap(lambda E: st.tuples(st.just(E), st.sets(st.integers(0, E - 1), min_size=1))))
+def test_a_fills_shared_rows_give_the_pointer_arrays_of_two_row_lists(case):
+    """A fill's misses copy row e to row e (``RowCopy`` with ``dst_rows is src_rows``): the runs found once give the
+    entries the general path gives for two equal lists, coalesced."""
+    from moe_offload.copy_paths import RowCopy, pointer_arrays
+
+    E, ids = case
+    rows = np.array(sorted(ids), dtype=np.int64)
+    dst, src = torch.empty(E, 24, dtype=torch.uint8), torch.empty(E, 24, dtype=torch.uint8)
+    once = pointer_arrays([RowCopy(dst, src, rows, rows)], coalesce=True)
+    two = pointer_arrays([RowCopy(dst, src, rows, rows.copy())], coalesce=True)
+    for a, b in zip(once, two):
+        assert a.dtype == np.uint64 and np.array_equal(a, b)

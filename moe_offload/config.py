@@ -271,8 +271,11 @@ class DecodeConfig(_Strict):
                                      "the copy, and one sum over K gives the bits of the one-pass layer "
                                      "(kernels/decode_moe.py decode_moe_nvfp4_split; the fused tile kernels only, "
                                      "not the GEMVs; declined with one decode_miss_overlap_declined event under "
-                                     "decode.lookahead or decode.miss_copy copy_engine). 0 = never, the default until "
-                                     "a GPU run shows where it pays (benchmarks/decode_overlap.py)")
+                                     "decode.lookahead or decode.miss_copy copy_engine). 0 = never, the default: on an H100 "
+                                     "whose SM reads ran at 27 GB/s it hid at most the 0.12-0.18 ms of compute a "
+                                     "layer against 0.75-3.5 ms of reads (4.6 % at best, 3-15 % slower with few "
+                                     "misses; benchmarks/decode_overlap.py, benchmarks/results/HISTORY.md "
+                                     "\"80a81c2\"); not yet timed where SM reads are fast")
     run_ahead: bool = Field(True, description="greedy decoding (temperature 0), whose argmax and finiteness flag "
                             "are computed on the device and read back in one copy: the next step is enqueued before "
                             "the host reads this step's tokens, so the host's work between steps (reading the "

@@ -39,7 +39,7 @@ from moe_offload.decode_path import DecodeResidency
 from moe_offload.lookahead import lookahead_rows
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
 from moe_offload.link_rates import decode_path as resolve_decode_path, decode_path_floor, link_model, routed_copy
-from moe_offload.prefill_path import plan_cache
+from moe_offload.prefill_path import cost_model as prefill_cost_model, plan_cache
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
@@ -90,6 +90,10 @@ class OffloadMoeCache:
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
                                                  lookahead_rows(decode_max_tokens, store) if lookahead else 0,
                                                  decode_path_floor(path_setting))
+        self._fill_model = None  # decode.path fills: the cost model that weighs a staged step's two forms
+        if decode_path == "fills" and self.routed_path.reason == "cost_model":
+            self._fill_model = (cost_model or prefill_cost_model(torch.cuda.get_device_name(device), store.num_experts,
+                                                                 store.geometry.top_k, store.bytes_per_expert))[0]
         copy, why = routed_copy(prefill_cfg.routed_copy, device, link)
         self.routed_path = replace(self.routed_path, link=link, routed_copy=copy, routed_copy_reason=why,
                                    decode_path_reason=path_why)
@@ -275,6 +279,25 @@ class OffloadMoeCache:
             routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
             missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * routed
         return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert)
+
+    def decode_fills_for(self, tokens: int) -> bool:
+        """Whether a decode step of ``tokens`` rows on the staged path (above the routed threshold) stages only its
+        routed misses, one host sync a layer (routed fills, ``staging.py``), rather than whole missing layers:
+        ``decode.path: fills`` only, never while every expert is resident; by the cost model
+        (``CostModel.fill_s`` against ``staged_s``) with the misses earlier fills of as many rows found, else uniform
+        routing's."""
+        model = self._fill_model
+        if model is None or self.holds_every_expert():
+            return False
+        from moe_offload.link_rates import ROUTED_FILL_FIXED_S
+        from moe_offload.prefill_path import resident_fraction
+
+        E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
+        resident = resident_fraction(self.num_slots, len(self.store.layers), E)
+        seen = self.staging.fill_missing.get(tokens)
+        missing = seen[0] / seen[1] if seen is not None else None
+        return (model.fill_s(tokens, E, K, R, resident, ROUTED_FILL_FIXED_S, missing)
+                < model.staged_s(tokens, E, K, R, resident))
 
     @contextlib.contextmanager
     def routed_fill_forward(self):

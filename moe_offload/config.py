@@ -241,7 +241,7 @@ class DecodeConfig(_Strict):
                             "decoders' batch cap (prefill.routed_max_tokens may route longer forwards the same way)")
     cuda_graphs: bool = Field(True, description="on CUDA, replay each decode step (every layer + LM head) as one "
                               "CUDA graph over a static KV cache (one graph per batch size)")
-    path: Literal["host", "routed", "auto"] = Field(
+    path: Literal["host", "routed", "auto", "fills"] = Field(
         "host", description="routed: every step of at most decode.max_tokens rows reads only its routed experts "
         "(graph-captured); auto: prefill.routed_max_tokens may be lower than decode.max_tokens, and steps of more "
         "rows than it take the staged path (whole missing layers over the copy engine, eagerly: large batches at "
@@ -250,7 +250,12 @@ class DecodeConfig(_Strict):
         "residency 0.37 ran 1.88 / 1.52 x faster staged on such an H100, batch 16 the same), with the threshold "
         "never below 16 rows, routed elsewhere or where nothing was measured (an integer "
         "prefill.routed_max_tokens, tensor parallelism, a CPU) (moe_offload/link_rates.py decode_path; one "
-        "decode_path_chosen event)")
+        "decode_path_chosen event); fills (an experiment, not yet timed on a GPU): auto on any host, with staged "
+        "steps that stage only their routed misses over the copy engine after one host sync a layer (routed fills, "
+        "moe_offload/staging.py) where the cost model says that beats whole missing layers, and a threshold that "
+        "weighs them too, never below 8 rows (link_rates.FILLS_MIN_TOKENS). Aimed at batch 8-32 on hosts whose SM "
+        "reads are slow: batch 16 at residency 0.5 ran at 2.0 x its PCIe floor there, routed, bound by the SM reads "
+        "(benchmarks/results/HISTORY.md \"80a81c2\")")
     lookahead: bool = Field(False, description="prefetch: at each MoE layer of a decode step, the next MoE layer's "
                             "router applied to this layer's input predicts its experts, and the predicted missing "
                             "ones are copied from host memory on a side stream while this layer computes "

@@ -240,7 +240,10 @@ class Engine:
             routed = self.cache.begin_forward(num_tokens, sequences)
             try:
                 if first is not None and first.cache is self.cache and not routed:
-                    context = self.cache.prefill_pass()
+                    # a staged decode step (one new token a sequence) may stage only its routed misses (decode.path
+                    # fills); a prompt's routed fills are prefill_graph.py's
+                    fills = num_tokens == sequences and self.cache.decode_fills_for(num_tokens)
+                    context = self.cache.prefill_pass(routed_fills=fills)
                 elif num_tokens == sequences:  # a decode step (one new token a sequence): PDL as in its graph
                     context = self.pdl_launches(num_tokens)
                 else:  # a prompt on the routed path: plain launches (PDL measured no gain there, bb13400)

@@ -256,7 +256,7 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     0.37; on fast hosts the routed cells with misses ran within 1.19-1.25 x their floor, and an embedder capturing
     its own steps needs every step of up to ``decode.max_tokens`` rows routed (benchmarks/results/HISTORY.md
     "e9c32fa / 9867ced / b703e18", "8bcd799 / de3b3ad")."""
-    if setting != "host":
+    if setting != "host":  # routed, auto, fills
         return setting, "setting"
     slow, why = _slow_sm_reads(link)
     if not slow and link and "uva_GBps" not in link:  # why nothing was measured, where the link says
@@ -266,8 +266,16 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
 
 def decode_path_floor(setting: str) -> int:
     """The lowest routed threshold ``decode.path`` ``setting`` lets ``auto`` reach (``prefill_path.resolve``'s
-    ``auto_floor``): ``HOST_AUTO_MIN_TOKENS`` for ``host``, 1 for an explicit ``auto``."""
-    return HOST_AUTO_MIN_TOKENS if setting == "host" else 1
+    ``auto_floor``): ``HOST_AUTO_MIN_TOKENS`` for ``host``, ``FILLS_MIN_TOKENS`` for ``fills``, 1 for an explicit
+    ``auto``."""
+    return HOST_AUTO_MIN_TOKENS if setting == "host" else FILLS_MIN_TOKENS if setting == "fills" else 1
+
+
+#: ``decode.path: fills`` keeps decode steps of fewer rows routed whatever the cost model says: its uniform routing
+#: overestimates a warm cache's misses (a skewed router's hot experts are resident), most of all for few rows, and a
+#: step of routed fills pays the fixed cost of a host sync at every layer (48 x ~0.28 ms on Qwen3-30B-A3B against a
+#: ~5 ms batch-1 step). A guard, not a measurement: not yet timed on a GPU
+FILLS_MIN_TOKENS = 8
 
 
 def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int) -> bool:

@@ -90,8 +90,21 @@ class CostModel:
 
     def staged_s(self, T: int, E: int, K: int, R: int, resident: float) -> float:
         copy = (1.0 - resident) * E * R / (self.h2d_GBps * 1e9)
-        compute = self.staged_fixed_s + self.staged_hbm_factor * E * R / (self.hbm_GBps * 1e9) + self.staged_pair_s * T * K
-        return max(copy, compute)
+        return max(copy, self._staged_compute_s(T, E, K, R))
+
+    def _staged_compute_s(self, T: int, experts: float, K: int, R: int) -> float:
+        return (self.staged_fixed_s + self.staged_hbm_factor * experts * R / (self.hbm_GBps * 1e9)
+                + self.staged_pair_s * T * K)
+
+    def fill_s(self, T: int, E: int, K: int, R: int, resident: float, fixed_s: float,
+               missing: float | None = None) -> float:
+        """A staged call that copies only its routed misses over the copy engine once its routing is known (a routed
+        fill, ``staging.py``): ``fixed_s`` (the host's routing read and planning a layer, ``link_rates.
+        ROUTED_FILL_FIXED_S``), the copy and the staged compute over the routed experts, in series (nothing is copied
+        ahead). ``missing``: the layer's routed misses when known (earlier fills), else uniform routing's."""
+        D = distinct(T, E, K)
+        miss = (1.0 - resident) * D if missing is None else float(missing)
+        return fixed_s + miss * R / (self.h2d_GBps * 1e9) + self._staged_compute_s(T, D, K, R)
 
     def routed_s(self, T: int, E: int, K: int, R: int, resident: float, routed: float | None = None) -> float:
         """``routed``: the layer's distinct routed experts when known (observed routing), else ``D(T)``."""
@@ -101,11 +114,15 @@ class CostModel:
         compute = self.routed_fixed_s + self.routed_hbm_factor * D * R / (self.hbm_GBps * 1e9) + self.routed_pair_s * T * K
         return uva + compute
 
-    def threshold(self, E: int, K: int, R: int, resident: float, limit: int) -> int:
-        """Largest T <= min(limit, max_tokens) with routed-only cheaper than staged for every T' <= T (0: none)."""
+    def threshold(self, E: int, K: int, R: int, resident: float, limit: int, fill_fixed_s: float | None = None) -> int:
+        """Largest T <= min(limit, max_tokens) with routed-only cheaper than staged for every T' <= T (0: none).
+        ``fill_fixed_s``: staged calls may be routed fills (``fill_s``), whichever of the two staged forms is cheaper."""
         best = 0
         for T in range(1, min(limit, self.max_tokens) + 1):
-            if self.routed_s(T, E, K, R, resident) >= self.staged_s(T, E, K, R, resident):
+            staged = self.staged_s(T, E, K, R, resident)
+            if fill_fixed_s is not None:
+                staged = min(staged, self.fill_s(T, E, K, R, resident, fill_fixed_s))
+            if self.routed_s(T, E, K, R, resident) >= staged:
                 break
             best = T
         return best
@@ -284,15 +301,16 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
             fused_decode: bool, decode_path: str = "routed", adaptive_max_tokens: int = 0,
             model: tuple[CostModel, str] | None = None, auto_floor: int = 1) -> RoutedPath:
     """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``.
-    ``decode_path`` "auto": a setting or the cost model may put the threshold below ``decode_max_tokens``
+    ``decode_path`` "auto" (or "fills": staged steps may be routed fills, which the model weighs too): a setting or
+    the cost model may put the threshold below ``decode_max_tokens``
     (never below 1: a one-token step always reads only its routed experts); without a model (a CPU, the
     unfused decode compute) the threshold stays ``decode_max_tokens``. ``adaptive_max_tokens``
     (``prefill.routed_adaptive_max_tokens``): observed routing may route single prompts up to it (cost model
     thresholds only; the caller turns it off under tensor parallelism). ``model``: ``(CostModel, entry)`` to
     decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test). ``auto_floor``:
     the lowest threshold ``auto`` may reach (``decode.path: host`` keeps ``link_rates.HOST_AUTO_MIN_TOKENS``)."""
-    if decode_path not in ("routed", "auto"):
-        raise ValueError(f"decode_path {decode_path!r}: resolve it first (routed or auto; link_rates.decode_path)")
+    if decode_path not in ("routed", "auto", "fills"):
+        raise ValueError(f"decode_path {decode_path!r}: resolve it first (routed, auto or fills; link_rates.decode_path)")
     floor = decode_max_tokens
     lowest = floor if decode_path == "routed" else max(1, min(floor, auto_floor))
     if setting != "auto":
@@ -303,7 +321,12 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
 
             model = cost_model(torch.cuda.get_device_name(device), E, K, R)  # host-side property, no sync
         model, entry = model
-        chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT)
+        fill_fixed_s = None
+        if decode_path == "fills":
+            from moe_offload.link_rates import ROUTED_FILL_FIXED_S  # it imports this module
+
+            fill_fixed_s = ROUTED_FILL_FIXED_S
+        chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT, fill_fixed_s)
         staged, routed = _estimates(model, E, K, R, resident)
         top = max(lowest, chosen)
         adapt = adaptive_max_tokens if adaptive_max_tokens > top else 0

@@ -256,3 +256,76 @@ def test_a_fills_shared_rows_give_the_pointer_arrays_of_two_row_lists(case):
     two = pointer_arrays([RowCopy(dst, src, rows, rows.copy())], coalesce=True)
     for a, b in zip(once, two):
         assert a.dtype == np.uint64 and np.array_equal(a, b)
+
+
+def _slow_model():
+    """The H100 entry of the path table at Qwen3-30B-A3B's shape with the slow-SM host's rates of 80a81c2."""
+    from dataclasses import replace
+
+    from moe_offload.prefill_path import cost_model
+
+    model, entry = cost_model("NVIDIA H100 80GB HBM3", 128, 8, 2654224)
+    return replace(model, h2d_GBps=47.0, uva_GBps=27.0), entry
+
+
+def test_a_decode_steps_routed_fill_is_weighed_against_whole_missing_layers():
+    """``CostModel.fill_s``: at residency 0.5 a 16-row step routes ~82 of 128 experts, so its fill copies ~41 rows
+    where staging copies 64: the fill pays; a 64-row step routes nearly all of them and the fill's fixed cost loses.
+    With fills weighed (``decode.path: fills``) the routed threshold is lower than ``auto``'s."""
+    from moe_offload.link_rates import ROUTED_FILL_FIXED_S
+
+    model, _ = _slow_model()
+    E, K, R = 128, 8, 2654224
+    assert model.fill_s(16, E, K, R, 0.5, ROUTED_FILL_FIXED_S) < model.staged_s(16, E, K, R, 0.5)
+    assert model.fill_s(64, E, K, R, 0.5, ROUTED_FILL_FIXED_S) > model.staged_s(64, E, K, R, 0.5)
+    assert model.fill_s(16, E, K, R, 0.5, ROUTED_FILL_FIXED_S, missing=0) < model.fill_s(
+        16, E, K, R, 0.5, ROUTED_FILL_FIXED_S, missing=20)  # learned misses replace uniform routing's
+    weighed = model.threshold(E, K, R, 0.5, 64, ROUTED_FILL_FIXED_S)
+    assert weighed <= model.threshold(E, K, R, 0.5, 64)
+
+
+@pytest.mark.parametrize("path", ["fills", "auto"])
+def test_under_decode_path_fills_staged_steps_of_few_rows_take_routed_fills(qwen3_layer_store, path):
+    """One Qwen3 layer at residency ~0.5 with the slow host's model: ``fills`` keeps steps below
+    ``FILLS_MIN_TOKENS`` routed, stages the steps above its threshold, and stages a 16-row step's routed misses only
+    (a fill) but a 64-row step's whole missing layer; ``auto`` never fills."""
+    from moe_offload.link_rates import FILLS_MIN_TOKENS
+
+    store = qwen3_layer_store(pin=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="64 slots"), PrefillConfig(), "cpu", decode_max_tokens=64,
+                            decode_path=path, cost_model=_slow_model())
+    rp = cache.stats()["routed_path"]
+    assert rp["decode_path"] == path and rp["reason"] == "cost_model"
+    if path == "fills":
+        assert FILLS_MIN_TOKENS <= cache.routed_max_tokens < 16
+        assert cache.decode_fills_for(16) and not cache.decode_fills_for(64)
+    else:
+        assert not cache.decode_fills_for(16) and not cache.decode_fills_for(64)
+
+
+def test_a_staged_decode_step_of_routed_fills_gives_the_whole_layer_steps_logits(tiny_ckpt):
+    """``Engine.run_model``: a decode step above the routed threshold stages only its routed misses where
+    ``cache.decode_fills_for`` says so (here: a model is given that says so), with the logits of staging whole
+    missing layers, bit for bit, and every layer a fill."""
+    from moe_offload.decode_graph import StaticDecoder
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    runs, fills = [], []
+    for fill in (True, False):
+        eng = Engine.from_config(load_config(None, [f"model.checkpoint={path}", "model.format=auto",
+                                                    "logging.level=WARNING", "cache.budget=0.3", "decode.max_tokens=1",
+                                                    "prefill.routed_max_tokens=1", "decode.path=auto",
+                                                    "prefill.routed_copy=copy_engine"]), progress=False)
+        eng.cache.decode_fills_for = lambda tokens, fill=fill: fill
+        dec = StaticDecoder(eng, 3, 48, graphs=False)
+        logits = dec.prefill(torch.tensor([list(range(10, 18)), list(range(20, 28)), list(range(30, 38))]))
+        eng.cache.reset()
+        seen = [logits.clone()]
+        for _ in range(3):
+            logits = dec.step(logits.argmax(-1))
+            seen.append(logits.clone())
+        runs.append(seen)
+        fills.append(eng.cache.stats()["compute"].get("prefill_routed_fills", 0))
+    assert fills[0] == 3 * len(eng.cache.layers) and fills[1] == 0
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"step {i} differs"

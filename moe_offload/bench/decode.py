@@ -267,7 +267,12 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
                 la[k] += stats["lookahead"][k]
         # decode.path auto: steps above the routed threshold are staged forwards like the prompt's prefill;
         # with the pool full every staged forward copies the same missing experts, so a step's share is exact
-        forwards = stats["prefills"]
+        # decode.path fills: a staged step of routed fills copies only its routed misses (prefill_routed_h2d: the
+        # prompt is no fill), and the whole-layer forwards are the others
+        fill_forwards = stats["compute"].get("prefill_routed_fills", 0) // len(engine.cache.layers)
+        staged += fill_forwards
+        staged_h2d += t["bytes"].get("prefill_routed_h2d", 0) if fill_forwards else 0
+        forwards = stats["prefills"] - fill_forwards
         if forwards > 1:
             staged += forwards - 1
             copied = t["bytes"]["prefill_miss_h2d"] + t["bytes"]["prefill_full_h2d"]

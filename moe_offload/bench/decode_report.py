@@ -186,7 +186,7 @@ def _cells_table(result: dict) -> list[str]:
         g = c["graph"]
         graph = "replayed" if g.get("replays") else ("declined" if g["declined"] else "eager")
         if c.get("path", "routed") != "routed":
-            graph += f", {c['path']} (decode.path auto)"
+            graph += f", {c['path']} (decode.path {c.get('decode_path', 'auto')})"
         staged = f" + {p['staged_h2d'] / 1e6:.3g}" if p.get("staged_h2d") else ""
         if c.get("lookahead") is not None:
             staged += f" + lookahead {p['decode_lookahead'] / 1e6:.3g}"

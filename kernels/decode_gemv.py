@@ -51,10 +51,9 @@ from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
-from moe_offload.kernels.fused_moe import check_call, given_alignment
+from moe_offload.kernels.fused_moe import call_shape, given_alignment
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.moe_sum import (
-    check_residual,
     no_pairs,
     store_out,
     sum_args,
@@ -394,11 +393,8 @@ def decode_gemv_nvfp4(
         ``[T, H]`` in ``out_dtype``. Memory: ``act [T*K, I]`` fp32 (+ the alignment when block_m > 1,
         + ``part [T*K, H]`` fp32 with ``down_per_pair``).
     """
-    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
-    T, K = rows_TK.shape
-    M = T * K
-    dev = hidden_TH.device
-    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
+    N, H, I, T, K, out_dtype, residual_TH = call_shape(hidden_TH, rows_TK, weights_TK, views, out_dtype, residual_TH)
+    M, dev = T * K, hidden_TH.device
     if M == 0:
         return no_pairs(T, H, out_dtype, dev, residual_TH)
     if T > 65535:

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
-from moe_offload.kernels.fused_moe import check_call, kernel_calls, run_fused
-from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_pairs
+from moe_offload.kernels.fused_moe import call_shape, kernel_calls, run_fused
+from moe_offload.kernels.moe_sum import no_pairs, sum_pairs
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
 from moe_offload.kernels.nvfp4 import device_guard
@@ -258,11 +258,8 @@ def decode_moe_nvfp4_split(
     with a row outside the pool (-1) are left out of both passes, as there. Costs 3 launches more than one pass
     (an alignment and the two GEMMs) and two elementwise masks. ``x_split`` / ``x_split_block_k``: as for
     ``decode_moe_nvfp4`` (the swapped tiles' split activations, made by the norm before the MoE)."""
-    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
-    T, K = rows_TK.shape
-    M = T * K
-    dev = hidden_TH.device
-    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
+    N, H, I, T, K, out_dtype, residual_TH = call_shape(hidden_TH, rows_TK, weights_TK, views, out_dtype, residual_TH)
+    M, dev = T * K, hidden_TH.device
     if M == 0:
         join()
         return no_pairs(T, H, out_dtype, dev, residual_TH)

@@ -272,6 +272,14 @@ def fused_moe_nvfp4(
     return run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, config_for, moe_align)
 
 
+def call_shape(hidden_TH, rows_TK, weights_TK, views, out_dtype, residual_TH):
+    """``(N, H, I, T, K, out_dtype, residual_TH)`` of a valid fused-MoE call: ``check_call``, and the residual
+    checked against its shape (``moe_sum.check_residual``)."""
+    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
+    T, K = rows_TK.shape
+    return N, H, I, T, K, out_dtype, check_residual(residual_TH, T, H, out_dtype, hidden_TH.device)
+
+
 def check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype) -> tuple[int, int, int, torch.dtype]:
     """``(N, H, I, out_dtype)`` of a valid fused-MoE call (every NVFP4 MoE kernel's wrapper runs it)."""
     N, H, I = _check_inputs(hidden_TH, rows_TK, weights_TK, views)
@@ -295,11 +303,8 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     launch also sums over K (``fused_moe_swap.down_weighted_swap``'s ``sum_into``, the same bits): no sum launch;
     on a Triton that cannot (``fused_moe_swap.sum_in_down_supported``) the sum launch runs, with one
     ``fused_moe_sum_unavailable`` event."""
-    N, H, I, out_dtype = check_call(hidden_TH, rows_TK, weights_TK, views, out_dtype)
-    T, K = rows_TK.shape
-    M = T * K
-    dev = hidden_TH.device
-    residual_TH = check_residual(residual_TH, T, H, out_dtype, dev)
+    N, H, I, T, K, out_dtype, residual_TH = call_shape(hidden_TH, rows_TK, weights_TK, views, out_dtype, residual_TH)
+    M, dev = T * K, hidden_TH.device
     if M == 0:
         return no_pairs(T, H, out_dtype, dev, residual_TH)
     if config is None:

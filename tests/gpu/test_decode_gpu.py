@@ -73,11 +73,13 @@ def test_the_router_s_top_k_and_the_miss_plan_in_one_launch_change_no_bit(tiny_c
     assert counts[0] == counts[1]
 
 
-def test_a_steady_state_decode_step_makes_no_host_sync(tiny_ckpt):
-    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37")
-    dec = StaticDecoder(eng, 1, 64, graphs=False)
-    logits = dec.prefill(torch.tensor([list(range(5, 30))], device="cuda"))
-    for _ in range(3):  # warm: kernels compiled, admissions done
+def _eager_step_without_sync(eng, prompts):
+    """Prefill ``prompts`` (equal-length id lists) on an eager static decoder, decode 3 warm steps (kernels compiled,
+    admissions done), then run one more eager step (every layer, misses from host memory) under
+    ``torch.cuda.set_sync_debug_mode("error")``: a host sync inside it raises."""
+    dec = StaticDecoder(eng, len(prompts), 64, graphs=False)
+    logits = dec.prefill(torch.tensor(prompts, device="cuda"))
+    for _ in range(3):
         logits = dec.step(logits.argmax(-1))
     tok = logits.argmax(-1)
     eng.cache.step_boundary()
@@ -85,14 +87,19 @@ def test_a_steady_state_decode_step_makes_no_host_sync(tiny_ckpt):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        dec.ids_B1.copy_(tok.view(1, 1))
+        dec.ids_B1.copy_(tok.view(len(prompts), 1))
         if dec._positions:
             dec.pos_1.fill_(dec.length)
             dec.pos_B1.fill_(dec.length)
         with torch.inference_mode():
-            eng.model(**dec._step_kwargs())  # one eager step: every layer, misses from host memory
+            eng.model(**dec._step_kwargs())
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_a_steady_state_decode_step_makes_no_host_sync(tiny_ckpt):
+    _eager_step_without_sync(_engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37"),
+                             [list(range(5, 30))])
 
 
 def test_a_host_stack_capturing_its_own_step_around_offloaded_experts_matches_eager(tiny_ckpt):

@@ -12,7 +12,7 @@ import torch
 from moe_offload import log
 from moe_offload.decode_graph import StaticDecoder
 
-from test_decode_gpu import _engine, _run
+from test_decode_gpu import _eager_step_without_sync, _engine, _run
 
 pytestmark = pytest.mark.gpu
 
@@ -45,24 +45,7 @@ def test_misses_copied_beside_the_resident_pairs_compute_change_no_bit(tiny_ckpt
 def test_an_overlapped_step_makes_no_host_sync(tiny_ckpt):
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37", "compute.decode_kernel=tiles",
                   "decode.overlap_misses_from=1")
-    dec = StaticDecoder(eng, 2, 64, graphs=False)
-    logits = dec.prefill(torch.tensor([list(range(5, 30)), list(range(7, 32))], device="cuda"))
-    for _ in range(3):
-        logits = dec.step(logits.argmax(-1))
-    tok = logits.argmax(-1)
-    eng.cache.step_boundary()
-    eng.cache.step_boundary()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        dec.ids_B1.copy_(tok.view(2, 1))
-        if dec._positions:
-            dec.pos_1.fill_(dec.length)
-            dec.pos_B1.fill_(dec.length)
-        with torch.inference_mode():
-            eng.model(**dec._step_kwargs())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _eager_step_without_sync(eng, [list(range(5, 30)), list(range(7, 32))])
     assert eng.cache.streams.miss is not None  # the side stream was used
 
 

@@ -5,7 +5,7 @@ changes between replays; a steady-state step with it makes no host sync."""
 import pytest
 import torch
 
-from test_decode_gpu import _engine, _run
+from test_decode_gpu import _eager_step_without_sync, _engine, _run
 
 from moe_offload.decode_graph import StaticDecoder
 from moe_offload.kernels.decode_miss import prefetch_misses, prefetch_misses_reference
@@ -52,24 +52,7 @@ def test_graph_replayed_decode_with_the_lookahead_gives_the_bits_without_it(tiny
 
 def test_a_steady_state_step_with_the_lookahead_makes_no_host_sync(tiny_ckpt):
     eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-ct"), "cache.budget=0.37", "decode.lookahead=true")
-    dec = StaticDecoder(eng, 1, 64, graphs=False)
-    logits = dec.prefill(torch.tensor([list(range(5, 30))], device="cuda"))
-    for _ in range(3):
-        logits = dec.step(logits.argmax(-1))
-    tok = logits.argmax(-1)
-    eng.cache.step_boundary()
-    eng.cache.step_boundary()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        dec.ids_B1.copy_(tok.view(1, 1))
-        if dec._positions:
-            dec.pos_1.fill_(dec.length)
-            dec.pos_B1.fill_(dec.length)
-        with torch.inference_mode():
-            eng.model(**dec._step_kwargs())
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    _eager_step_without_sync(eng, [list(range(5, 30))])
     assert eng.cache.stats()["lookahead"]["copied"] > 0
 
 

@@ -243,7 +243,7 @@ class Engine:
                     # a staged decode step (one new token a sequence) may stage only its routed misses (decode.path
                     # fills); a prompt's routed fills are prefill_graph.py's
                     fills = num_tokens == sequences and self.cache.decode_fills_for(num_tokens)
-                    context = self.cache.prefill_pass(routed_fills=fills)
+                    context = self.cache.prefill_pass(routed_fills=True) if fills else self.cache.prefill_pass()
                 elif num_tokens == sequences:  # a decode step (one new token a sequence): PDL as in its graph
                     context = self.pdl_launches(num_tokens)
                 else:  # a prompt on the routed path: plain launches (PDL measured no gain there, bb13400)

@@ -7,7 +7,7 @@
 #           decode_overlap
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
-# checkpoint needed (~1-2 min; not yet run)
+# checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)
 # fill_profile: benchmarks/profile_prefill.py --trace on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
 # prefill.routed_copy copy_engine then uva: where the whole device idles for the host (device_idle, per layer), i.e.
 # where a routed fill's ~0.28 ms a layer goes (needs a build; ~1-2 min a side; FILL_PROFILE_COPIES picks the sides;

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
-from moe_offload.kernels.fused_moe import call_shape, kernel_calls, run_fused
+from moe_offload.kernels.fused_moe import call_shape, check_x_split, kernel_calls, run_fused
 from moe_offload.kernels.moe_sum import no_pairs, sum_pairs
 from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs
 from moe_offload.kernels.fused_moe_tuning import TUNING_PATH, FusedMoeConfig, device_name, load_tuning
@@ -267,25 +267,22 @@ def decode_moe_nvfp4_split(
         config = decode_config_for(dev, H, I, M)
     if hidden_TH.stride(1) != 1:
         hidden_TH = hidden_TH.contiguous()
-    if not config.swap_ab:
-        x_split = None
-    elif x_split is not None and x_split_block_k != config.gate_up.block_k:
-        raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
-                         f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
+    check_x_split(config, x_split, x_split_block_k)
     weights_M = weights_TK.reshape(-1).contiguous()
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
-    rows_M = rows_TK.reshape(-1)
-    missed = rows_M >= scratch_base
-    none = torch.full_like(rows_M, -1)
-    for part in (torch.where(missed, none, rows_M), None):
-        if part is None:
-            join()
-            part = torch.where(missed, rows_M, none)
-        alignment = decode_align(part, N, config.block_m)
-        gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split)
+
+    def one_pass(rows_M: torch.Tensor) -> None:  # the terms of the pairs whose rows are in the pool (others: -1)
+        gate_up, down = kernel_calls(hidden_TH, views, decode_align(rows_M, N, config.block_m), weights_M, terms_MH,
+                                     K, config, x_split)
         gate_up()
         down()
+
+    rows_M = rows_TK.reshape(-1)
+    missed = rows_M >= scratch_base
+    one_pass(rows_M.masked_fill(missed, -1))
+    join()
+    one_pass(rows_M.masked_fill(~missed, -1))
     if K == 1 and residual_TH is None:
         return terms_MH
     return sum_pairs(terms_MH, K, out_TH, residual_TH)

@@ -317,9 +317,7 @@ def run_fused(hidden_TH, rows_TK, weights_TK, views, out_dtype, config, default_
     terms_MH = torch.empty((M, H), dtype=out_dtype, device=dev)
     out_TH = torch.empty((T, H), dtype=out_dtype, device=dev)
     sum_into = (out_TH, residual_TH, K) if sum_in_down and config.swap_ab and K > 1 and _sum_ok() else None
-    if x_split is not None and config.swap_ab and x_split_block_k != config.gate_up.block_k:
-        raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
-                         f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
+    check_x_split(config, x_split, x_split_block_k)
     gate_up, down = kernel_calls(hidden_TH, views, alignment, weights_M, terms_MH, K, config, x_split, sum_into)
     gate_up()
     down()
@@ -341,6 +339,13 @@ def _sum_ok() -> bool:
         log.log_once("fused_moe_sum_unavailable", "fused_moe_sum_unavailable", logging.WARNING, reason=why,
                      fallback="the separate sum launch (kernels/moe_sum.py)", setting="compute.fused_moe_launches")
     return ok
+
+
+def check_x_split(config: FusedMoeConfig, x_split, x_split_block_k: int | None) -> None:
+    """A caller's ``x_split`` must be split in the chunks the swapped gate_up kernel reads (other tiles ignore it)."""
+    if x_split is not None and config.swap_ab and x_split_block_k != config.gate_up.block_k:
+        raise ValueError(f"x_split was split in chunks of {x_split_block_k} columns, the swapped gate_up kernel reads "
+                         f"chunks of {config.gate_up.block_k} (split_columns(hidden_TH, config.gate_up.block_k))")
 
 
 def given_alignment(alignment: MoeAlignment | None, block_m: int, who: str) -> MoeAlignment | None:

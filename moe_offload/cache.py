@@ -270,10 +270,8 @@ class OffloadMoeCache:
         from moe_offload.link_rates import routed_fills_pay
         from moe_offload.prefill_path import distinct, resident_fraction
 
-        seen = self.staging.fill_missing.get(rows if rows is not None else tokens)
-        if seen is not None:
-            missing = seen[0] / seen[1]
-        else:
+        missing = self.staging.missing_seen(rows if rows is not None else tokens)
+        if missing is None:
             E = self.E
             share = self.observed.adaptive.share(tokens) if self.observed is not None else None
             routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
@@ -294,8 +292,7 @@ class OffloadMoeCache:
 
         E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
         resident = resident_fraction(self.num_slots, len(self.store.layers), E)
-        seen = self.staging.fill_missing.get(tokens)
-        missing = seen[0] / seen[1] if seen is not None else None
+        missing = self.staging.missing_seen(tokens)
         return (model.fill_s(tokens, E, K, R, resident, ROUTED_FILL_FIXED_S, missing)
                 < model.staged_s(tokens, E, K, R, resident))
 

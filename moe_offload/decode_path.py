@@ -141,9 +141,7 @@ class DecodeResidency:
         (``decode_miss.plan_misses``), else None."""
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
-        if T > self.max_tokens:
-            raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
-                             "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
+        self._check_tokens(T)
         table_E = self.pool.table_LE[lp]
         pf_E = self.lookahead.take(lp) if self.lookahead is not None else None
         if self.graph_copy is not None and torch.cuda.is_current_stream_capturing():
@@ -170,6 +168,11 @@ class DecodeResidency:
         self._record_T[lp] = T
         return rows_TK, alignment
 
+    def _check_tokens(self, T: int) -> None:
+        if T > self.max_tokens:
+            raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
+                             "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
+
     def splits(self, T: int) -> bool:
         """Whether a step of T tokens may take ``plan_split`` (``decode.overlap_misses_from``, where not declined)."""
         return 0 < self.overlap_from <= T
@@ -187,9 +190,7 @@ class DecodeResidency:
 
         lp = self.pool.layer_pos[layer]
         T = ids_TK.shape[0]
-        if T > self.max_tokens:
-            raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
-                             "cache was sized for (decode.max_tokens, prefill.routed_max_tokens)")
+        self._check_tokens(T)
         host_rows, rows_NR = self.host_rows(layer), self.pool.rows_NR
         plan = plan_misses(self.pool.table_LE[lp], ids_TK, host_rows, rows_NR, self.scratch_base,
                            stats=(self.counts_LC[lp], self._record_dev[lp]))

@@ -200,6 +200,11 @@ class PrefillStaging:
         self.used[b] = (int(np.count_nonzero(routed_E)) - int(miss_e.size), int(miss_e.size))
         self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
 
+    def missing_seen(self, rows: int) -> float | None:
+        """The routed misses a layer's fill of ``rows`` rows found, averaged over earlier fills (decayed), or None."""
+        seen = self.fill_missing.get(rows)
+        return None if seen is None else seen[0] / seen[1]
+
     def wait(self, layer: int, ids_TK: torch.Tensor | None = None
              ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
         """``(views, index_N)`` of ``layer`` for compute; the compute stream waits until it is whole. A staged

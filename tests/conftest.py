@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 
 import pytest
@@ -22,6 +24,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def events():
+    """Structured WARNING+ events logged during the test, parsed (``events()``)."""
+    from moe_offload import log
+
+    buf = io.StringIO()
+    log.configure(level="WARNING", fmt="json", stream=buf)
+    yield lambda: [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
+    log.configure(level="WARNING")
 
 
 @pytest.fixture

@@ -2,28 +2,18 @@
 gives the tokens it gives without. tests/test_decode_moe.py checks the split compute's bits (the Triton interpreter);
 tests/gpu/test_decode_overlap_gpu.py runs the overlap itself."""
 
-import io
-import json
-
-from moe_offload import log
 from moe_offload.decode_path import _overlap
 
 from test_decode_static import _engine, _static_greedy
 
 
-def test_the_overlap_on_a_cpu_is_declined_once_counted_and_decodes_the_same_tokens(tiny_ckpt):
+def test_the_overlap_on_a_cpu_is_declined_once_counted_and_decodes_the_same_tokens(tiny_ckpt, events):
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     prompt = list(range(10, 26))
     want = _static_greedy(_engine(path, "cache.budget=0.3"), prompt, 6)
-    buf = io.StringIO()
-    log.configure(level="WARNING", fmt="json", stream=buf)
-    try:
-        eng = _engine(path, "cache.budget=0.3", "decode.overlap_misses_from=1")
-        got = _static_greedy(eng, prompt, 6)
-    finally:
-        events = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
-        log.configure(level="WARNING")
-    declined = [e for e in events if e["event"] == "decode_miss_overlap_declined"]
+    eng = _engine(path, "cache.budget=0.3", "decode.overlap_misses_from=1")
+    got = _static_greedy(eng, prompt, 6)
+    declined = [e for e in events() if e["event"] == "decode_miss_overlap_declined"]
     assert len(declined) == 1 and declined[0]["reason"] == "not_cuda"
     assert declined[0]["change_with"] == "decode.overlap_misses_from=0"
     assert eng.cache.stats()["declined"]["decode_miss_overlap:not_cuda"] == 1

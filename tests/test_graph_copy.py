@@ -6,9 +6,6 @@ fill, the miss plan reads every routed pair's own expert bytes, copies nothing i
 reads (what ``DecodeResidency.account`` books as ``decode_graph_h2d``); the setting is declined on a CPU with one event
 and a count, and decoding gives the ids of ``uva``. tests/gpu/test_graph_copy_gpu.py runs the graph itself."""
 
-import io
-import json
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,7 +13,6 @@ from hypothesis import strategies as st
 
 from test_decode_static import _engine, _static_greedy
 
-from moe_offload import log
 from moe_offload.graph_copy import CHUNK, _ConditionalParams, _Handles, _NodeParams, kernel_source, \
     routed_miss_rows_reference
 from moe_offload.kernels.decode_miss import count_step_reference, serve_misses, serve_misses_reference
@@ -70,20 +66,14 @@ def test_with_the_graph_rows_filled_the_plan_reads_every_pair_from_them_and_copi
     assert ref[:5].tolist() == counts.tolist()
 
 
-def test_copy_engine_on_a_cpu_is_declined_once_counted_and_decodes_like_uva(tiny_ckpt):
+def test_copy_engine_on_a_cpu_is_declined_once_counted_and_decodes_like_uva(tiny_ckpt, events):
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     prompt = list(range(10, 26))
     want = _static_greedy(_engine(path, "cache.budget=0.3"), prompt, 6)
-    buf = io.StringIO()
-    log.configure(level="WARNING", fmt="json", stream=buf)
-    try:
-        eng = _engine(path, "cache.budget=0.3", "decode.miss_copy=copy_engine")
-        got = _static_greedy(eng, prompt, 6)
-    finally:
-        events = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
-        log.configure(level="WARNING")
+    eng = _engine(path, "cache.budget=0.3", "decode.miss_copy=copy_engine")
+    got = _static_greedy(eng, prompt, 6)
     assert eng.cache.decode.graph_copy is None
-    declined = [e for e in events if e["event"] == "decode_miss_copy_declined"]
+    declined = [e for e in events() if e["event"] == "decode_miss_copy_declined"]
     assert len(declined) == 1 and declined[0]["reason"] == "not_cuda" and "miss_copy=uva" in declined[0]["change_with"]
     assert eng.cache.stats()["declined"]["decode_miss_copy:not_cuda"] == 1
     assert got == want

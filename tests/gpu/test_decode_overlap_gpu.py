@@ -3,13 +3,9 @@ slots compute, ``DecodeResidency.plan_split`` + ``decode_moe_nvfp4_split``) chan
 replayed as a CUDA graph, while admissions change the residency; the counts stay the same; a step makes no host
 sync; and where it does not apply it is declined with one event and a count."""
 
-import io
-import json
-
 import pytest
 import torch
 
-from moe_offload import log
 from moe_offload.decode_graph import StaticDecoder
 
 from test_decode_gpu import _eager_step_without_sync, _engine, _run
@@ -49,16 +45,10 @@ def test_an_overlapped_step_makes_no_host_sync(tiny_ckpt):
     assert eng.cache.streams.miss is not None  # the side stream was used
 
 
-def test_under_the_lookahead_the_overlap_is_declined_with_one_event_and_a_count(tiny_ckpt):
-    buf = io.StringIO()
-    log.configure(level="WARNING", fmt="json", stream=buf)
-    try:
-        eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "cache.budget=8 slots", "decode.lookahead=true",
-                      "decode.overlap_misses_from=1")
-    finally:
-        events = [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
-        log.configure(level="WARNING")
-    declined = [e for e in events if e["event"] == "decode_miss_overlap_declined"]
+def test_under_the_lookahead_the_overlap_is_declined_with_one_event_and_a_count(tiny_ckpt, events):
+    eng = _engine(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "cache.budget=8 slots", "decode.lookahead=true",
+                  "decode.overlap_misses_from=1")
+    declined = [e for e in events() if e["event"] == "decode_miss_overlap_declined"]
     assert len(declined) == 1 and declined[0]["reason"] == "lookahead"
     eng.cache.reset()
     assert eng.cache.stats()["declined"].get("decode_miss_overlap:lookahead") == 1

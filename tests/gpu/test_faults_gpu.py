@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import io
-import json
 import subprocess
 import sys
 import textwrap
@@ -32,7 +30,6 @@ import torch
 import moe_offload.hit_copy as hit_copy_mod
 import moe_offload.slot_pool as slot_pool_mod
 import moe_offload.staging as staging_mod
-from moe_offload import log
 from moe_offload.budget import BudgetError
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.cli import main as cli_main
@@ -123,15 +120,6 @@ def _returns(code: int, then=None):
         return code if then is None or len(calls) == 1 else then(*args)
 
     return fn
-
-
-@pytest.fixture
-def events():
-    """Structured WARNING+ events logged during the test, parsed (``events()``)."""
-    buf = io.StringIO()
-    log.configure(level="WARNING", fmt="json", stream=buf)
-    yield lambda: [json.loads(x) for x in buf.getvalue().splitlines() if x.startswith("{")]
-    log.configure(level="WARNING")
 
 
 @pytest.fixture(scope="module")

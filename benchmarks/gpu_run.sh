@@ -4,7 +4,10 @@
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
 #           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab fill_profile
-#           decode_overlap
+#           decode_overlap link
+# link: benchmarks/link_probe.py, this host's SM-read and copy-engine rates on one real-size pinned layer (no checkpoint,
+# seconds): $RES/link.json's "slow" says which kind of host this is, so a later call of the same machine can pick the
+# measurements that host is for (e.g. `python3 -c "import json,sys; sys.exit(not json.load(open('/tmp/res/link.json'))['slow'])"`)
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
 # checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)
@@ -95,6 +98,9 @@ if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequa
   timeout ${TUNE_TIMEOUT:-200} python3 benchmarks/tune_dequant.py --write --report "$RES" --max-seconds ${TUNE_SECONDS:-120} \
     > "$RES/tune_dequant.log" 2>&1
   cp kernels/dequant_tuning.json "$RES/"; tar czf "$OUT/results.tgz" -C "$RES" .
+fi
+if has link; then
+  timeout $(cap 60) python3 benchmarks/link_probe.py --out "$RES" > "$RES/link.log" 2>&1; cat "$RES/link.log"
 fi
 if has build; then
   t0=$(date +%s)

@@ -59,8 +59,8 @@ class OffloadMoeCache:
         forwards up to ``prefill.routed_max_tokens`` (resolved here, ``prefill_path.py``) too.
         ``decode_path`` (``decode.path``) "auto": the threshold may be lower than ``decode_max_tokens``
         where the cost model says staging pays; steps above it are then staged. "host": "auto" where this host's
-        start-up link measurement found slow SM reads (its threshold never below ``link_rates.decode_path_floor``), else
-        "routed" (``link_rates.decode_path``).
+        link rates were measured at start-up (its threshold never below ``link_rates.decode_path_floor``: 16 rows on a
+        host with slow SM reads, 32 elsewhere), else "routed" (``link_rates.decode_path``).
         ``fused_decode``: whether the decode compute may use the fused NVFP4 kernels (the cost model).
         ``cost_model``: ``(prefill_path.CostModel, entry)`` to decide paths with instead of the table's entry
         for this GPU (one measured elsewhere; the CPU has none). ``observe_routing``: the forwards are announced
@@ -89,7 +89,7 @@ class OffloadMoeCache:
         self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
                                                  fused_decode, decode_path, cost_model, tp, observe_routing,
                                                  lookahead_rows(decode_max_tokens, store) if lookahead else 0,
-                                                 decode_path_floor(path_setting))
+                                                 decode_path_floor(path_setting, link))
         self._fill_model = None  # decode.path fills: the cost model that weighs a staged step's two forms
         if decode_path == "fills" and self.routed_path.reason == "cost_model":
             self._fill_model = (cost_model or prefill_cost_model(torch.cuda.get_device_name(device), store.num_experts,

@@ -31,6 +31,11 @@ LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 ro
 LINK_REPS = 5
 LINK_WARMUP = 3  # untimed copies first: at b703e18 one was too few on a fast H100 host (h2d 40-45 GB/s at start-up
 # against 55.0 for the bench's 1 GiB copy in the same run, benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18")
+#: whole measurements a start-up makes; each rate is the highest of them. At 74b55da one of four caches on a fast H100
+#: measured the copy engine at 28.75 GB/s (55 in the other three and in the bench's 1 GiB copy) and its cost model
+#: then kept batch 64 at residency 0.37 routed; another measured SM reads at 0.77 x the copy engine's rate (0.88-0.90
+#: in the others), i.e. a slow host (benchmarks/results/HISTORY.md "74b55da"). Each round costs ~30-40 ms on an H100
+LINK_ROUNDS = 3
 LINK_MIN_BYTES = 16 << 20  # below this the larger copy is mostly fixed cost (a 2.65 MB expert: ~60 us at 45 GB/s)
 
 
@@ -107,6 +112,8 @@ class LinkRates:
     row_bytes: int
     reps: int
     layer: int
+    h2d_rounds_GBps: tuple[float, ...] = ()  # each round's rate (``LINK_ROUNDS``); the rate is their maximum
+    uva_rounds_GBps: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,21 +137,33 @@ def _slope(times, small: int, large: int, what: str) -> float:
 
 
 def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int = LINK_REPS,
-                 min_bytes: int = LINK_MIN_BYTES) -> LinkRates:
-    """Both rates on the store's first MoE layer (see the module docstring and :class:`LinkRates`). Raises
+                 min_bytes: int = LINK_MIN_BYTES, rounds: int | None = None) -> LinkRates:
+    """Both rates on the store's first MoE layer (see the module docstring and :class:`LinkRates`), each the highest
+    of ``rounds`` (``LINK_ROUNDS``) measurements; a round whose timing is out of order is dropped. Raises
     ``LinkUnmeasurable`` where ``rows`` rows hold fewer than ``min_bytes`` (tiny test models: latency, not rate)
     or the timing is out of order, ``uva.UvaError`` where the device cannot map the store and ``LinkError`` on
     wrong bytes; the temporary device rows are freed on return."""
+    rounds = LINK_ROUNDS if rounds is None else rounds
     if link_bytes(store, rows) < min_bytes:
         raise LinkUnmeasurable(f"{link_bytes(store, rows)} bytes in {min(rows, store.num_experts)} expert rows, "
                                f"fewer than the {min_bytes} a rate needs")
     layer, n = store.layers[0], min(rows, store.num_experts)
     small = max(1, n // 4)
-    uva = _slope(lambda k: sm_read_times(store, layer, device, k, reps), small, n, "the SM reads")
-    h2d = _slope(lambda k: copy_engine_times(store, layer, device, k, reps), small, n, "the copy engine")
+    uva_r, h2d_r, noise = [], [], []
+    for _ in range(rounds):  # interference (another copy, a link waking up) only ever lowers a rate
+        try:
+            uva_r.append(_slope(lambda k: sm_read_times(store, layer, device, k, reps), small, n, "the SM reads"))
+            h2d_r.append(_slope(lambda k: copy_engine_times(store, layer, device, k, reps), small, n,
+                                "the copy engine"))
+        except LinkUnmeasurable as exc:  # one disturbed round: the others decide
+            noise.append(str(exc))
+            del uva_r[len(h2d_r):]
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the temporary rows must not shrink what the budget plan sees as free
-    return LinkRates(h2d_GBps=h2d, uva_GBps=uva, rows=n, row_bytes=store.bytes_per_expert, reps=reps, layer=layer)
+    if not h2d_r:
+        raise LinkUnmeasurable(f"every one of {rounds} rounds was out of order; the last: {noise[-1]}")
+    return LinkRates(h2d_GBps=max(h2d_r), uva_GBps=max(uva_r), rows=n, row_bytes=store.bytes_per_expert, reps=reps,
+                     layer=layer, h2d_rounds_GBps=tuple(h2d_r), uva_rounds_GBps=tuple(uva_r))
 
 
 #: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured`` (and ``routed_copy``'s
@@ -240,35 +259,43 @@ def _slow_sm_reads(link: dict | None) -> tuple[bool, str]:
     return share < SLOW_SM_READS, f"SM reads at {share:.2f} x the copy engine's rate"
 
 
-#: with ``decode.path: host`` resolved to ``auto``, steps and prompts of up to this many rows stay routed: batch 16 at
-#: residency 0.37 tied on the slow host of 9867ced (193.5 ms routed, 197.1 staged), and single prompts of up to 16
-#: tokens keep the routed path (with routed fills on such hosts) that short-prompt TTFT was measured on
+#: with ``decode.path: host`` on a host with slow SM reads, steps and prompts of up to this many rows stay routed:
+#: batch 16 at residency 0.37 tied on the slow host of 9867ced (193.5 ms routed, 197.1 staged), and single prompts of up
+#: to 16 tokens keep the routed path (with routed fills on such hosts) that short-prompt TTFT was measured on
 HOST_AUTO_MIN_TOKENS = 16
+#: the same on a host whose SM reads are fast: on the fast H100 of 74b55da (SM reads 0.88-0.90 x the copy engine's
+#: rate) batch 32 at residency 0.5 ran 8 % slower staged (215.7 against 233.6 tok/s) and batch 64 17 % faster (431.2
+#: against 367.4; 428.8 against 367.6-368.9 in the call before), benchmarks/results/HISTORY.md "74b55da"
+FAST_HOST_AUTO_MIN_TOKENS = 32
 
 
 def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     """``(path, reason)``: ``decode.path`` resolved to ``"routed"`` or ``"auto"``. ``"host"`` (the default): ``"auto"``
-    on a host whose SM reads were measured below ``SLOW_SM_READS`` x its copy engine's rate at start-up
-    (``prefill.measure_link``), so that decode steps of more rows than the cost model's threshold (at those measured
-    rates, never below ``HOST_AUTO_MIN_TOKENS``) stage their missing layers over the copy engine, eagerly; ``"routed"``
-    elsewhere (a fast host, a CPU, no measurement, tensor parallelism: every rank must choose the same path). On the slow H100 host of 9867ced
-    (27.9 vs 49.6 GB/s) ``auto`` took 0.53 / 0.66 / 1.02 x the routed step's time at batch 64 / 32 / 16, residency
-    0.37; on fast hosts the routed cells with misses ran within 1.19-1.25 x their floor, and an embedder capturing
-    its own steps needs every step of up to ``decode.max_tokens`` rows routed (benchmarks/results/HISTORY.md
-    "e9c32fa / 9867ced / b703e18", "8bcd799 / de3b3ad")."""
+    on a host whose rates were measured at start-up (``prefill.measure_link``), so that decode steps of more rows than
+    the cost model's threshold at those rates stage their missing layers over the copy engine, eagerly; the threshold
+    is never below ``decode_path_floor`` (16 rows where SM reads run below ``SLOW_SM_READS`` x the copy engine's rate,
+    32 elsewhere). ``"routed"`` where nothing was measured (a CPU, tensor parallelism: every rank must choose the same
+    path, an integer ``prefill.routed_max_tokens``). On the slow H100 host of 9867ced (27.9 vs 49.6 GB/s) ``auto``
+    took 0.53 / 0.66 / 1.02 x the routed step's time at batch 64 / 32 / 16, residency 0.37; on the fast one of
+    74b55da 0.85 x at batch 64 and 1.08 x at batch 32, residency 0.5 (``FAST_HOST_AUTO_MIN_TOKENS``). An embedder
+    capturing its own steps needs every step of up to ``decode.max_tokens`` rows routed: ``decode.path: routed``
+    (``OffloadMoeCache``'s own default) (benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18", "74b55da")."""
     if setting != "host":  # routed, auto, fills
         return setting, "setting"
-    slow, why = _slow_sm_reads(link)
-    if not slow and link and "uva_GBps" not in link:  # why nothing was measured, where the link says
-        why = f"no measured link rates: {link.get('off') or link.get('declined')}"
-    return ("auto" if slow else "routed"), why
+    if not link or "uva_GBps" not in link:  # why nothing was measured, where the link says
+        return "routed", (f"no measured link rates: {link.get('off') or link.get('declined')}" if link
+                          else "no measured link rates (prefill.measure_link)")
+    return "auto", _slow_sm_reads(link)[1]
 
 
-def decode_path_floor(setting: str) -> int:
+def decode_path_floor(setting: str, link: dict | None = None) -> int:
     """The lowest routed threshold ``decode.path`` ``setting`` lets ``auto`` reach (``prefill_path.resolve``'s
-    ``auto_floor``): ``HOST_AUTO_MIN_TOKENS`` for ``host``, ``FILLS_MIN_TOKENS`` for ``fills``, 1 for an explicit
+    ``auto_floor``): for ``host`` ``HOST_AUTO_MIN_TOKENS`` on a host with slow SM reads (``link``, the start-up
+    measurement) and ``FAST_HOST_AUTO_MIN_TOKENS`` elsewhere; ``FILLS_MIN_TOKENS`` for ``fills``, 1 for an explicit
     ``auto``."""
-    return HOST_AUTO_MIN_TOKENS if setting == "host" else FILLS_MIN_TOKENS if setting == "fills" else 1
+    if setting == "host":
+        return HOST_AUTO_MIN_TOKENS if _slow_sm_reads(link)[0] else FAST_HOST_AUTO_MIN_TOKENS
+    return FILLS_MIN_TOKENS if setting == "fills" else 1
 
 
 #: ``decode.path: fills`` keeps decode steps of fewer rows routed whatever the cost model says: its uniform routing

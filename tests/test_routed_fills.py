@@ -42,16 +42,24 @@ def test_auto_takes_the_copy_engine_only_where_this_hosts_sm_reads_were_measured
         assert routed_copy(setting, torch.device("cpu"), None) == (setting, "setting")
 
 
-def test_decode_path_host_stages_large_batches_only_where_this_hosts_sm_reads_were_measured_slow():
-    """decode.path: host (the default) resolves to auto on a slow-SM host and to routed everywhere else, from the same
-    start-up measurement as prefill.routed_copy (link_rates.decode_path)."""
+def test_decode_path_host_stages_large_batches_wherever_this_hosts_rates_were_measured():
+    """decode.path: host (the default) resolves to auto wherever the start-up measurement (the same as
+    prefill.routed_copy's) took both rates, and to routed where nothing was measured (link_rates.decode_path); the
+    floor of auto's threshold is 16 rows on a slow-SM host and 32 on a fast one (link_rates.decode_path_floor)."""
+    from moe_offload.link_rates import FAST_HOST_AUTO_MIN_TOKENS, HOST_AUTO_MIN_TOKENS, decode_path_floor
+
     slow = {"h2d_GBps": 49.6, "uva_GBps": 27.9}  # the H100 host of 9867ced, where auto ran batch 64 1.88 x faster
     low_h2d = {"h2d_GBps": 40.8, "uva_GBps": 29.2}  # the slow host of 10cf59a, its copy engine measured low
     fast = {"h2d_GBps": 54.9, "uva_GBps": 46.8}  # the H100 host of 8bcd799
+    edge = {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS}  # exactly at the share: not slow
     assert link_decode_path("host", slow) == ("auto", "SM reads at 0.56 x the copy engine's rate")
     assert link_decode_path("host", low_h2d)[0] == "auto"
-    assert link_decode_path("host", fast) == ("routed", "SM reads at 0.85 x the copy engine's rate")
-    assert link_decode_path("host", {"h2d_GBps": 50.0, "uva_GBps": 50.0 * SLOW_SM_READS})[0] == "routed"
+    assert link_decode_path("host", fast) == ("auto", "SM reads at 0.85 x the copy engine's rate")
+    assert link_decode_path("host", edge)[0] == "auto"
+    assert [decode_path_floor("host", link) for link in (slow, low_h2d, fast, edge)] == [
+        HOST_AUTO_MIN_TOKENS, HOST_AUTO_MIN_TOKENS, FAST_HOST_AUTO_MIN_TOKENS, FAST_HOST_AUTO_MIN_TOKENS]
+    assert (HOST_AUTO_MIN_TOKENS, FAST_HOST_AUTO_MIN_TOKENS) == (16, 32)
+    assert decode_path_floor("fills", fast) == 8 and decode_path_floor("auto", slow) == 1
     assert link_decode_path("host", None) == ("routed", "no measured link rates (prefill.measure_link)")
     tp = {"off": "tensor parallelism (every rank must choose the same path)"}
     assert link_decode_path("host", tp) == ("routed", "no measured link rates: " + tp["off"])
@@ -76,14 +84,15 @@ def test_a_cache_logs_and_reports_what_decode_path_host_resolved_to(tiny_ckpt, c
 
 
 @pytest.mark.parametrize("host", ["slow", "fast"])
-def test_decode_path_host_lowers_a_cache_s_routed_threshold_only_on_a_slow_host_and_not_below_16(
-        qwen3_layer_store, monkeypatch, host):
+@pytest.mark.parametrize("residency", ["0.37", "0.5"])
+def test_decode_path_host_lowers_a_cache_s_routed_threshold_to_16_rows_on_a_slow_host_and_32_on_a_fast_one(
+        qwen3_layer_store, monkeypatch, host, residency):
     """A real-size MoE layer (128 Qwen3-30B-A3B NVFP4 rows) and a cache sized for decode steps of 64 rows, as bench
     decode builds it; the start-up measurement replaced by a slow and a fast host's measured rates
-    (benchmarks/results/HISTORY.md). On the slow one host resolves to auto and the cost model's threshold, floored
-    at HOST_AUTO_MIN_TOKENS, stages batches above it; on the fast one every step of up to 64 rows stays routed."""
+    (benchmarks/results/HISTORY.md). host resolves to auto on both, and the cost model's threshold, floored at 16
+    rows on the slow host and 32 on the fast one, stages batch 64 on both and batch 32 only on the slow one."""
     from moe_offload import cache as cache_mod
-    from moe_offload.link_rates import HOST_AUTO_MIN_TOKENS, LinkRates, measured_link_model
+    from moe_offload.link_rates import LinkRates, measured_link_model
     from moe_offload.prefill_path import cost_model
 
     store = qwen3_layer_store(pin=False)
@@ -93,15 +102,18 @@ def test_decode_path_host_lowers_a_cache_s_routed_threshold_only_on_a_slow_host_
     table = cost_model("NVIDIA H100 80GB HBM3", store.num_experts, store.geometry.top_k, store.bytes_per_expert)
     measured = measured_link_model(store, torch.device("cpu"), table)
     monkeypatch.setattr(cache_mod, "link_model", lambda *args: measured)
-    cache = OffloadMoeCache(store, CacheConfig(budget="0.37"), PrefillConfig(), "cpu", decode_max_tokens=64,
+    cache = OffloadMoeCache(store, CacheConfig(budget=residency), PrefillConfig(), "cpu", decode_max_tokens=64,
                             decode_path="host")
     rp = cache.stats()["routed_path"]
+    assert rp["decode_path"] == "auto" and rp["reason"] == "cost_model"
+    assert rp["model_tokens"] <= cache.routed_max_tokens  # the floor, where the model asked for less
     if host == "slow":
-        assert rp["decode_path"] == "auto" and rp["reason"] == "cost_model"
-        assert HOST_AUTO_MIN_TOKENS <= cache.routed_max_tokens < 64  # batches above it stage
-        assert rp["model_tokens"] <= cache.routed_max_tokens  # the floor, where the model asked for less
+        assert 16 <= cache.routed_max_tokens < 32  # batch 32 and 64 stage
     else:
-        assert rp["decode_path"] == "routed" and cache.routed_max_tokens >= 64
+        assert cache.routed_max_tokens == 32  # batch 32 stays routed, batch 64 stages
+    all_resident = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(), "cpu", decode_max_tokens=64,
+                                   decode_path="host")
+    assert all_resident.routed_max_tokens >= 64  # nothing to copy: every step of up to 64 rows stays routed
 
 
 def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_stats(tiny_ckpt, caplog):

@@ -9,7 +9,7 @@ from mapped host memory, because a replayed graph cannot tell the copy engine wh
 that expert's H2D memcpy (allowed for pinned, device-mapped host memory), its predicate set on the device from the
 routing. This probe prices that before any runtime code depends on it.
 
-Legend: E experts of one layer, R bytes of an expert row (Qwen3-30B-A3B NVFP4, padded: 2,654,224), k experts
+Legend: E experts of one layer, R bytes of an expert row (--preset's NVFP4 shape; Qwen3-30B-A3B: 2,654,224), k experts
 copied (predicates true), br parallel branches the E IF nodes are spread over (each branch a stream forked in
 the capture). Every time is a CUDA-event median over --reps (device ms) of one layer:
 - ``copy_engine``: k ``copy_`` calls H2D on one stream, eager (the floor's path);
@@ -19,7 +19,8 @@ the capture). Every time is a CUDA-event median over --reps (device ms) of one l
   cost of the nodes;
 - ``condb``: the same E IF nodes as the runtime makes them (``moe_offload/graph_copy.GraphMissCopy.enqueue``, which
   needs no ``begin_capture_to_if_node``, absent from torch 2.11): ONE kernel sets all E conditions from the routed
-  ids, then the E IF nodes run in parallel, each holding one H2D memcpy node;
+  ids, then the E IF nodes run in parallel, each holding one H2D memcpy node; over a real one-layer ``ExpertStore``
+  (pinned, mapped) into a real ``SlotPool``'s scratch rows, checked row by row (``condb_exact``);
 - ``sm_read``: k rows gathered by SM loads from the mapped host rows (``index_select`` on a UVA view; a generic
   gather, slower than the runtime's tuned miss copy);
 - ``miss_copy``: the same k experts through the runtime's miss server (``kernels/decode_miss.serve_misses``: the
@@ -40,10 +41,14 @@ from pathlib import Path
 
 import torch
 
+from moe_offload.checkpoint.families import geometry_from_config
+from moe_offload.formats.registry import get_format
+from moe_offload.host_store import ExpertStore
 from moe_offload.kernels.decode_miss import serve_misses
-from moe_offload.uva import mapped_device_view, pin_mapped
+from moe_offload.presets import get_preset, preset_config
+from moe_offload.slot_pool import SlotPool
+from moe_offload.stats import CacheStats
 
-ROW_BYTES = 2_654_224  # Qwen3-30B-A3B NVFP4 expert row, padded to 16 bytes (host_store.padded_row_bytes)
 TOP_K = 8  # Qwen3-30B-A3B routes each token to 8 experts
 
 
@@ -94,30 +99,39 @@ def _cond_body(host_ER, dst_ER, pred_E, branches: int):
     return body
 
 
-def _condb_body(host_ER, dst_ER, ids_1E):
-    """Capture body: ``GraphMissCopy.enqueue`` over these rows as one layer (a store and a pool of just them), every
-    expert missing; the routed ids are ``ids_1E`` (-1 pads are ignored), read at replay."""
-    from collections import Counter
-    from types import SimpleNamespace
-
+def _condb_body(store, pool, ids_1E):
+    """``(body, keep)``: the capture body of ``GraphMissCopy.enqueue`` over the store's one layer into the pool's
+    scratch rows (no slots: every expert missing, the slot table all -1), the routed ids ``ids_1E`` (-1 pads are
+    ignored) read at replay; ``keep`` holds what the captured kernel reads and writes (the copier's row map, the
+    table), which must outlive every replay: at 74b55da they did not, the freed memory was reused by the probe's
+    own index tensors, the copies went to wrong rows and a later index kernel asserted."""
     from moe_offload.graph_copy import GraphMissCopy
 
-    E, R = host_ER.shape
-    store = SimpleNamespace(num_experts=E, bytes_per_expert=R, layers=[0], rows=lambda layer: host_ER)
-    pool = SimpleNamespace(device=dst_ER.device, layer_pos={0: 0}, rows_NR=dst_ER)
-    copier = GraphMissCopy(store, pool, 0, SimpleNamespace(compute=Counter()))
-    table_E = torch.full((E,), -1, dtype=torch.int32, device=dst_ER.device)
-    return lambda g: copier.enqueue(0, table_E, ids_1E)
+    copier = GraphMissCopy(store, pool, 0, pool.stats)
+    table_E = pool.table_LE[pool.layer_pos[store.layers[0]]]
+    return (lambda g: copier.enqueue(store.layers[0], table_E, ids_1E)), (copier, table_E)
 
 
-def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int], reps: int) -> dict:
+def one_layer_store(preset: str) -> ExpertStore:
+    """A real ExpertStore of one MoE layer of ``preset``'s NVFP4 shape, pinned and mapped, each row marked (one byte
+    every 4096, never 0) so a copy's destination can be checked."""
+    config = {**preset_config(preset, 1), "model_type": get_preset(preset).model_type}
+    store = ExpertStore(geometry_from_config(config), get_format("nvfp4-modelopt"), pin=True)
+    rows_ER = store.rows(store.layers[0])
+    rows_ER.zero_()
+    rows_ER[:, ::4096] = (torch.arange(store.num_experts) % 251 + 1).to(torch.uint8)[:, None]
+    return store
+
+
+def measure(preset: str, counts: list[int], branches: list[int], reps: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
-    host_ER = torch.zeros((experts, row_bytes), dtype=torch.uint8)
-    host_ER[:, ::4096] = (torch.arange(experts) % 251 + 1).to(torch.uint8)[:, None]  # a mark per row (never 0)
-    if not pin_mapped(host_ER):
-        raise RuntimeError("could not register the host rows as mapped pinned memory")
-    view_ER = mapped_device_view(host_ER, dev)
-    dst_ER = torch.empty((experts, row_bytes), dtype=torch.uint8, device=dev)
+    store = one_layer_store(preset)
+    experts, row_bytes = store.num_experts, store.bytes_per_expert
+    host_ER = store.rows(store.layers[0])
+    view_ER = store.device_rows(store.layers[0], dev)  # raises uva.UvaError where the device cannot map it
+    # no slots, one scratch row per expert: GraphMissCopy's fixed row of expert e is scratch row e
+    pool = SlotPool(store, 0, "lru", dev, CacheStats(), scratch_rows=experts)
+    dst_ER = pool.rows_NR
     pred_E = torch.zeros(experts, dtype=torch.bool, device=dev)
     stream = torch.cuda.Stream()
     gen = torch.Generator().manual_seed(0)
@@ -129,8 +143,10 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
         except Exception as exc:  # a driver without conditional memcpy bodies: report it, keep the rest
             graphs[br] = f"{type(exc).__name__}: {exc}"
     ids_1E = torch.full((1, experts), -1, dtype=torch.int64, device=dev)
+    keep = None
     try:
-        graphs["b"] = _capture(_condb_body(host_ER, dst_ER, ids_1E), stream)
+        body, keep = _condb_body(store, pool, ids_1E)
+        graphs["b"] = _capture(body, stream)
     except Exception as exc:  # the runtime, NVRTC or the capture: report it, keep the rest
         graphs["b"] = f"{type(exc).__name__}: {exc}"
     for k in counts:
@@ -184,7 +200,9 @@ def measure(experts: int, row_bytes: int, counts: list[int], branches: list[int]
                     row[key.replace("_ms", "_x_ce")] = round(row[key] / ce, 3)
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
-    return {"rows": rows, "capture_errors": {br: g for br, g in graphs.items() if isinstance(g, str)}}
+    del keep  # the condb graph is not replayed after this
+    return {"experts": experts, "row_bytes": row_bytes, "rows": rows,
+            "capture_errors": {br: g for br, g in graphs.items() if isinstance(g, str)}}
 
 
 def _markdown(res: dict) -> str:
@@ -208,8 +226,7 @@ def _markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="benchmarks/results")
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--row-bytes", type=int, default=ROW_BYTES)
+    p.add_argument("--preset", default="qwen3-30b-a3b", help="the MoE shape of the one layer (moe_offload/presets.py)")
     p.add_argument("--counts", default="0,1,8,16,32,64,128")
     p.add_argument("--branches", default="1,4,16")
     p.add_argument("--reps", type=int, default=20)
@@ -223,8 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     branches = [int(x) for x in a.branches.split(",")]
     res = {"git_sha": sha or "unknown", "torch": torch.__version__, "cuda": torch.version.cuda,
            "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
-           "experts": a.experts, "row_bytes": a.row_bytes, "reps": a.reps, "branches": branches}
-    res.update(measure(a.experts, a.row_bytes, [int(x) for x in a.counts.split(",")], branches, a.reps))
+           "preset": a.preset, "reps": a.reps, "branches": branches}
+    res.update(measure(a.preset, [int(x) for x in a.counts.split(",")], branches, a.reps))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"conditional_copy-{res['git_sha']}{a.tag}"

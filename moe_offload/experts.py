@@ -122,9 +122,10 @@ class OffloadedExperts(nn.Module):
 
     def _splits(self, hidden_TH, top_k: int) -> bool:
         """Whether this decode-path forward copies its misses beside the compute of the pairs read from slots
-        (``decode.overlap_misses_from``: the cache's threshold and the tile kernels; not in a padded prefill)."""
+        (``decode.overlap_misses_from``: the cache's threshold and the tile kernels; a padded prefill's pad rows
+        route as their source rows first, as in the one-pass plan)."""
         dc = self.decode_compute
-        return (isinstance(dc, DecodeCompute) and dc.overlap and self.cache.pad_src_N is None
+        return (isinstance(dc, DecodeCompute) and dc.overlap
                 and self.cache.decode_splits(hidden_TH.shape[0]) and dc.splits(hidden_TH, top_k,
                                                                              self.cache.decode_views()))
 
@@ -145,7 +146,7 @@ class OffloadedExperts(nn.Module):
         if routed is None and self._splits(hidden_TH, topk_ids_TK.shape[1]):
             # the misses' copy on a side stream while the pairs read from slots compute (decode.overlap_misses_from)
             self._begin_step(hidden_TH)
-            rows_TK, scratch_base, join = cache.decode_plan_split(self.layer_idx, topk_ids_TK)
+            rows_TK, scratch_base, join = cache.decode_plan_split(self.layer_idx, _pad_rows_routed(cache, topk_ids_TK))
             try:
                 out = self.decode_compute.split(hidden_TH, rows_TK, topk_w_TK, views, scratch_base, join,
                                                 residual_TH=residual_TH, x_split=x_split_TH)

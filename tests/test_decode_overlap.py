@@ -97,3 +97,33 @@ def test_a_split_decode_step_gives_the_one_pass_logits_bit_for_bit(tiny_ckpt):
         assert bool(calls) == overlap
     for i, (a, b) in enumerate(zip(*runs)):
         assert torch.equal(a, b), f"step {i} differs"
+
+
+def test_a_padded_prompt_splits_with_its_pad_rows_routed_as_their_source_rows_and_the_one_pass_bits(tiny_ckpt):
+    """A padded prefill (``cache.pad_src_N``, as prefill_graph.py sets it for a prompt padded to its graph bucket):
+    the split plans the ids with each pad row routed as its source row, as the one-pass plan does, so padding copies
+    no expert the prompt did not route, and the logits equal the one-pass run's bit for bit."""
+    import torch
+
+    from moe_offload.decode_graph import StaticDecoder
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    src = torch.tensor([0, 1, 2, 3, 4, 5, 5, 5, 8, 9, 10, 11, 12, 13, 13, 13])  # rows 6-7 and 14-15 are pads
+    runs = []
+    for overlap in (True, False):
+        eng = _fused_on_the_interpreter(_engine(path, "cache.budget=0.3"), overlap)
+        planned = []
+        real = eng.cache.decode_plan_split
+        eng.cache.decode_plan_split = lambda layer, ids, *a, **k: planned.append(ids.clone()) or real(layer, ids, *a,
+                                                                                                       **k)
+        dec = StaticDecoder(eng, 2, 48, graphs=False)
+        eng.cache.pad_src_N = src
+        try:
+            logits = dec.prefill(torch.tensor([list(range(10, 18)), list(range(20, 28))]))
+        finally:
+            eng.cache.pad_src_N = None
+        runs.append(logits.clone())
+        assert bool(planned) == overlap
+        for ids_TK in planned:  # every layer's plan saw the pad rows as their source rows
+            assert torch.equal(ids_TK, ids_TK.index_select(0, src))
+    assert torch.equal(runs[0], runs[1])

@@ -7,7 +7,8 @@
 #           decode_overlap link
 # link: benchmarks/link_probe.py, this host's SM-read and copy-engine rates on one real-size pinned layer (no checkpoint,
 # seconds): $RES/link.json's "slow" says which kind of host this is, so a later call of the same machine can pick the
-# measurements that host is for (e.g. `python3 -c "import json,sys; sys.exit(not json.load(open('/tmp/res/link.json'))['slow'])"`)
+# measurements that host is for (exit 0 slow, 1 fast, 2 not measured:
+# `python3 -c "import json,sys; sys.exit({True: 0, False: 1}.get(json.load(open('/tmp/res/link.json'))['slow'], 2))"`)
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
 # checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)

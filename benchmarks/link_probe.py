@@ -1,6 +1,7 @@
 """This host's two link rates (``link_rates.measure_link``: SM reads of mapped pinned rows against the copy engine) on
 one real-size pinned layer of Qwen3-30B-A3B NVFP4 rows, without a checkpoint: which kind of host a lent GPU is
-(``slow``: SM reads below ``link_rates.SLOW_SM_READS`` x the copy engine), so that a GPU call can pick the
+(``slow``: SM reads below ``link_rates.SLOW_SM_READS`` x the copy engine; null, with ``error``, where nothing could
+be measured), so that a GPU call can pick the
 measurements that host is for (``benchmarks/gpu_run.sh`` stage ``link``). Seconds on a GPU; CPU runs the reference
 copies (their "rates" say nothing about a link).
 
@@ -19,8 +20,9 @@ import torch
 from moe_offload.checkpoint.families import geometry_from_config
 from moe_offload.formats.registry import get_format
 from moe_offload.host_store import ExpertStore
-from moe_offload.link_rates import SLOW_SM_READS, measure_link
+from moe_offload.link_rates import SLOW_SM_READS, LinkUnmeasurable, measure_link
 from moe_offload.presets import get_preset, preset_config
+from moe_offload.uva import UvaError
 
 
 def probe(reps: int, device: torch.device) -> dict:
@@ -41,8 +43,13 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    report = probe(args.reps, device)
     args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        report = probe(args.reps, device)
+    except (LinkUnmeasurable, UvaError) as exc:  # no kind of host to name: say why, never "fast" by default
+        (args.out / "link.json").write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}", "slow": None}))
+        print(f"link: not measured ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 1
     (args.out / "link.json").write_text(json.dumps(report, indent=1))
     print(f"link: SM reads {[round(r['uva_GBps'], 1) for r in report['runs']]} GB/s, copy engine "
           f"{[round(r['h2d_GBps'], 1) for r in report['runs']]} GB/s, share {report['share']:.2f}: "

@@ -152,7 +152,7 @@ class PrefillConfig(_Strict):
     dequant_chunk_experts: int | None = Field(None, ge=1, le=65536, description="fixed chunk in experts (overrides the bytes)")
     routed_max_tokens: Literal["auto"] | int = Field(
         "auto", description="forwards of at most this many tokens (and never fewer than decode.max_tokens unless "
-        "decode.path is auto) read only "
+        "decode.path resolves to auto, as host does where prefill.measure_link measured the link) read only "
         "their routed experts (resident ones in place, missing ones over PCIe by SMs) instead of staging the whole "
         "layer; auto = the largest T for which the cost model of moe_offload/prefill_path_table.json predicts that "
         f"this pays (on CUDA; decode.max_tokens on a CPU); an integer in [0, {ROUTED_MAX_TOKENS_LIMIT}] fixes it")
@@ -237,7 +237,8 @@ def _deprecated(old: str, new: str) -> None:
 
 class DecodeConfig(_Strict):
     max_tokens: int = Field(16, ge=1, le=ROUTED_MAX_TOKENS_LIMIT, description="a step of at most this many tokens "
-                            "always takes the decode (routed-only) path, which a CUDA graph can capture; the graph "
+                            "takes the decode (routed-only) path, which a CUDA graph can capture (with decode.path "
+                            "routed always; host and auto may stage steps above the cost model's threshold); the graph "
                             "decoders' batch cap (prefill.routed_max_tokens may route longer forwards the same way)")
     cuda_graphs: bool = Field(True, description="on CUDA, replay each decode step (every layer + LM head) as one "
                               "CUDA graph over a static KV cache (one graph per batch size)")

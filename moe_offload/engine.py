@@ -164,7 +164,7 @@ class Engine:
         geo = reader.geometry
         model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
         load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
-        # < max_tokens only with decode.path auto (or host on a slow-SM host)
+        # < max_tokens only with decode.path auto (or fills, or host wherever the link rates were measured)
         routed_rows = min(cfg.decode.max_tokens, cache.routed_max_tokens)
         attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, routed_rows, reduce,
                                                                  graphed, decode))
@@ -299,8 +299,8 @@ class Engine:
     def graph_decline_reason(self, rows: int) -> str | None:
         """Why a decode step of ``rows`` rows cannot be graph-captured (None: it can): above ``decode.max_tokens``
         (``batch_above_decode_max_tokens``) or above the cache's routed threshold (``batch_staged``, only with
-        ``decode.path: auto``, or ``host`` on a slow-SM host), the experts take the staged path, which does host
-        work per layer.
+        ``decode.path: auto`` or ``fills``, or ``host`` where the link rates were measured), the experts take the
+        staged path, which does host work per layer.
         ``Engine.decoder`` and the serving batch (``serve/static_batch.py``) both decide by it."""
         if rows > self.cfg.decode.max_tokens:
             return "batch_above_decode_max_tokens"

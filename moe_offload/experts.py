@@ -3,7 +3,7 @@
 Call: ``(hidden_TH [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
 Path by token count, fixed per cache when it is built (``cache.routed_max_tokens``, ``prefill_path.py``;
 single prompts above it may be routed by the routing the cache observed, ``observed_routing.py``):
-- ``T <= cache.routed_max_tokens`` (never below ``decode.max_tokens`` unless ``decode.path`` is auto; ``prefill.routed_max_tokens``
+- ``T <= cache.routed_max_tokens`` (never below ``decode.max_tokens`` unless ``decode.path`` resolves to auto, as host does where the link was measured; ``prefill.routed_max_tokens``
   may extend it to short prompts where the cost model says copying only the routed experts pays) runs
   the routed-only (decode) path: no host sync, resident experts read in place from their slots, the
   routed misses read from mapped host memory into scratch rows; capturable in a CUDA graph;

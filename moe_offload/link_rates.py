@@ -19,6 +19,7 @@ own). Each rate is the slope between two sizes (:class:`LinkRates`).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -31,10 +32,12 @@ LINK_ROWS = 32  # rows of the larger timed copy (85 MB of Qwen3-30B-A3B NVFP4 ro
 LINK_REPS = 5
 LINK_WARMUP = 3  # untimed copies first: at b703e18 one was too few on a fast H100 host (h2d 40-45 GB/s at start-up
 # against 55.0 for the bench's 1 GiB copy in the same run, benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18")
-#: whole measurements a start-up makes; each rate is the highest of them. At 74b55da one of four caches on a fast H100
+#: whole measurements a start-up makes; each rate is their median. At 74b55da one of four caches on a fast H100
 #: measured the copy engine at 28.75 GB/s (55 in the other three and in the bench's 1 GiB copy) and its cost model
 #: then kept batch 64 at residency 0.37 routed; another measured SM reads at 0.77 x the copy engine's rate (0.88-0.90
-#: in the others), i.e. a slow host (benchmarks/results/HISTORY.md "74b55da"). Each round costs ~30-40 ms on an H100
+#: in the others), i.e. a slow host (benchmarks/results/HISTORY.md "74b55da"). A rate is a slope, so a disturbed
+#: smaller copy raises it: the median, not the maximum, drops one outlier either way. Each round costs ~30-40 ms on an
+#: H100
 LINK_ROUNDS = 3
 LINK_MIN_BYTES = 16 << 20  # below this the larger copy is mostly fixed cost (a 2.65 MB expert: ~60 us at 45 GB/s)
 
@@ -112,7 +115,7 @@ class LinkRates:
     row_bytes: int
     reps: int
     layer: int
-    h2d_rounds_GBps: tuple[float, ...] = ()  # each round's rate (``LINK_ROUNDS``); the rate is their maximum
+    h2d_rounds_GBps: tuple[float, ...] = ()  # each kept round's rate (``LINK_ROUNDS``); the rate is their median
     uva_rounds_GBps: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
@@ -138,32 +141,37 @@ def _slope(times, small: int, large: int, what: str) -> float:
 
 def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int = LINK_REPS,
                  min_bytes: int = LINK_MIN_BYTES, rounds: int | None = None) -> LinkRates:
-    """Both rates on the store's first MoE layer (see the module docstring and :class:`LinkRates`), each the highest
+    """Both rates on the store's first MoE layer (see the module docstring and :class:`LinkRates`), each the median
     of ``rounds`` (``LINK_ROUNDS``) measurements; a round whose timing is out of order is dropped. Raises
     ``LinkUnmeasurable`` where ``rows`` rows hold fewer than ``min_bytes`` (tiny test models: latency, not rate)
-    or the timing is out of order, ``uva.UvaError`` where the device cannot map the store and ``LinkError`` on
-    wrong bytes; the temporary device rows are freed on return."""
+    or every round's timing is out of order, ``uva.UvaError`` where the device cannot map the store and
+    ``LinkError`` on wrong bytes; the temporary device rows are freed on return."""
     rounds = LINK_ROUNDS if rounds is None else rounds
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: a measurement needs at least one round")
     if link_bytes(store, rows) < min_bytes:
         raise LinkUnmeasurable(f"{link_bytes(store, rows)} bytes in {min(rows, store.num_experts)} expert rows, "
                                f"fewer than the {min_bytes} a rate needs")
     layer, n = store.layers[0], min(rows, store.num_experts)
     small = max(1, n // 4)
+    # A rate is a slope between two sizes: interference with the larger copy lowers it, with the smaller one raises
+    # it, so the median of the rounds, not an extreme, stands for the link
     uva_r, h2d_r, noise = [], [], []
-    for _ in range(rounds):  # interference (another copy, a link waking up) only ever lowers a rate
+    for _ in range(rounds):
         try:
             uva_r.append(_slope(lambda k: sm_read_times(store, layer, device, k, reps), small, n, "the SM reads"))
             h2d_r.append(_slope(lambda k: copy_engine_times(store, layer, device, k, reps), small, n,
                                 "the copy engine"))
         except LinkUnmeasurable as exc:  # one disturbed round: the others decide
             noise.append(str(exc))
-            del uva_r[len(h2d_r):]
+            del uva_r[len(h2d_r):]  # the round's SM-read rate, where its copy-engine timing was the disturbed one
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the temporary rows must not shrink what the budget plan sees as free
     if not h2d_r:
         raise LinkUnmeasurable(f"every one of {rounds} rounds was out of order; the last: {noise[-1]}")
-    return LinkRates(h2d_GBps=max(h2d_r), uva_GBps=max(uva_r), rows=n, row_bytes=store.bytes_per_expert, reps=reps,
-                     layer=layer, h2d_rounds_GBps=tuple(h2d_r), uva_rounds_GBps=tuple(uva_r))
+    return LinkRates(h2d_GBps=statistics.median(h2d_r), uva_GBps=statistics.median(uva_r), rows=n,
+                     row_bytes=store.bytes_per_expert, reps=reps, layer=layer, h2d_rounds_GBps=tuple(h2d_r),
+                     uva_rounds_GBps=tuple(uva_r))
 
 
 #: SM reads below this share of the copy engine's rate get a hint in ``link_rates_measured`` (and ``routed_copy``'s
@@ -288,7 +296,7 @@ def decode_path(setting: str, link: dict | None) -> tuple[str, str]:
     return "auto", _slow_sm_reads(link)[1]
 
 
-def decode_path_floor(setting: str, link: dict | None = None) -> int:
+def decode_path_floor(setting: str, link: dict | None) -> int:
     """The lowest routed threshold ``decode.path`` ``setting`` lets ``auto`` reach (``prefill_path.resolve``'s
     ``auto_floor``): for ``host`` ``HOST_AUTO_MIN_TOKENS`` on a host with slow SM reads (``link``, the start-up
     measurement) and ``FAST_HOST_AUTO_MIN_TOKENS`` elsewhere; ``FILLS_MIN_TOKENS`` for ``fills``, 1 for an explicit

@@ -22,8 +22,9 @@ few tokens route few experts: a 16-token prompt on 512 experts at top-10 routes 
 
 ``auto`` picks the largest T (up to the entry's ``max_tokens``, the largest T its constants were
 measured at) such that routed-only is cheaper for every T' <= T; ``decode.max_tokens`` is a floor
-(decode steps must take the routed path: it is the one a CUDA graph can capture) unless ``decode.path`` is
-``auto``: then the model's (or the setting's) threshold stands even below ``decode.max_tokens`` (at least 1),
+(decode steps must take the routed path: it is the one a CUDA graph can capture) unless ``decode.path`` resolves
+to ``auto`` (``host`` does wherever this host's link rates were measured, ``link_rates.decode_path``): then the
+model's (or the setting's) threshold stands even below ``decode.max_tokens`` (at least 1, or the setting's floor),
 and decode steps of more rows than it run eagerly on the staged path, where the model says a whole missing
 layer over the copy engine (55 GB/s, overlapped with the previous layer) beats SM reads of the routed misses
 (~48 GB/s, not overlapped): e.g. 64 rows at residency 0.37 on the H200 constants, 3.9 vs 5.3 ms per layer. The threshold is
@@ -308,7 +309,8 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
     (``prefill.routed_adaptive_max_tokens``): observed routing may route single prompts up to it (cost model
     thresholds only; the caller turns it off under tensor parallelism). ``model``: ``(CostModel, entry)`` to
     decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test). ``auto_floor``:
-    the lowest threshold ``auto`` may reach (``decode.path: host`` keeps ``link_rates.HOST_AUTO_MIN_TOKENS``)."""
+    the lowest threshold ``auto`` may reach (``link_rates.decode_path_floor``: for ``decode.path: host`` 16 rows on a
+    host with slow SM reads, 32 elsewhere)."""
     if decode_path not in ("routed", "auto", "fills"):
         raise ValueError(f"decode_path {decode_path!r}: resolve it first (routed, auto or fills; link_rates.decode_path)")
     floor = decode_max_tokens

@@ -19,3 +19,16 @@ def test_the_report_holds_each_run_and_the_kind_follows_the_median_share(tmp_pat
     assert report["slow"] == (shares[1] < report["slow_below"])
     assert all(r["rows"] == 32 and r["row_bytes"] > 2_000_000 for r in report["runs"])
     assert ("slow SM reads" if report["slow"] else "fast SM reads") in capsys.readouterr().out
+
+
+def test_a_host_it_cannot_measure_is_named_as_such_never_as_fast(tmp_path, monkeypatch, capsys):
+    from moe_offload.link_rates import LinkUnmeasurable
+
+    def unmeasurable(store, device):  # fault injection: every round out of order
+        raise LinkUnmeasurable("every one of 3 rounds was out of order")
+
+    monkeypatch.setattr(link_probe, "measure_link", unmeasurable)
+    assert link_probe.main(["--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "link.json").read_text())
+    assert report["slow"] is None and "LinkUnmeasurable: every one of 3 rounds" in report["error"]
+    assert "not measured" in capsys.readouterr().err

@@ -53,3 +53,37 @@ def test_under_the_lookahead_the_overlap_is_declined_with_one_event_and_a_count(
     eng.cache.reset()
     assert eng.cache.stats()["declined"].get("decode_miss_overlap:lookahead") == 1
     assert not eng.cache.decode_splits(4)
+
+
+def test_a_padded_prompt_in_a_routed_prefill_graph_splits_and_changes_no_bit(tiny_ckpt, monkeypatch):
+    """A 13-token prompt in a routed prefill graph (padded to its bucket, ``cache.pad_src_N`` set): with the overlap
+    its layers take the split, captured with the side stream inside the graph; eager and every replay give the bits
+    of the one-pass run."""
+    from moe_offload.config import load_config
+    from moe_offload.engine import Engine
+
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    runs = []
+    for overlap in (1, 0):
+        cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
+                                 "logging.level=WARNING", "prefill.routed_max_tokens=24", "cache.budget=8 slots",
+                                 "cache.admit_per_step=0", "compute.decode_kernel=tiles",
+                                 f"decode.overlap_misses_from={overlap}"])
+        eng = Engine.from_config(cfg, progress=False)
+        padded = []
+        real = eng.cache.decode_plan_split
+        monkeypatch.setattr(eng.cache, "decode_plan_split",
+                            lambda *a, **k: padded.append(eng.cache.pad_src_N is not None) or real(*a, **k))
+        dec = StaticDecoder(eng, 1, 128, graphs=True)
+        assert dec.prefill_graphs.plan(1, 13)[1] == "routed"
+        out = []
+        for _ in range(4):  # the padded eager forward, the capture, then replays
+            dec.reset()
+            out.append(dec.prefill(torch.tensor([list(range(9, 22))], device="cuda")).clone())
+        st = eng.cache.stats()
+        assert st["compute"]["prefill_graph_replays"] == 3 and st["declined"] == {}
+        assert (bool(padded) and all(padded)) == bool(overlap)
+        runs.append(out)
+        monkeypatch.undo()
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"prefill {i} differs"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# README "GPU runs still owed", picked by the kind of host that came: one lent-GPU call per invocation, in order,
+# on one machine (chain the calls at once: /tmp/res, /tmp/moe-cache and link.json live only while it is held).
+# Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, then 3)
+#   call 1: the link stage (which kind of host: benchmarks/link_probe.py) and the build, then
+#           slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
+#           fast SM reads: decode.overlap_misses_from 16 against 0 for prompts, ABBA (owed 6);
+#   call 2: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64 (owed 2);
+#           fast: decode.path host against routed at residency 0.37 / 0.5, batch 32 / 64, the second rep (owed 3);
+#   call 3: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 4), then fill_profile (7);
+#           fast: the conditional-copy probe (owed 5), then fill_profile.
+# Each call ends within the device's 10 minutes (gpu_run.sh caps every stage); results in $OUT/results.tgz.
+set -uo pipefail
+call="${1:?call number: 1, 2 or 3}"
+kind() {  # slow / fast / unknown, from the link stage's report of this machine
+  python3 -c "import json; d=json.load(open('/tmp/res/link.json')); print({True: 'slow', False: 'fast'}.get(d['slow'], 'unknown'))" \
+    2>/dev/null || echo unknown
+}
+# run N stage...: gpu_run.sh with at most N seconds of this call (its stages end, and are tarred, within them)
+run() { local n=$1; shift; local left=$(( 590 - SECONDS )); (( n > left )) && n=$left
+  CALL_LIMIT_S=$n bash benchmarks/gpu_run.sh "$@"; }
+if [[ $call == 1 ]]; then
+  run 590 link build
+  k=$(kind); echo "host: $k"
+  if [[ $k == slow ]]; then
+    TTFT_AB=prefill.routed_copy=copy_engine TTFT_AB_OFF=prefill.routed_copy=uva run 590 ttft_ab
+  else
+    TTFT_AB=decode.overlap_misses_from=16 TTFT_AB_OFF=decode.overlap_misses_from=0 run 590 ttft_ab
+  fi
+  exit 0
+fi
+k=$(kind); echo "host: $k"
+[[ -d /tmp/moe-cache ]] || { echo "no build on this machine (a fresh start?): run call 1 first"; exit 1; }
+if [[ $call == 2 ]]; then
+  if [[ $k == slow ]]; then
+    SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="on off" AB_RESIDENCY=0.37 AB_BATCH=16,32,64 \
+      AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
+  else
+    SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="off on" AB_RESIDENCY=0.37,0.5 AB_BATCH=32,64 \
+      AB_TESTS=tests/gpu/test_decode_overlap_gpu.py run 590 set_ab
+  fi
+elif [[ $call == 3 ]]; then
+  if [[ $k == slow ]]; then
+    SET_AB=decode.path=fills SET_AB_OFF=decode.path=host AB_SIDES="on off" AB_RESIDENCY=0.5 AB_BATCH=8,16,32 \
+      AB_TESTS=tests/gpu/test_link_rates_gpu.py run 430 set_ab
+    FILL_PROFILE_COPIES=copy_engine run 590 fill_profile
+  else
+    run 150 cond_copy
+    FILL_PROFILE_COPIES="copy_engine uva" run 590 fill_profile
+  fi
+fi

@@ -101,6 +101,14 @@ class ModelConfig(_Strict):
     seed: int = 0
     cache_dir: str | None = Field(None, description="where presets are built; default ~/.cache/moe-offload")
 
+    @field_validator("checkpoint", "cache_dir")
+    @classmethod
+    def _not_blank(cls, v: str | None) -> str | None:
+        # an unset shell variable (--checkpoint "$DIR") must not silently mean "build the preset" or "here"
+        if v is not None and not v.strip():
+            raise ValueError("an empty path; give a directory, or null (leave it out) for the default")
+        return v
+
 
 class CacheConfig(_Strict):
     budget: Budget = Budget(kind="fraction", value=0.5)
@@ -451,7 +459,11 @@ def _apply_override(tree: dict, assignment: str) -> None:
         node = node.setdefault(p, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {assignment!r}: '{p}' is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); quote "
+                          "a string, e.g. --set 'model.checkpoint=\"dir\"'") from None
 
 
 def default_config_text() -> str:
@@ -467,7 +479,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit --config for the embedded default")
-        text, source = p.read_text(), str(p)
+        try:
+            text, source = p.read_text(encoding="utf-8"), str(p)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as "
+                              "UTF-8 YAML") from None
     try:
         tree = yaml.safe_load(text) or {}
     except yaml.YAMLError as exc:

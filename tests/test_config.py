@@ -101,3 +101,21 @@ def test_a_serve_section_is_part_of_the_config_tree(tmp_path):
     assert (cfg.serve.max_batch, cfg.serve.max_queue, cfg.serve.model_name) == (8, 3, "mine")
     with pytest.raises(ConfigError, match="serve.max_batch"):
         load_config(None, ["serve.max_batch=0"])
+
+
+@pytest.mark.parametrize("key", ["model.checkpoint", "model.cache_dir"])
+def test_an_empty_path_is_refused_by_name_not_read_as_the_default(key):
+    """An unset shell variable (--checkpoint "$DIR") must not silently run the synthetic preset."""
+    with pytest.raises(ConfigError, match=f"{key}.*an empty path"):
+        load_config(None, [f"{key}="])
+    with pytest.raises(ConfigError, match=f"{key}.*an empty path"):
+        load_config(None, [f'{key}="  "'])
+
+
+def test_a_set_value_that_is_not_yaml_and_a_config_that_is_not_utf8_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set 'cache.budget=\[1,': the value is not valid YAML"):
+        load_config(None, ["cache.budget=[1,"])
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("cache:\n  policy: lru # d\xe9j\xe0\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"config file {p} is not UTF-8 text"):
+        load_config(p)

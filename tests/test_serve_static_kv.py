@@ -201,6 +201,17 @@ def test_serving_from_static_rows_limits_max_model_len_to_their_positions(engine
                   LocalExecutor(engine, ServeConfig(), StaticBatch(engine, 2, MAX_LEN)))
 
 
+@pytest.mark.parametrize("kv", ["static", "dynamic"])
+def test_max_model_len_above_the_model_s_positions_is_refused_whatever_the_kv_cache(engine, kv):
+    """The tiny model has 4096 positions: a longer serve.max_model_len would let requests run past them (a dynamic KV
+    cache has no positions of its own to stop it), so the scheduler refuses it by name."""
+    batch = LeftPaddedBatch(engine) if kv == "dynamic" else StaticBatch(engine, 2, 8192)
+    with pytest.raises(ConfigError, match=r"serve.max_model_len=4097 is more than the model's 4096 positions"):
+        Scheduler(engine, ServeConfig(max_model_len=4097), LocalExecutor(engine, ServeConfig(), batch))
+    ok = Scheduler(engine, ServeConfig(max_model_len=4096), LocalExecutor(engine, ServeConfig(), batch))
+    assert ok.max_model_len == 4096
+
+
 def test_a_step_takes_the_smallest_bucket_of_rows_and_positions_holding_it(engine):
     assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(6) == [1, 2, 4, 6]
     batch = StaticBatch(engine, 6, 100)  # 100 positions: not a power of two

@@ -148,6 +148,11 @@ class Scheduler:
 
     def _max_model_len(self, model_max: int) -> int:
         """``serve.max_model_len`` (default: the model's), within the static KV cache's positions per row."""
+        if self.cfg.max_model_len is not None and self.cfg.max_model_len > model_max:
+            raise ConfigError(f"serve.max_model_len={self.cfg.max_model_len} is more than the model's {model_max} "
+                              "positions (max_position_embeddings in the checkpoint's config.json): tokens past them "
+                              "would be computed at positions the model never saw; lower serve.max_model_len or "
+                              "leave it unset (null: the model's)")
         limit = self.executor.batch.max_len
         if limit is None:
             return self.cfg.max_model_len or model_max

@@ -9,7 +9,6 @@ the value and the fix.
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,16 +38,21 @@ class ModelFacts:
 
 def _eos_ids(config: dict, path: Path | None) -> tuple[int, ...]:
     """EOS ids from generation_config.json (what transformers' generate uses), else config.json."""
-    raw = config.get("eos_token_id")
+    raw, source = config.get("eos_token_id"), "config.json"
     if path is not None and (path / "generation_config.json").is_file():
-        try:
-            raw = json.loads((path / "generation_config.json").read_text()).get("eos_token_id", raw)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path / 'generation_config.json'}: not valid JSON ({exc}); fix or delete it") from None
+        from moe_offload.checkpoint.reader import read_json_object
+
+        gen = read_json_object(path / "generation_config.json")
+        if "eos_token_id" in gen:
+            raw, source = gen["eos_token_id"], str(path / "generation_config.json")
     if raw is None:
         return ()
     ids = raw if isinstance(raw, list) else [raw]
-    return tuple(int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool))
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        # dropping a bad id would leave generation without its stop token, silently
+        raise InputError(f"{source}: eos_token_id is {raw!r}; it must be a token id (a JSON integer >= 0) or a list "
+                         "of them; fix the file")
+    return tuple(ids)
 
 
 def model_facts(cfg: OffloadConfig) -> ModelFacts:
@@ -77,7 +81,10 @@ def model_facts(cfg: OffloadConfig) -> ModelFacts:
         path, source = None, f"preset {cfg.model.preset}"
         fmt = PRESET_DEFAULT_FORMAT if cfg.model.format == "auto" else cfg.model.format
     max_pos = config.get("max_position_embeddings")
-    return ModelFacts(source, path, fmt, geo.vocab, int(max_pos) if max_pos else None, geo.inter,
+    if max_pos is not None and (isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1):
+        raise InputError(f"{source}: max_position_embeddings in config.json is {max_pos!r}; it must be a JSON "
+                         "integer >= 1; fix config.json")
+    return ModelFacts(source, path, fmt, geo.vocab, max_pos or None, geo.inter,
                       _eos_ids(config, path))
 
 

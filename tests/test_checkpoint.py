@@ -146,6 +146,65 @@ def test_unknown_family_is_named(tiny_ckpt, tmp_path):
         CheckpointReader(dst)
 
 
+def _config_edited(tiny_ckpt, tmp_path, **changes):
+    dst = _copy(tiny_ckpt, tmp_path)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("num_hidden_layers", 0, "num_hidden_layers is 0; it must be an integer >= 1"),
+    ("num_experts_per_tok", 0, "num_experts_per_tok is 0; it must be an integer >= 1"),
+    ("num_experts_per_tok", 100, "num_experts_per_tok=100 routes each token to more experts than the 16"),
+    ("hidden_size", "64", "hidden_size is '64'; it must be an integer >= 1 \\(a JSON number, not a string\\)"),
+    ("moe_intermediate_size", 32.5, "moe_intermediate_size is 32.5"),
+    ("vocab_size", True, "vocab_size is True"),
+])
+def test_a_config_json_number_that_is_no_count_is_named_with_its_key(tiny_ckpt, tmp_path, key, value, match):
+    """Before: a top-k of 0 ran and routed nothing (exit 0), 100 blamed the cache budget, 0 layers divided by zero,
+    a string reached transformers' config classes as a traceback."""
+    with pytest.raises(UnknownFamilyError, match=match):
+        CheckpointReader(_config_edited(tiny_ckpt, tmp_path, **{key: value}))
+
+
+def test_weights_of_more_layers_than_config_json_says_are_refused(tiny_ckpt, tmp_path):
+    """Before: a 4-layer checkpoint whose config.json said 2 ran as a 2-layer model, exit 0."""
+    dst = _config_edited(tiny_ckpt, tmp_path, num_hidden_layers=2)
+    with pytest.raises(CheckpointError, match=r"num_hidden_layers=2 but the weights hold layer 3 "
+                                              r"\(model\.layers\.2\.\.\. and on\)"):
+        CheckpointReader(dst)
+
+
+@pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])
+def test_a_json_file_that_is_no_object_is_named(tiny_ckpt, tmp_path, name):
+    dst = _copy(tiny_ckpt, tmp_path)
+    (dst / name).write_text("[1]")
+    with pytest.raises(CheckpointError, match=rf"{name}: a JSON list, where an object of keys belongs"):
+        detect_format(CheckpointReader(dst))
+
+
+@pytest.mark.parametrize("file, key, value, match", [
+    ("generation_config.json", None, [1], "generation_config.json: a JSON list"),
+    ("generation_config.json", "eos_token_id", "2", "generation_config.json: eos_token_id is '2'"),
+    ("config.json", "eos_token_id", [1, "x"], "config.json: eos_token_id is \\[1, 'x'\\]"),
+    ("config.json", "max_position_embeddings", "abc", "max_position_embeddings in config.json is 'abc'"),
+])
+def test_a_stop_token_or_position_count_of_the_wrong_type_is_named(tiny_ckpt, tmp_path, file, key, value, match):
+    """Before: a string EOS id was dropped (generation never stopped at it), a string position count failed with
+    int()'s message naming nothing."""
+    from moe_offload.config import load_config
+    from moe_offload.prompts import InputError, model_facts
+
+    dst = _copy(tiny_ckpt, tmp_path)
+    path = dst / file
+    doc = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps(value if key is None else {**doc, key: value}))
+    with pytest.raises((InputError, CheckpointError), match=match):
+        model_facts(load_config(None, [f"model.checkpoint={json.dumps(str(dst))}"]))
+
+
 def test_format_mismatch_is_named(tiny_ckpt):
     with pytest.raises(StoreError, match="model.format is 'nvfp4-ct' but the checkpoint is 'nvfp4-modelopt'"):
         ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), fmt="nvfp4-ct", progress=False)

@@ -102,14 +102,24 @@ def geometry_from_config(cfg: dict[str, Any], source: str = "config.json") -> Mo
         )
     fam = FAMILIES[mt]
 
-    def need(key: str, *alts: str):
+    def need(key: str, *alts: str, low: int = 1) -> int:
+        """The first of ``key, *alts`` present: an integer of at least ``low`` (JSON numbers only: a string such as
+        "64" would pass here and fail deep inside transformers' config classes)."""
         for k in (key, *alts):
             if k in cfg and cfg[k] is not None:
-                return cfg[k]
+                v = cfg[k]
+                if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                    raise UnknownFamilyError(f"{source}: {k} is {v!r}; it must be an integer >= {low} (a JSON number, "
+                                             "not a string); fix config.json")
+                return v
         raise UnknownFamilyError(f"{source}: missing key {key!r}" + (f" (or {', '.join(alts)})" if alts else "") + f" for a {mt} model")
 
-    n_layers = int(need("num_hidden_layers"))
-    experts = int(need("num_experts", "num_local_experts"))
+    n_layers = need("num_hidden_layers")
+    experts = need("num_experts", "num_local_experts")
+    top_k = need("num_experts_per_tok")
+    if top_k > experts:
+        raise UnknownFamilyError(f"{source}: num_experts_per_tok={top_k} routes each token to more experts than the "
+                                 f"{experts} a layer has; fix config.json (num_experts_per_tok <= the expert count)")
     if mt == "mixtral":
         moe_layers = tuple(range(n_layers))
     else:
@@ -121,10 +131,10 @@ def geometry_from_config(cfg: dict[str, Any], source: str = "config.json") -> Mo
         num_layers=n_layers,
         moe_layers=moe_layers,
         num_experts=experts,
-        top_k=int(need("num_experts_per_tok")),
-        hidden=int(need("hidden_size")),
-        inter=int(need(fam.inter_key)),
-        vocab=int(need("vocab_size")),
+        top_k=top_k,
+        hidden=need("hidden_size"),
+        inter=need(fam.inter_key),
+        vocab=need("vocab_size"),
     )
 
 
@@ -157,6 +167,13 @@ def expert_count_error(geo: ModelGeometry, names: list[str], count_key: str) -> 
         if m:
             seen.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
     E = geo.num_experts
+    layer_prefix = geo.family.expert_prefix.split("{l}")[0]
+    extra = sorted({int(m.group(1)) for n in names
+                    if (m := re.match(re.escape(layer_prefix) + r"(\d+)\.", n)) and int(m.group(1)) >= geo.num_layers})
+    if extra:
+        return (f"config.json num_hidden_layers={geo.num_layers} but the weights hold layer {extra[-1]} "
+                f"({layer_prefix}{extra[0]}... and on); set num_hidden_layers to the layers the weights hold, or "
+                "remove the extra layers' tensors")
     for layer in sorted(seen):
         idx = seen[layer]
         if max(idx) >= E:

@@ -67,6 +67,19 @@ def _read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def read_json_object(path: Path) -> dict[str, Any]:
+    """``path`` parsed as a JSON object (config.json, hf_quant_config.json, generation_config.json); a
+    ``CheckpointError`` naming the file where it is not valid JSON or not an object of keys."""
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: a JSON {type(doc).__name__}, where an object of keys belongs; fix or "
+                              "re-download it")
+    return doc
+
+
 class CheckpointReader:
     """An HF checkpoint dir opened for lazy reads."""
 
@@ -75,10 +88,7 @@ class CheckpointReader:
         cfg_path = self.path / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{self.path}: no config.json; point model.checkpoint at an HF checkpoint dir")
-        try:
-            self.config: dict[str, Any] = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+        self.config: dict[str, Any] = read_json_object(cfg_path)
         self.geometry: ModelGeometry = geometry_from_config(self.config, str(cfg_path))
         self._file_of: dict[str, Path] = {}
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -231,10 +241,7 @@ def _modelopt_algo(reader: CheckpointReader, qc: dict) -> tuple[str | None, Path
     hf_quant = reader.path / "hf_quant_config.json"
     algo, source = qc.get("quant_algo"), reader.path / "config.json"
     if hf_quant.is_file():
-        try:
-            doc = json.loads(hf_quant.read_text())
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{hf_quant}: not valid JSON ({exc})") from None
+        doc = read_json_object(hf_quant)
         algo, source = (doc.get("quantization") or {}).get("quant_algo", algo), hf_quant
     return algo, source
 

@@ -418,3 +418,17 @@ def test_a_tail_of_slow_steps_is_located_early_or_spread_and_listed_in_the_markd
     md = "\n".join(_tail_table({"cells": [early]}))
     assert "| 0.37 | 4 |" in md and "| 1, 2, 3; 1, 2 | 81.6 / 10.1 |" in md and "16 %" in md
     assert tail(spread)["slow_missed_experts"] is None  # no per-step counts in this result
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+    (["--batch", "100000", "--residency", "1"], "decode.max_tokens=100000 (what --batch / --prompt-len / --steps ask "
+                                                 "for) is out of range"),
+])
+def test_a_zero_or_out_of_range_size_is_named_not_replaced_by_a_default(argv, message, capsys):
+    """Before: --steps 0 and --prompt-len 0 silently ran the defaults (4 steps, 32 tokens), and a batch past
+    decode.max_tokens' range printed pydantic's multi-line text."""
+    assert cli_main(["bench", "decode", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "pydantic.dev" not in err

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from moe_offload import log
@@ -128,7 +129,8 @@ def make_plan(a: argparse.Namespace, cfg: OffloadConfig) -> Plan:
     batches = _ints(a.batch or d["batches"], "--batch")
     peers = () if str(a.peers).strip().lower() == "none" else _csv(
         a.peers, "--peers", str, lambda m: m in PEERS, f"a comma-separated subset of {', '.join(PEERS)}, or none")
-    prompt_len, steps = a.prompt_len or d["prompt_len"], a.steps or d["steps"]
+    prompt_len = d["prompt_len"] if a.prompt_len is None else a.prompt_len  # 0 is an error below, not "the default"
+    steps = d["steps"] if a.steps is None else a.steps
     reps = d["reps"] if a.reps is None else a.reps
     for name, value in (("--prompt-len", prompt_len), ("--steps", steps), ("--reps", reps),
                         ("--peer-reps", a.peer_reps), ("--peer-layers", a.peer_layers), ("--layers", a.layers)):
@@ -157,7 +159,12 @@ def bench_config(a: argparse.Namespace) -> tuple[OffloadConfig, Plan, list[str]]
     for key in sorted(overridden):
         notes.append(f"--set {key} is replaced: the bench sets it itself")
     for key, value in forced.items():
-        setattr(cfg.decode, key.split(".")[1], value)  # validated on assignment
+        try:
+            setattr(cfg.decode, key.split(".")[1], value)  # validated on assignment
+        except ValidationError as exc:
+            detail = exc.errors()[0]
+            raise BenchError(f"{key}={value} (what --batch / --prompt-len / --steps ask for) is out of range: "
+                             f"{detail['msg']}; use smaller values") from None
     return cfg, plan, notes
 
 

@@ -12,6 +12,7 @@ import sys
 from types import SimpleNamespace
 
 from moe_offload import log
+from moe_offload.config import seed_arg
 from moe_offload.output import TokenStream, print_error, print_result, show_progress, silence_broken_pipe
 from moe_offload.presets import PRESET_NAMES
 
@@ -83,6 +84,11 @@ def _prompt_ids(a, facts) -> tuple[list[int], str]:
             text, flag = (DEFAULT_PROMPT if a.prompt is None else a.prompt), "--prompt"
         if not text:
             raise InputError(f"{flag} is empty; pass some text, --prompt-file FILE (- for stdin) or --prompt-ids 1,2,3")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes the shell could not decode (surrogate escapes)
+            raise InputError(f"{flag}: not valid UTF-8 text ({exc.reason} at character {exc.start}); pass UTF-8 "
+                             "text or --prompt-ids") from None
         try:
             tokenizer = load_prompt_tokenizer(facts)
         except ValueError as exc:
@@ -212,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_float_in(0.0, 100.0), help="sampling temperature, 0 = greedy (decode.temperature)")
     g.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), help="nucleus sampling mass in (0, 1] (decode.top_p)")
     g.add_argument("--top-k", type=_int_at_least(0), help="sample among the k most likely tokens, 0 = all (decode.top_k)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--seed", type=seed_arg, default=0, help="sampling seed (default 0)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     g.add_argument("--json", action="store_true", help="print one JSON document at the end (no streaming, no progress bars)")
     g.set_defaults(fn=cmd_generate)
@@ -226,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", type=_int_at_least(1), metavar="N", help="truncate to N layers (at most the preset's depth)")
     m.add_argument("--activations", choices=("w4a16", "w4a4"), default="w4a16",
                    help="NVFP4 only: weight-only export (default) or W4A4 (activation scales written, served weight-only)")
-    m.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    m.add_argument("--seed", type=seed_arg, default=0, help="weights seed (default 0)")
     m.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bars)")
     m.set_defaults(fn=cmd_make_checkpoint)
 

@@ -89,6 +89,24 @@ class Budget(BaseModel):
         )
 
 
+#: the largest seed torch.manual_seed takes (a signed 64-bit integer); larger ones fail with "Overflow when unpacking
+#: long long", which names nothing
+SEED_MAX = (1 << 63) - 1
+
+
+def seed_arg(text: str) -> int:
+    """argparse type of every ``--seed``: an integer in [0, ``SEED_MAX``]."""
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if not 0 <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in [0, {SEED_MAX}] (a 64-bit seed), got {text}")
+    return v
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -98,7 +116,7 @@ class ModelConfig(_Strict):
     preset: Literal[PRESETS] = "tiny-qwen3-moe"  # type: ignore[valid-type]
     format: Literal["auto", "bf16", "nvfp4-modelopt", "nvfp4-ct"] = "auto"
     layers: int | None = Field(None, ge=1, description="truncate a preset to this many layers")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     cache_dir: str | None = Field(None, description="where presets are built; default ~/.cache/moe-offload")
 
     @field_validator("checkpoint", "cache_dir")

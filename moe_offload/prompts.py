@@ -129,8 +129,17 @@ def parse_prompt_ids(text: str, flag: str = "--prompt-ids") -> list[int]:
 def read_prompt_file(name: str) -> str:
     """The prompt text of ``--prompt-file`` (``-`` reads standard input)."""
     if name == "-":
-        return sys.stdin.read()
+        raw = getattr(sys.stdin, "buffer", None)  # a text stream without bytes underneath (embedders, tests)
+        if raw is None:
+            return sys.stdin.read()
+        try:
+            return raw.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InputError(f"--prompt-file -: standard input is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                             "pipe UTF-8 text") from None
     p = Path(name)
+    if p.is_dir():
+        raise InputError(f"--prompt-file {name} is a directory; pass a UTF-8 text file, or - for standard input")
     if not p.is_file():
         raise InputError(f"--prompt-file {name}: no such file; pass a UTF-8 text file, or - for standard input")
     try:

@@ -179,3 +179,26 @@ def test_a_closed_stdout_ends_quietly(ckpt):
                        stderr=subprocess.PIPE, text=True, timeout=120)
     os.close(w)
     assert p.returncode == 141 and "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["make-checkpoint", "--out", "unused"], ["bench", "decode"],
+                                  ["bench", "ttft"], ["bench", "soak"], ["bench", "serve"]])
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+def test_a_seed_outside_64_bits_is_named_by_its_flag_before_any_work(argv, seed):
+    """Before: torch's "Overflow when unpacking long long", naming nothing (bench decode only after loading)."""
+    rc, _, err = _run(*argv, "--seed", seed)
+    assert rc == 2 and "--seed" in err and "a 64-bit seed" in err
+
+
+def test_a_prompt_that_is_not_utf8_is_named_by_its_flag(tmp_path, monkeypatch):
+    rc, _, err = _run("generate", "--prompt", "\udce9x")  # what a shell hands over for a lone byte 0xe9
+    assert rc == 2 and "--prompt: not valid UTF-8 text" in err and "Traceback" not in err
+
+    class Stdin:
+        buffer = io.BytesIO(b"\xff\xfe")
+
+    monkeypatch.setattr(sys, "stdin", Stdin())
+    rc, _, err = _run("generate", "--prompt-file", "-")
+    assert rc == 2 and "--prompt-file -: standard input is not UTF-8 text" in err
+    rc, _, err = _run("generate", "--prompt-file", str(tmp_path))
+    assert rc == 2 and "is a directory" in err

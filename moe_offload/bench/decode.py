@@ -44,7 +44,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import ValidationError
 from tqdm.auto import tqdm
@@ -55,7 +54,7 @@ from moe_offload.bench.sweep import (RoutingRecorder, cell_config, failed_cell, 
                                      resident_sets, use_cache)
 from moe_offload.bench.timing import measure_h2d, measure_hbm, measure_uva
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
-from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config
+from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config, seed_arg
 from moe_offload.experts import offloaded_experts
 
 PEERS = ("eager", "compiled")
@@ -110,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-layers", type=int, help="run the peers on the first N layers and scale ms/step linearly "
                    "(default: as many layers as the engine)")
     p.add_argument("--peer-reps", type=int, default=2, help="timed runs per peer and batch (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the resident sets")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and of the resident sets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
                    "(default %(default)s)")

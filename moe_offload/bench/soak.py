@@ -52,7 +52,7 @@ from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.soak_sampler import Sampler, WarningCounter
 from moe_offload.bench.sweep import cell_config, pool_slots, resident_sets, use_cache
 from moe_offload.bench.ttft import BenchError, _csv
-from moe_offload.config import OffloadConfig, load_config
+from moe_offload.config import OffloadConfig, load_config, seed_arg
 from moe_offload.serve.consistency import first_difference as first_index
 
 # The embedded default is the CI smoke test: seconds on a CPU, so short prompts, small batches.
@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, help=f"greedy tokens decoded per request {both('new_tokens')}")
     p.add_argument("--workloads", type=int, help=f"seeded workloads with reference answers {both('workloads')}")
     p.add_argument("--sample-s", type=float, default=2.0, help="seconds between memory samples (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the workloads, their order and the resident sets")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workloads, their order and the resident sets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
                    "(default %(default)s)")

@@ -64,7 +64,7 @@ from moe_offload import log
 from moe_offload.bench.env import add_git_sha_argument
 from moe_offload.bench.sweep import MODES, PATHS, cell_config, free_memory, pool_slots, sweep
 from moe_offload.bench.timing import measure_h2d
-from moe_offload.config import FORMATS, PRESETS, ROUTED_MAX_TOKENS_LIMIT, OffloadConfig, load_config
+from moe_offload.config import FORMATS, PRESETS, ROUTED_MAX_TOKENS_LIMIT, OffloadConfig, load_config, seed_arg
 
 PEERS = ("accelerate", "full_gpu")
 BUDGETS = ("residency", "max")
@@ -125,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "depth) or A,B (these two depths), scaled to the engine's depth by the per-layer slope of the two "
                    "(default: as many layers as the engine)")
     p.add_argument("--peer-reps", type=int, default=3, help="timed repetitions per peer and prompt length (default 3)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the resident sets")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and of the resident sets")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, or one per process under "
                    "torchrun); the expert intermediate size must split into multiples of the format's block")

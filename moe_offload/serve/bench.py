@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from moe_offload import log
+from moe_offload.config import seed_arg
 from moe_offload.serve import bench_report
 from moe_offload.serve.bench_clients import ClientProcess, Job
 
@@ -63,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="distinct requests in the mix, each its own seeded prompt, each first run alone as the "
                         "reference (default: the largest --clients level, at least every length x output combination)")
     p.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn from [3, vocab) (default: the model's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--out", help="directory for serve-<model>-<sha>.{json,md,png}")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

@@ -202,3 +202,22 @@ def test_a_prompt_that_is_not_utf8_is_named_by_its_flag(tmp_path, monkeypatch):
     assert rc == 2 and "--prompt-file -: standard input is not UTF-8 text" in err
     rc, _, err = _run("generate", "--prompt-file", str(tmp_path))
     assert rc == 2 and "is a directory" in err
+
+
+@pytest.mark.parametrize("bench", ["ttft", "decode", "soak", "serve"])
+def test_an_out_that_is_a_file_is_refused_before_any_work(tmp_path, bench):
+    """Before: bench ttft ran its whole sweep, then failed to write ([Errno 17] File exists)."""
+    f = tmp_path / "results.txt"
+    f.write_text("")
+    rc, _, err = _run("bench", bench, "--out", str(f))
+    assert rc == 2 and f"--out {f} is a file" in err
+
+
+def test_bench_serve_against_no_server_and_soak_merge_of_a_foreign_json_are_named(tmp_path):
+    rc, _, err = _run("bench", "serve", "--url", "http://127.0.0.1:1")
+    assert rc == 2 and "--url http://127.0.0.1:1: no OpenAI-compatible server answered" in err
+    rc, _, err = _run("bench", "serve", "--url", "notaurl")
+    assert rc == 2 and "--url notaurl" in err and "Traceback" not in err
+    (tmp_path / "e.json").write_text("{}")
+    rc, _, err = _run("bench", "soak", "--merge", str(tmp_path / "e.json"), "--out", str(tmp_path))
+    assert rc == 2 and "not a bench soak result" in err

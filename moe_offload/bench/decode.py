@@ -428,6 +428,7 @@ def main(a: argparse.Namespace) -> int:
     from moe_offload.engine import resolve_device
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    env.check_out_dir(a.out)
     cfg, plan, notes = bench_config(a)
     log.configure(cfg.logging.level, cfg.logging.format)
     planned = len(plan.residencies) * len(plan.batches)

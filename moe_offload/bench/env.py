@@ -17,6 +17,23 @@ import torch
 from moe_offload import log
 
 
+def check_out_dir(out: str | os.PathLike | None, flag: str = "--out") -> None:
+    """Before any work: ``out`` is (or can be made) a writable directory; a ``ValueError`` naming ``flag`` otherwise
+    (a file there, no permission), so a long sweep does not end in a failed write."""
+    if out is None:
+        return
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {p} is a file; pass a directory for the results (it is created if missing)")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{flag} {p}: cannot create the directory ({exc.strerror}); pass a writable directory") \
+            from None
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {p}: the directory is not writable; pass a writable directory")
+
+
 def _git(root: Path, *args: str) -> str | None:
     try:
         out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)

@@ -391,10 +391,19 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
 
 def main(a: argparse.Namespace) -> int:
     from moe_offload.bench import soak_report
+    from moe_offload.bench.env import check_out_dir
 
+    check_out_dir(a.out)
     if a.merge:
         log.configure()
-        result = soak_report.merge([json.loads(Path(p).read_text()) for p in a.merge], a.merge)
+        docs = []
+        for p in a.merge:
+            try:
+                docs.append(json.loads(Path(p).read_text()))
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"--merge {p}: cannot read it as JSON ({exc}); pass the JSON files bench soak wrote") \
+                    from None
+        result = soak_report.merge(docs, a.merge)
     else:
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         cfg, plan, notes = bench_config(a)

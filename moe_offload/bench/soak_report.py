@@ -123,6 +123,12 @@ def merge(results: list[dict], sources: list[str]) -> dict:
     reference in order. Raises ``BenchError`` when they are not of the same model, settings and commit."""
     from moe_offload.bench.ttft import BenchError
 
+    for path, r in zip(sources, results):
+        missing = [k for k in ("schema", "settings", "runs", "references", "notes") if k not in r] \
+            if isinstance(r, dict) else ["an object of keys"]
+        if missing:
+            raise BenchError(f"--merge {path}: not a bench soak result (no {', '.join(missing)}); pass the JSON files "
+                             "that bench soak wrote, one per residency")
     first = results[0]
     same = ("schema", "model", "git", "device")
     for path, r in zip(sources, results):

@@ -342,6 +342,7 @@ def main(a: argparse.Namespace) -> int:
     from moe_offload.engine import resolve_device
 
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    env.check_out_dir(a.out)
     cfg = bench_config(a)
     plan = make_plan(a, cfg)
     log.configure(cfg.logging.level, cfg.logging.format)

@@ -271,10 +271,18 @@ def main(a: argparse.Namespace) -> int:
     requests_per_client(a.requests_per_client, _ints(a.clients, "--clients"))  # bad values fail before any work
     if a.distinct is not None and a.distinct < 1:
         raise ValueError(f"--distinct {a.distinct}: must be >= 1")
+    from moe_offload.bench.env import check_out_dir
+
+    check_out_dir(a.out)
     if a.url:
         import httpx
 
-        model = httpx.get(a.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+        try:
+            model = httpx.get(a.url.rstrip("/") + "/v1/models", timeout=30).json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ValueError(f"--url {a.url}: no OpenAI-compatible server answered GET /v1/models "
+                             f"({type(exc).__name__}: {exc}); start one (moe-offload serve) or fix the URL, e.g. "
+                             "http://127.0.0.1:8000") from None
         result = apply_judgement(run(a.url.rstrip("/"), a, a.vocab or 256, model), None)
     else:
         result = _run_in_process(a)

@@ -221,3 +221,23 @@ def test_bench_serve_against_no_server_and_soak_merge_of_a_foreign_json_are_name
     (tmp_path / "e.json").write_text("{}")
     rc, _, err = _run("bench", "soak", "--merge", str(tmp_path / "e.json"), "--out", str(tmp_path))
     assert rc == 2 and "not a bench soak result" in err
+
+
+def test_serve_on_a_port_in_use_or_a_host_that_does_not_resolve_fails_before_loading_the_model(monkeypatch):
+    """Before: the engine loaded first (minutes at full size), then uvicorn printed the error and exited 3."""
+    import socket
+
+    from moe_offload import engine
+
+    monkeypatch.setattr(engine.Engine, "from_config", lambda *a, **k: pytest.fail("the model was loaded"))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        rc, _, err = _run("serve", "--host", "127.0.0.1", "--port", str(port))
+        assert rc == 2 and f"--port {port}: cannot listen there" in err
+    finally:
+        holder.close()
+    rc, _, err = _run("serve", "--host", "no-such-host.invalid", "--port", "0")
+    assert rc == 2 and "--host no-such-host.invalid: cannot resolve it" in err

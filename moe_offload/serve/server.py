@@ -286,19 +286,49 @@ class ServerThread:
         self.thread.join(timeout)
 
 
+def bind_socket(host: str, port: int):
+    """The listening address taken before the model loads (minutes at full size), so a port in use or a host that
+    does not resolve is named at once (``ValueError`` naming ``--host`` / ``--port``), not after the load by uvicorn."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: a TCP port is in [0, 65535]")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot resolve it ({exc.strerror}); pass an address such as 127.0.0.1 or "
+                         "0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({exc.strerror}); pick a free port "
+                         "(--port 0 takes any) or stop what holds it") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(cfg, serve_cfg: ServeConfig, host: str, port: int) -> int:
-    """``moe-offload serve``: build the engine, start the scheduler, run uvicorn until interrupted."""
+    """``moe-offload serve``: take the address, build the engine, start the scheduler, run uvicorn until
+    interrupted."""
     import uvicorn
 
     from moe_offload.engine import Engine
 
-    engine = Engine.from_config(cfg)
-    scheduler = Scheduler(engine, serve_cfg).start()
-    app = build_app(scheduler, serve_cfg)
-    log.info_rank0("serve_listening", host=host, port=port, model=model_name(engine, serve_cfg),
-                   max_batch=serve_cfg.max_batch, max_queue=serve_cfg.max_queue, max_model_len=scheduler.max_model_len)
+    sock = bind_socket(host, port)
+    scheduler = None
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning", lifespan="off")
+        engine = Engine.from_config(cfg)
+        scheduler = Scheduler(engine, serve_cfg).start()
+        app = build_app(scheduler, serve_cfg)
+        log.info_rank0("serve_listening", host=host, port=sock.getsockname()[1], model=model_name(engine, serve_cfg),
+                       max_batch=serve_cfg.max_batch, max_queue=serve_cfg.max_queue,
+                       max_model_len=scheduler.max_model_len)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
     finally:
-        scheduler.stop()
+        if scheduler is not None:
+            scheduler.stop()
+        sock.close()
     return 0

@@ -38,7 +38,7 @@ class ModelFacts:
 
 def _eos_ids(config: dict, path: Path | None) -> tuple[int, ...]:
     """EOS ids from generation_config.json (what transformers' generate uses), else config.json."""
-    raw, source = config.get("eos_token_id"), "config.json"
+    raw, source = config.get("eos_token_id"), "config.json" if path is None else str(path / "config.json")
     if path is not None and (path / "generation_config.json").is_file():
         from moe_offload.checkpoint.reader import read_json_object
 

@@ -281,3 +281,15 @@ def test_a_real_size_build_s_bytes_do_not_depend_on_the_drawing_threads(tmp_path
     assert digests[0] and digests[0] == digests[1]
     store = ExpertStore.from_checkpoint(tmp_path / "t4", progress=False)
     assert store.num_experts == base.config["num_experts"] and len(store.layers) == base.config["num_hidden_layers"]
+
+
+def test_a_quantized_attention_linear_whose_codes_and_scales_disagree_is_named(tiny_ckpt, tmp_path):
+    """Before: torch's "The size of tensor a (62) must match ..." naming no tensor or file."""
+    from moe_offload.config import load_config
+    from moe_offload.engine import Engine
+
+    name = "model.layers.1.self_attn.q_proj.weight"
+    dst = _edited(tiny_ckpt, tmp_path, lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    with pytest.raises(CheckpointError, match=r"the quantized linear model\.layers\.1\.self_attn\.q_proj .*does not "
+                                              r"dequantize: its tensors' shapes disagree"):
+        Engine.from_config(load_config(None, [f"model.checkpoint={json.dumps(str(dst))}"]), progress=False)

@@ -50,7 +50,15 @@ def load_non_expert_weights(model: nn.Module, reader: CheckpointReader, fmt: Exp
             t = reader.get(src)
         else:
             prefix = src[: -len(".weight")] if src.endswith(".weight") else src
-            t = fmt.read_linear(reader, prefix, dtype) if src.endswith(".weight") else None
+            try:
+                t = fmt.read_linear(reader, prefix, dtype) if src.endswith(".weight") else None
+            except CheckpointError:
+                raise
+            except (RuntimeError, ValueError) as exc:  # e.g. packed codes and block scales of different shapes
+                raise CheckpointError(
+                    f"{reader.path}: the quantized linear {prefix} (for model parameter {name}) does not dequantize: "
+                    f"its tensors' shapes disagree ({str(exc).splitlines()[0]}); the checkpoint is corrupt or not "
+                    f"format {fmt.name}") from None
             if t is None:
                 if tied and name == "lm_head.weight":
                     continue

@@ -146,8 +146,11 @@ def cmd_generate(a) -> int:
 def cmd_make_checkpoint(a) -> int:
     from moe_offload.checkpoint.synthetic import make_checkpoint
 
+    if a.activations is not None and not a.format.startswith("nvfp4"):
+        raise ValueError(f"--activations {a.activations} applies to the NVFP4 formats only; drop it for --format "
+                         f"{a.format}")
     summary = make_checkpoint(a.preset, a.format, a.out, layers=a.layers, seed=a.seed,
-                              progress=show_progress(a.json), force=a.force, activations=a.activations)
+                              progress=show_progress(a.json), force=a.force, activations=a.activations or "w4a16")
     print_result(summary, a.json)
     return 0
 
@@ -230,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, metavar="DIR", help="new or empty directory (built beside it, then renamed)")
     m.add_argument("--force", action="store_true", help="replace a non-empty --out")
     m.add_argument("--layers", type=_int_at_least(1), metavar="N", help="truncate to N layers (at most the preset's depth)")
-    m.add_argument("--activations", choices=("w4a16", "w4a4"), default="w4a16",
-                   help="NVFP4 only: weight-only export (default) or W4A4 (activation scales written, served weight-only)")
+    m.add_argument("--activations", choices=("w4a16", "w4a4"),
+                   help="NVFP4 only: weight-only export (w4a16, the default) or W4A4 (activation scales written, "
+                   "served weight-only)")
     m.add_argument("--seed", type=seed_arg, default=0, help="weights seed (default 0)")
     m.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bars)")
     m.set_defaults(fn=cmd_make_checkpoint)

@@ -467,6 +467,21 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return model
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (plain YAML keeps the last one silently, so
+    a config that sets ``cache.budget`` twice would run the one its author did not mean)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one section; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _apply_override(tree: dict, assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set cache.budget=0.5")
@@ -495,6 +510,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         text, source = default_config_text(), "embedded configs/tiny.yaml"
     else:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {p} is a directory; pass a YAML file (e.g. configs/qwen3-30b-a3b-nvfp4.yaml) "
+                              "or omit --config for the embedded default")
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit --config for the embedded default")
         try:
@@ -503,7 +521,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as "
                               "UTF-8 YAML") from None
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source} is not valid YAML: {exc}") from exc
     if not isinstance(tree, dict):

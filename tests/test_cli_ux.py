@@ -241,3 +241,15 @@ def test_serve_on_a_port_in_use_or_a_host_that_does_not_resolve_fails_before_loa
         holder.close()
     rc, _, err = _run("serve", "--host", "no-such-host.invalid", "--port", "0")
     assert rc == 2 and "--host no-such-host.invalid: cannot resolve it" in err
+
+
+def test_activations_for_a_bf16_checkpoint_and_inspect_of_a_missing_or_file_path_are_named(tmp_path):
+    rc, _, err = _run("make-checkpoint", "--preset", "tiny-qwen3-moe", "--format", "bf16", "--activations", "w4a4",
+                      "--out", str(tmp_path / "ck"))
+    assert rc == 2 and "--activations w4a4 applies to the NVFP4 formats only" in err  # was silently ignored
+    assert not (tmp_path / "ck").exists()
+    rc, _, err = _run("inspect", str(tmp_path / "nope"))
+    assert rc == 2 and "does not exist" in err
+    (tmp_path / "f").write_text("")
+    rc, _, err = _run("inspect", str(tmp_path / "f"))
+    assert rc == 2 and "is a file" in err

@@ -119,3 +119,16 @@ def test_a_set_value_that_is_not_yaml_and_a_config_that_is_not_utf8_are_named(tm
     p.write_bytes("cache:\n  policy: lru # d\xe9j\xe0\n".encode("latin-1"))
     with pytest.raises(ConfigError, match=f"config file {p} is not UTF-8 text"):
         load_config(p)
+
+
+def test_a_key_given_twice_and_a_directory_as_config_are_named(tmp_path):
+    """Before: YAML kept the last of two keys silently; a directory was reported as a file that does not exist."""
+    p = tmp_path / "dup.yaml"
+    p.write_text("cache:\n  budget: 0.5\n  policy: lru\n  budget: 0.9\n")
+    with pytest.raises(ConfigError, match=rf"(?s){p} is not valid YAML: the key .budget. is given twice.*line 4"):
+        load_config(p)
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_config(tmp_path)
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("cache:\n  budget: 0.5\ndecode:\n  max_tokens: 8\n")  # the same key in two sections is fine
+    assert load_config(ok).cache.budget.value == 0.5

@@ -137,6 +137,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(served, reference):
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"max_tokens": 2}, "prompt"),
     ({"prompt": [5], "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": [5], "seed": 10**30}, "seed"),  # beyond torch's 64-bit seeds: a 500 before
+    ({"prompt": [5], "seed": -1}, "seed"),
 ])
 def test_a_bad_completion_request_gets_400_with_an_openai_error_body(served, body, param):
     r = httpx.post(served.url + "/v1/completions", json=body)
@@ -144,6 +146,13 @@ def test_a_bad_completion_request_gets_400_with_an_openai_error_body(served, bod
     err = r.json()["error"]
     assert (err["type"], err["param"]) == ("invalid_request_error", param)
     assert err["message"]
+
+
+def test_a_body_that_is_not_json_gets_400_saying_so_with_no_param(served):
+    r = httpx.post(served.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] is None and "not valid JSON" in err["message"]
 
 
 def test_the_openai_client_raises_bad_request_for_a_prompt_that_is_too_long(served):

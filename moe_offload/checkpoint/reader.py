@@ -86,6 +86,11 @@ class CheckpointReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         cfg_path = self.path / "config.json"
+        if not self.path.exists():
+            raise CheckpointError(f"{self.path} does not exist; point model.checkpoint at an HF checkpoint dir")
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is a file; point model.checkpoint at an HF checkpoint dir (the folder "
+                                  "holding config.json and the *.safetensors files)")
         if not cfg_path.is_file():
             raise CheckpointError(f"{self.path}: no config.json; point model.checkpoint at an HF checkpoint dir")
         self.config: dict[str, Any] = read_json_object(cfg_path)

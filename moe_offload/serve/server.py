@@ -95,6 +95,9 @@ def build_app(scheduler: Scheduler, serve_cfg: ServeConfig | None = None) -> Fas
     @app.exception_handler(RequestValidationError)
     async def _bad_body(_request: Request, exc: RequestValidationError):
         errs = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errs):  # its loc is a character offset, not a field
+            return _error(400, "the request body is not valid JSON (an object of the OpenAI API's fields, with "
+                          "content-type application/json)", "invalid_request_error", None)
         first = errs[0] if errs else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:]) or 'body'}: {e.get('msg')}" for e in errs)

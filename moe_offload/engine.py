@@ -65,6 +65,11 @@ def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
 
     fmt = "nvfp4-modelopt" if model_cfg.format == "auto" else model_cfg.format
     root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"model.cache_dir {root}: cannot create the directory presets are built in ({exc.strerror}); "
+                      "set model.cache_dir to a writable directory") from None
     layers = f"-l{model_cfg.layers}" if model_cfg.layers else ""
     path = root / f"{model_cfg.preset}-{fmt}{layers}-s{model_cfg.seed}"
     return ensure_preset(model_cfg.preset, fmt, path, model_cfg.layers, model_cfg.seed, progress)

@@ -253,3 +253,9 @@ def test_activations_for_a_bf16_checkpoint_and_inspect_of_a_missing_or_file_path
     (tmp_path / "f").write_text("")
     rc, _, err = _run("inspect", str(tmp_path / "f"))
     assert rc == 2 and "is a file" in err
+
+
+def test_a_preset_cache_dir_that_cannot_be_made_is_named_by_its_key(tmp_path):
+    (tmp_path / "f").write_text("")
+    rc, _, err = _run("generate", "--set", f"model.cache_dir={tmp_path / 'f'}")
+    assert rc == 2 and f"model.cache_dir {tmp_path / 'f'}: cannot create the directory" in err

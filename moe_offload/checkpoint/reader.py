@@ -225,7 +225,10 @@ class CheckpointReader:
             bound_r = shape[len(idx)]
             bound_c = shape[len(idx) + 1]
             if (rows and rows[1] > bound_r) or (cols and cols[1] > bound_c):
-                raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, too small for rows {rows} cols {cols}")
+                need = (rows[1] if rows else bound_r, cols[1] if cols else bound_c)
+                raise CheckpointError(f"{fpath}: tensor {name} has shape {tuple(shape)}, where at least {need} "
+                                      "belong (config.json's sizes, this rank's slice); config.json and the weights "
+                                      "disagree, or the tensor is cut short")
             idx += [r, c]
         try:
             t = sl[tuple(idx)]

@@ -313,6 +313,7 @@ class OffloadMoeCache:
         stream is joined behind every copy in flight (no host sync). ``routed_fills``: every experts call of the
         pass stages only the missing experts its tokens routed, just in time (``staging.py``): nothing is copied
         ahead."""
+        self._check_open("prefill_pass")
         self.staging.routed_fills = routed_fills
         with self.routed_fill_forward() if routed_fills else contextlib.nullcontext():
             self._begin()
@@ -362,6 +363,10 @@ class OffloadMoeCache:
         is on, the pool's views and the layer's device slot table row (``staging.py``). The next layer's
         assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
         a pass itself. ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
+        self._check_open("stage_rows")
+        if layer not in self.pool.layer_pos:
+            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
+                             f"({list(self.store.layers)[:8]}...)")
         if layer == self.store.layers[0]:
             if self._pass_open:
                 self._pass_open = False
@@ -386,6 +391,7 @@ class OffloadMoeCache:
         """Pool row ``[T, K]`` int32 of each routed pair: its slot, a lookahead row, or a scratch row its expert
         was just copied into from mapped host memory. No host sync (``decode_path.py``). ``hidden_TH``: the
         layer's MoE input, from which the lookahead (when on) predicts the next MoE layer."""
+        self._check_open("decode_rows")
         return self.decode.rows(layer, ids_TK, hidden_TH)
 
     def decode_plan(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None,
@@ -393,6 +399,7 @@ class OffloadMoeCache:
         """``(rows_TK, alignment)``: ``decode_rows``, and with ``align_block_m`` the rows grouped in blocks of that many
         pairs for the decode tile kernels, made in the miss plan's launch (None where that does not apply: the
         compute aligns them itself)."""
+        self._check_open("decode_plan")
         return self.decode.plan(layer, ids_TK, hidden_TH, align_block_m)
 
     def decode_splits(self, T: int) -> bool:
@@ -402,6 +409,7 @@ class OffloadMoeCache:
     def decode_plan_split(self, layer: int, ids_TK: torch.Tensor):
         """``(rows_TK, scratch_base, join)``: the rows of ``decode_rows`` with the misses' copy forked onto a side
         stream; ``join()`` orders the compute stream after it (``decode_path.DecodeResidency.plan_split``)."""
+        self._check_open("decode_plan_split")
         return self.decode.plan_split(layer, ids_TK)
 
     def decode_routes(self, T: int, K: int, E: int) -> bool:
@@ -412,6 +420,7 @@ class OffloadMoeCache:
                      align_block_m: int | None = None):
         """``(w_TK, ids_TK, rows_TK, alignment)``: the router's softmax + top-k (+ renormalisation) and
         ``decode_plan`` of its ids in one launch (``decode_path.DecodeResidency.route``)."""
+        self._check_open("decode_route")
         return self.decode.route(layer, logits_TE, top_k, renorm, w_dtype, align_block_m)
 
     def decode_views(self) -> dict[str, torch.Tensor]:
@@ -451,7 +460,22 @@ class OffloadMoeCache:
     # ------------------------------------------------------------------ residency for tests/benchmarks
     def set_residency(self, experts_per_layer: dict[int, list[int]]) -> None:
         """Make exactly these experts resident (deterministic residency for benchmarks and tests).
-        Copies host -> slots and waits for them (HOST SYNC: not a hot path)."""
+        Copies host -> slots and waits for them (HOST SYNC: not a hot path). Every layer and expert id is checked
+        before anything changes: a bad one raises ``ValueError`` with the residency as it was."""
+        self._check_open("set_residency")
+        E = self.store.num_experts
+        for layer, experts in experts_per_layer.items():
+            if layer not in self.store.layers:
+                raise ValueError(f"set_residency: layer {layer!r} is not a MoE layer of the store "
+                                 f"({list(self.store.layers)[:8]}...)")
+            ids = list(experts)
+            bad = [e for e in ids if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer))
+                   or not 0 <= e < E]
+            if bad:
+                raise ValueError(f"set_residency: layer {layer}: expert ids {bad[:8]} are not integers in 0..{E - 1}")
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"set_residency: layer {layer}: expert ids listed twice "
+                                 f"{sorted(e for e in set(ids) if ids.count(e) > 1)[:8]}; list each once")
         need = sum(len(v) for v in experts_per_layer.values())
         if need > self.num_slots:
             raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")
@@ -474,6 +498,10 @@ class OffloadMoeCache:
         self.synchronize()
 
     # ------------------------------------------------------------------ lifecycle and stats
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what} on a closed OffloadMoeCache (close() freed its slots); build a new cache")
+
     def synchronize(self) -> None:
         """HOST SYNC: every copy and the compute queued so far are done."""
         self.streams.synchronize()

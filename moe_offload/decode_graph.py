@@ -181,25 +181,39 @@ class StaticDecoder:
         """Prefill into the static cache -> last logits ``[B, V]``: a fresh batch as a CUDA graph of its length
         bucket where it can be (``prefill_graph.py``), else eagerly (chunked like ``Engine.prefill``; the
         attention of each chunk covers the positions filled so far, not the whole cache)."""
+        if ids_BT.dim() != 2 or ids_BT.dtype.is_floating_point or ids_BT.dtype == torch.bool or 0 in ids_BT.shape:
+            raise ValueError(f"prefill: an integer [B, T] tensor of token ids with B, T >= 1, got {ids_BT.dtype} of "
+                             f"shape {tuple(ids_BT.shape)}")
         B, T = ids_BT.shape
-        if B != self.batch or self.length + T >= self.max_len:
-            raise ValueError(f"a prefill of {B} x {T} tokens does not fit this decoder ({self.batch} sequences, "
-                             f"{self.max_len - self.length} positions left); raise decode.max_cache_len")
+        if B != self.batch:
+            raise ValueError(f"a prefill of {B} sequences on a decoder of {self.batch}; build one of {B}")
+        if self.length + T >= self.max_len:
+            raise ValueError(f"a prefill of {T} tokens does not fit this decoder ({self.max_len - self.length - 1} "
+                             "fit: one position stays for the first decode step); raise decode.max_cache_len")
+        if ids_BT.device.type == "cpu":
+            vocab = self.engine.reader.geometry.vocab
+            bad = ids_BT[(ids_BT < 0) | (ids_BT >= vocab)]
+            if bad.numel():
+                raise ValueError(f"prefill: token ids {bad[:5].tolist()} are outside the vocab (0..{vocab - 1})")
         if self.length == 0 and self.prefill_graphs is not None:
             logits_BV = self.prefill_graphs.run(ids_BT)
             if logits_BV is not None:
                 self.length = T
                 return logits_BV
         chunk = self.engine.cfg.prefill.chunk_tokens
-        logits = None
-        for s in range(0, T, chunk):
-            part = ids_BT[:, s:s + chunk]
-            self.set_window(self.length + part.shape[1])
-            try:
-                logits = self.engine.run_model(self._kwargs(part, self.length), part.numel())
-            finally:
-                self.set_window(None)
-            self.length += part.shape[1]
+        logits, start = None, self.length
+        try:
+            for s in range(0, T, chunk):
+                part = ids_BT[:, s:s + chunk]
+                self.set_window(self.length + part.shape[1])
+                try:
+                    logits = self.engine.run_model(self._kwargs(part, self.length), part.numel())
+                finally:
+                    self.set_window(None)
+                self.length += part.shape[1]
+        except BaseException:
+            self.length = start  # none of the prompt counts: a retry writes the same positions again
+            raise
         return logits[:, -1]
 
     @torch.inference_mode()
@@ -208,6 +222,14 @@ class StaticDecoder:
         the graph path: read it before the next step)."""
         if self.length + 1 > self.max_len:
             raise ValueError(f"the sequences reached decode.max_cache_len={self.max_len} positions")
+        if tok_B.numel() != self.batch or tok_B.dtype.is_floating_point or tok_B.dtype == torch.bool:
+            raise ValueError(f"step: one integer token id per sequence ({self.batch}), got {tok_B.dtype} of shape "
+                             f"{tuple(tok_B.shape)}")
+        if tok_B.device.type == "cpu":  # ids on the device (sampled there) are not read back: that would sync
+            vocab = self.engine.reader.geometry.vocab
+            bad = tok_B[(tok_B < 0) | (tok_B >= vocab)]
+            if bad.numel():
+                raise ValueError(f"step: token ids {bad[:5].tolist()} are outside the vocab (0..{vocab - 1})")
         self.ids_B1.copy_(tok_B.view(self.batch, 1))
         self.start_0.fill_(self.length)  # a fill kernel with the value as an argument: no sync (also pos_1)
         if self._positions:
@@ -227,7 +249,11 @@ class StaticDecoder:
                 cache.decode_step_enqueued(self.batch)
                 return self.logits_BV
         self._eager_steps += 1
-        return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]
+        try:
+            return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]
+        except BaseException:
+            self.length -= 1  # the step did not happen: the next one writes this position again
+            raise
 
     def _capture(self) -> bool:
         cur = torch.cuda.current_stream(self.engine.device)

@@ -139,9 +139,8 @@ class DecodeResidency:
         """``(rows_TK, alignment)``: as ``rows``; with ``align_block_m`` (CUDA) ``alignment`` groups the rows in blocks
         of that many pairs for the tile kernels, made in the miss plan's own launch where it can be
         (``decode_miss.plan_misses``), else None."""
+        T = self._check_ids(layer, ids_TK)
         lp = self.pool.layer_pos[layer]
-        T = ids_TK.shape[0]
-        self._check_tokens(T)
         table_E = self.pool.table_LE[lp]
         pf_E = self.lookahead.take(lp) if self.lookahead is not None else None
         if self.graph_copy is not None and torch.cuda.is_current_stream_capturing():
@@ -168,6 +167,20 @@ class DecodeResidency:
         self._record_T[lp] = T
         return rows_TK, alignment
 
+    def _check_ids(self, layer: int, ids_TK: torch.Tensor) -> int:
+        """``T`` of a plan's routed ids, after the checks that cost no device work: the layer is the store's, the ids
+        are an integer ``[T, K]`` tensor (a float or 1-D one was truncated or broadcast into the record before) of
+        at most ``max_tokens`` rows. Their values are not read here (a host sync on the sync-free path); the router
+        (``route``) gives ids in [0, E) from finite logits, and the logits guard names non-finite ones."""
+        if layer not in self.pool.layer_pos:
+            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
+                             f"({sorted(self.pool.layer_pos)[:8]}...)")
+        if ids_TK.dim() != 2 or ids_TK.dtype.is_floating_point or ids_TK.dtype in (torch.bool, torch.uint8):
+            raise ValueError(f"routed expert ids of layer {layer}: an integer [T, K] tensor, got {ids_TK.dtype} of "
+                             f"shape {tuple(ids_TK.shape)}")
+        self._check_tokens(ids_TK.shape[0])
+        return ids_TK.shape[0]
+
     def _check_tokens(self, T: int) -> None:
         if T > self.max_tokens:
             raise ValueError(f"a forward of {T} tokens on the routed path exceeds the {self.max_tokens} tokens this "
@@ -188,9 +201,8 @@ class DecodeResidency:
         the Triton interpreter, where the copy is done when it returns)."""
         from moe_offload.kernels.decode_miss import copy_misses, plan_misses
 
+        T = self._check_ids(layer, ids_TK)
         lp = self.pool.layer_pos[layer]
-        T = ids_TK.shape[0]
-        self._check_tokens(T)
         host_rows, rows_NR = self.host_rows(layer), self.pool.rows_NR
         plan = plan_misses(self.pool.table_LE[lp], ids_TK, host_rows, rows_NR, self.scratch_base,
                            stats=(self.counts_LC[lp], self._record_dev[lp]))

@@ -382,11 +382,37 @@ class Engine:
         with self._exclusive():
             return self._generate_batch(prompts, max_new_tokens, seed, on_token)
 
+    def check_prompt(self, prompt_ids, max_new_tokens: int = 0, what: str = "prompt") -> None:
+        """``prompt_ids`` a non-empty list of token ids (integers, not floats or bools) in the vocab, and with
+        ``max_new_tokens`` within the model's positions (``max_position_embeddings``): a ``ValueError`` naming the
+        ids or the numbers otherwise. The CLI checks the same before loading (``prompts.check_ids``); this is the
+        embedder's check (a float id was truncated and an id past the vocab failed deep in the embedding before)."""
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.tolist()
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError(f"{what}: a non-empty list of token ids, got {type(prompt_ids).__name__} "
+                             f"{str(prompt_ids)[:60]}")
+        vocab = self.reader.geometry.vocab
+        bad = [i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"{what}: token ids {bad[:5]} are not integers in the vocab (0..{vocab - 1})")
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if limit and len(prompt_ids) + max_new_tokens > limit:
+            raise ValueError(f"{what}: {len(prompt_ids)} tokens + {max_new_tokens} new ones exceed the model's {limit} "
+                             f"positions (max_position_embeddings); at most {max(limit - len(prompt_ids), 0)} new "
+                             "tokens fit")
+
     def _generate_batch(self, prompts, max_new_tokens, seed, on_token) -> list[GenerateResult]:
         if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
             raise ValueError(f"generate_batch needs non-empty prompts of one length, got lengths "
                              f"{[len(p) for p in prompts]}; batch prompts of different lengths through the server")
-        max_new = max_new_tokens or self.cfg.decode.max_new_tokens
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+                                           or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens={max_new_tokens!r}: an integer >= 1, or None for "
+                             f"decode.max_new_tokens ({self.cfg.decode.max_new_tokens})")
+        max_new = self.cfg.decode.max_new_tokens if max_new_tokens is None else max_new_tokens
+        for b, p in enumerate(prompts):
+            self.check_prompt(p, max_new, f"prompt {b}")
         stop = set(self.cfg.decode.stop_token_ids)
         gen = torch.Generator().manual_seed(seed)
         ids_BT = torch.as_tensor(prompts, dtype=torch.long)
@@ -448,6 +474,7 @@ class Engine:
     def measure_ttft(self, prompt_ids: list[int]) -> float:
         """Seconds from a synchronized start to the first sampled token on the host, on ``generate``'s path:
         the static decoder (its prefill graph where one applies, ``prefill_graph.py``) where generate takes it."""
+        self.check_prompt(prompt_ids, 1)
         with self._exclusive():
             n = len(prompt_ids)
             dec = self.decoder(1) if n + 1 <= self.cfg.decode.max_cache_len else None

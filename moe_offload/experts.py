@@ -38,6 +38,9 @@ class OffloadedExperts(nn.Module):
         """``decode_max_tokens``: the decode steps this module must serve on the decode path (a graph
         captures them); the cache must have been sized for at least that many tokens."""
         super().__init__()
+        if layer_idx not in cache.store.layers:
+            raise ValueError(f"layer_idx={layer_idx!r} is not a MoE layer of the cache's store "
+                             f"({list(cache.store.layers)[:8]}...); attach OffloadedExperts to those layers only")
         if decode_max_tokens > cache.routed_max_tokens:
             raise ValueError(f"decode_max_tokens={decode_max_tokens} but the cache serves at most "
                              f"{cache.routed_max_tokens} tokens on the decode path; build OffloadMoeCache with "
@@ -72,6 +75,13 @@ class OffloadedExperts(nn.Module):
         ``x_split_TH``: ``hidden_TH`` in the layout ``split_block_k`` named (the norm kernel wrote it), used by the
         swapped tile kernels on the decode path, ignored elsewhere."""
         T = hidden_TH.shape[0]
+        # shapes and dtypes only (host metadata, no sync): a shorter top_k_index dropped rows silently before
+        if (hidden_TH.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape[0] != T
+                or tuple(top_k_weights.shape) != tuple(top_k_index.shape) or top_k_index.dtype.is_floating_point
+                or top_k_index.dtype == torch.bool):
+            raise ValueError(f"layer {self.layer_idx}: hidden_TH [T, H], top_k_index [T, K] (integer) and "
+                             f"top_k_weights [T, K] must agree; got {tuple(hidden_TH.shape)}, "
+                             f"{tuple(top_k_index.shape)} {top_k_index.dtype}, {tuple(top_k_weights.shape)}")
         if residual_TH is not None and not self.adds_residual:
             raise ValueError(f"layer {self.layer_idx}: a residual_TH with experts sharded over "
                              f"{self.cache.store.tp_size} ranks and no reduce would be added to a partial sum (once "

@@ -180,11 +180,21 @@ class ExpertStore:
 
     # --- filling -------------------------------------------------------------------------------
     def put(self, layer: int, expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write one expert's tensors into its rows. Every tensor is checked before any byte is written, so a bad
+        one leaves the expert as it was (a half-written expert computed with mixed weights before)."""
+        if layer not in self._rows:
+            raise FormatError(f"put: layer {layer!r} is not a MoE layer of this store ({list(self.layers)[:8]}...)")
+        if isinstance(expert, bool) or not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise FormatError(f"put: expert {expert!r} of layer {layer} is outside 0..{self.num_experts - 1}")
+        missing = [s.name for s in self.specs if s.name not in tensors]
+        if missing:
+            raise FormatError(f"put: layer {layer} expert {expert}: no tensor for bank(s) {missing}")
         for s in self.specs:
             t = tensors[s.name]
             if tuple(t.shape) != s.shape or t.dtype != s.dtype:
                 raise FormatError(f"bank {s.name}: got {tuple(t.shape)} {t.dtype}, expected {s.shape} {s.dtype}")
-            self.bank(layer, s.name)[expert].copy_(t.contiguous().view(-1).view(torch.uint8))
+        for s in self.specs:
+            self.bank(layer, s.name)[expert].copy_(tensors[s.name].contiguous().view(-1).view(torch.uint8))
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | CheckpointReader, fmt: str | None = None, tp_rank: int = 0,

@@ -275,6 +275,12 @@ class SlotPool:
         every pair (a loop over pairs cost ~2 us a pair of host time between decode steps on a CI-class CPU)."""
         if not fills:
             return
+        for layer, experts, _ in fills:  # a key outside its layer would name another layer's expert
+            e = np.asarray(experts, dtype=np.int64)
+            if layer not in self.layer_pos or (e.size and (e.min() < 0 or e.max() >= self.E)):
+                raise ValueError(f"commit of layer {layer}, experts {e[(e < 0) | (e >= self.E)][:8].tolist()}: "
+                                 f"the store's MoE layers are {sorted(self.layer_pos)[:4]}..., experts 0..{self.E - 1}; "
+                                 "nothing committed")
         key_P = np.concatenate([self.layer_pos[layer] * self.E + np.asarray(experts, dtype=np.int64)
                                 for layer, experts, _ in fills])
         slot_P = np.concatenate([np.asarray(slots, dtype=np.int64) for _, _, slots in fills])
@@ -284,6 +290,7 @@ class SlotPool:
         _, first = np.unique(key_P[fresh_P], return_index=True)
         keep_P = fresh_P[first]  # key order: the keys are distinct, so the order changes nothing
         write = self._table_write(key_P[keep_P], slot_P[keep_P])  # may raise: nothing changed
+        self._apply([write])  # the device table first: if it raises, the host map is as it was
         kept_P = np.zeros(slot_P.size, dtype=bool)
         kept_P[keep_P] = True
         # a slot left unkept is free again, unless it already holds its expert (committing twice keeps the slot)
@@ -292,7 +299,6 @@ class SlotPool:
         self.slot_of_LE[lp_P[keep_P], e_P[keep_P]] = slot_P[keep_P]
         self.owner_S[slot_P[keep_P]] = key_P[keep_P]
         np.add.at(self.count_L, lp_P[keep_P], 1)
-        self._apply([write])
 
     def admit(self, layer: int, experts: np.ndarray, copy: Callable[[list[int]], None],
               protected: set[int] = frozenset(), free_only: bool = False, within_share: bool = False) -> list[int]:

@@ -71,6 +71,15 @@ class OffloadMoeCache:
         ``miss_copy`` (``decode.miss_copy``): "copy_engine" copies a captured step's routed misses with the copy
         engine (``graph_copy.py``). ``overlap_misses_from`` (``decode.overlap_misses_from``): decode steps of at least
         that many tokens copy their misses beside the compute of the pairs read from slots (``decode_plan_split``)."""
+        if isinstance(decode_max_tokens, bool) or not isinstance(decode_max_tokens, int) or decode_max_tokens < 1:
+            raise ValueError(f"decode_max_tokens={decode_max_tokens!r}: an integer >= 1 (decode.max_tokens)")
+        if miss_copy not in ("uva", "copy_engine"):
+            raise ValueError(f"miss_copy={miss_copy!r}: uva or copy_engine (decode.miss_copy)")
+        if decode_path not in ("host", "routed", "auto", "fills"):
+            raise ValueError(f"decode_path={decode_path!r}: host, routed, auto or fills (decode.path)")
+        if isinstance(overlap_misses_from, bool) or not isinstance(overlap_misses_from, int) or overlap_misses_from < 0:
+            raise ValueError(f"overlap_misses_from={overlap_misses_from!r}: an integer >= 0 "
+                             "(decode.overlap_misses_from)")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

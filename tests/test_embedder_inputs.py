@@ -138,3 +138,14 @@ def test_experts_called_with_ids_that_do_not_match_the_hidden_rows_are_refused(p
         m(torch.randn(40, H), ids[:1], w[:1])  # returned [1, H] for 40 rows before
     with pytest.raises(ValueError, match="must agree"):
         m(torch.randn(2, H), ids[:2].float(), w[:2])
+
+
+@pytest.mark.parametrize("kw, match", [({"decode_max_tokens": -4}, "decode_max_tokens=-4"),
+                                       ({"decode_max_tokens": 0}, "decode_max_tokens=0"),
+                                       ({"miss_copy": "bogus"}, "miss_copy='bogus'"),
+                                       ({"decode_path": "fast"}, "decode_path='fast'"),
+                                       ({"overlap_misses_from": -1}, "overlap_misses_from=-1")])
+def test_a_cache_built_with_a_bad_argument_says_which(store, kw, match):
+    """Before: decode_max_tokens=-4 built a cache with a threshold of -4, miss_copy='bogus' silently meant uva."""
+    with pytest.raises(ValueError, match=match):
+        OffloadMoeCache(store, CacheConfig(budget="24 slots"), PrefillConfig(), "cpu", **kw)

@@ -98,6 +98,9 @@ class StaticDecoder:
     def __init__(self, engine, batch: int, max_len: int, graphs: bool, padded_prefill: bool = False):
         from transformers import StaticCache
 
+        for name, v, low in (("batch", batch, 1), ("max_len", max_len, 2)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"StaticDecoder {name}={v!r}: an integer >= {low}")
         self.engine, self.batch, self.max_len = engine, batch, max_len
         dev = engine.device
         self.kv = StaticCache(config=engine.model.config, max_cache_len=max_len)

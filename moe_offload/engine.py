@@ -342,10 +342,13 @@ class Engine:
 
         ``last_only``: logits ``[B, 1, V]`` of the last position only, as serving does (the LM head
         over every prompt position costs a [T, H] x [H, V] GEMM and T x V logits that nobody reads)."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long)
+        ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids[None]
-        ids = ids.to(self.device)
+        if ids.dim() != 2 or 0 in ids.shape or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"prefill: token ids as a non-empty [T] or [B, T] integer list or tensor, got "
+                             f"{ids.dtype} of shape {tuple(ids.shape)}")
+        ids = ids.to(self.device, torch.long)
         chunk = self.cfg.prefill.chunk_tokens
         parts = []
         for s in range(0, ids.shape[1], chunk):

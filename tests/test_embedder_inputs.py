@@ -149,3 +149,13 @@ def test_a_cache_built_with_a_bad_argument_says_which(store, kw, match):
     """Before: decode_max_tokens=-4 built a cache with a threshold of -4, miss_copy='bogus' silently meant uva."""
     with pytest.raises(ValueError, match=match):
         OffloadMoeCache(store, CacheConfig(budget="24 slots"), PrefillConfig(), "cpu", **kw)
+
+
+def test_a_decoder_of_no_rows_and_a_prefill_of_no_tokens_are_refused_by_name(path):
+    eng = _engine(path, "cache.budget=1.0")
+    for batch, max_len, match in ((0, 64, "batch=0"), (-1, 64, "batch=-1"), (1, -5, "max_len=-5")):
+        with pytest.raises(ValueError, match=match):
+            StaticDecoder(eng, batch, max_len, graphs=False)
+    for bad in ([], [[]], [1.5, 2.5]):
+        with pytest.raises(ValueError, match="prefill: token ids"):
+            eng.prefill(bad)

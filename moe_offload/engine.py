@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from moe_offload import log
 from moe_offload.cache import OffloadMoeCache
-from moe_offload.checkpoint.reader import CheckpointReader, detect_format
+from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader, detect_format
 from moe_offload.config import ModelConfig, OffloadConfig
 from moe_offload.compute import make_compute, nvfp4_kernels_usable, prefill_compute
 from moe_offload.compute.decode import DecodeCompute
@@ -152,7 +152,14 @@ class Engine:
             torch.cuda.set_device(device.index or 0)
         dtype = resolve_dtype(cfg.dtype, device)
         path = ensure_checkpoint(cfg.model, progress and tp_rank == 0)
-        reader = CheckpointReader(path)
+        try:
+            reader = CheckpointReader(path)
+        except CheckpointError as exc:
+            if cfg.model.checkpoint:
+                raise
+            # a preset this process (or an earlier one) built into the cache dir: damaged since, e.g. a full disk
+            raise CheckpointError(f"{exc}. It is a cached build of preset {cfg.model.preset}: delete {path} and "
+                                  "run again to rebuild it") from None
         fmt_name = detect_format(reader)
         store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
         fmt = get_format(fmt_name)

@@ -293,3 +293,16 @@ def test_a_quantized_attention_linear_whose_codes_and_scales_disagree_is_named(t
     with pytest.raises(CheckpointError, match=r"the quantized linear model\.layers\.1\.self_attn\.q_proj .*does not "
                                               r"dequantize: its tensors' shapes disagree"):
         Engine.from_config(load_config(None, [f"model.checkpoint={json.dumps(str(dst))}"]), progress=False)
+
+
+def test_a_damaged_cached_preset_says_to_delete_its_build(tmp_path):
+    from moe_offload.config import load_config
+    from moe_offload.engine import Engine
+
+    cfg = load_config(None, [f"model.cache_dir={json.dumps(str(tmp_path))}", "logging.level=WARNING"])
+    Engine.from_config(cfg, progress=False).close()
+    build = next(tmp_path.glob("tiny-qwen3-moe-*"))
+    f = build / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=f"cached build of preset tiny-qwen3-moe: delete {build}"):
+        Engine.from_config(cfg, progress=False)

@@ -242,6 +242,12 @@ class DecodeResidency:
         its ids in one launch (``decode_route.route_and_serve``), where ``routes`` says so."""
         from moe_offload.kernels.decode_route import route_and_serve
 
+        if layer not in self.pool.layer_pos:
+            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
+                             f"({sorted(self.pool.layer_pos)[:8]}...)")
+        if logits_TE.dim() != 2:
+            raise ValueError(f"route: router logits [T, E], got shape {tuple(logits_TE.shape)}")
+        self._check_tokens(logits_TE.shape[0])
         lp = self.pool.layer_pos[layer]
         w_TK, ids_TK, plan = route_and_serve(logits_TE, top_k, renorm, w_dtype, self.pool.table_LE[lp],
                                              self.host_rows(layer), self.pool.rows_NR, self.scratch_base,

@@ -159,3 +159,19 @@ def test_a_decoder_of_no_rows_and_a_prefill_of_no_tokens_are_refused_by_name(pat
     for bad in ([], [[]], [1.5, 2.5]):
         with pytest.raises(ValueError, match="prefill: token ids"):
             eng.prefill(bad)
+
+
+def test_routed_fill_and_route_calls_with_bad_ids_or_logits_are_named(store):
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather",
+                                                                           routed_copy="copy_engine"), "cpu")
+    cache.set_residency({layer: [0] for layer in store.layers})
+    layer, K = store.layers[0], store.geometry.top_k
+    with pytest.raises(ValueError, match=f"layer {layer}: routed expert ids include -1"):
+        with cache.prefill_pass(routed_fills=True):
+            cache.stage_rows(layer, torch.full((2, K), -1, dtype=torch.long))  # numpy's bincount message before
+    with pytest.raises(ValueError, match="layer 99 is not a MoE layer"):
+        cache.stage_rows(99)
+    with pytest.raises(ValueError, match="layer 99 is not a MoE layer"):
+        cache.decode.route(99, torch.zeros(1, store.num_experts), K, True, torch.float32)
+    with pytest.raises(ValueError, match=r"exceeds the \d+ tokens this cache was sized for \(decode.max_tokens"):
+        cache.decode.route(layer, torch.zeros(1000, store.num_experts), K, True, torch.float32)

@@ -89,21 +89,21 @@ class Budget(BaseModel):
         )
 
 
-#: the largest seed torch.manual_seed takes (a signed 64-bit integer); larger ones fail with "Overflow when unpacking
-#: long long", which names nothing
-SEED_MAX = (1 << 63) - 1
+#: seeds of the CLI and the config: torch.manual_seed takes -2^63 .. 2^64 - 1 (others fail with "Overflow when
+#: unpacking long long", which names nothing) and numpy's generators (the benches' resident sets) none below 0
+SEED_MIN, SEED_MAX = 0, (1 << 64) - 1
 
 
 def seed_arg(text: str) -> int:
-    """argparse type of every ``--seed``: an integer in [0, ``SEED_MAX``]."""
+    """argparse type of every ``--seed``: an integer in [``SEED_MIN``, ``SEED_MAX``]."""
     import argparse
 
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if not 0 <= v <= SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be in [0, {SEED_MAX}] (a 64-bit seed), got {text}")
+    if not SEED_MIN <= v <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit seed), got {text}")
     return v
 
 
@@ -116,7 +116,7 @@ class ModelConfig(_Strict):
     preset: Literal[PRESETS] = "tiny-qwen3-moe"  # type: ignore[valid-type]
     format: Literal["auto", "bf16", "nvfp4-modelopt", "nvfp4-ct"] = "auto"
     layers: int | None = Field(None, ge=1, description="truncate a preset to this many layers")
-    seed: int = Field(0, ge=0, le=SEED_MAX)
+    seed: int = Field(0, ge=SEED_MIN, le=SEED_MAX)
     cache_dir: str | None = Field(None, description="where presets are built; default ~/.cache/moe-offload")
 
     @field_validator("checkpoint", "cache_dir")
@@ -474,6 +474,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": SafeLoader merges it
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -238,6 +238,13 @@ class StaticDecoder:
         if self._positions:
             self.pos_B1.fill_(self.length)
         self.length += 1
+        try:
+            return self._step()
+        except BaseException:
+            self.length -= 1  # the step did not happen: the next one writes this position again
+            raise
+
+    def _step(self) -> torch.Tensor:
         cache = self.engine.cache
         if self.graph is not None:
             cache.step_boundary()
@@ -252,11 +259,7 @@ class StaticDecoder:
                 cache.decode_step_enqueued(self.batch)
                 return self.logits_BV
         self._eager_steps += 1
-        try:
-            return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]
-        except BaseException:
-            self.length -= 1  # the step did not happen: the next one writes this position again
-            raise
+        return self.engine.run_model(self._step_kwargs(), self.batch)[:, -1]
 
     def _capture(self) -> bool:
         cur = torch.cuda.current_stream(self.engine.device)

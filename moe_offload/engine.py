@@ -406,7 +406,9 @@ class Engine:
         bad = [i for i in prompt_ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab]
         if bad:
             raise ValueError(f"{what}: token ids {bad[:5]} are not integers in the vocab (0..{vocab - 1})")
-        limit = getattr(self.model.config, "max_position_embeddings", None)
+        from moe_offload.prompts import max_positions
+
+        limit = max_positions(self.model.config)
         if limit and len(prompt_ids) + max_new_tokens > limit:
             raise ValueError(f"{what}: {len(prompt_ids)} tokens + {max_new_tokens} new ones exceed the model's {limit} "
                              f"positions (max_position_embeddings); at most {max(limit - len(prompt_ids), 0)} new "

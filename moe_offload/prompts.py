@@ -9,6 +9,7 @@ the value and the fix.
 
 from __future__ import annotations
 
+import io
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,26 @@ def _eos_ids(config: dict, path: Path | None) -> tuple[int, ...]:
     return tuple(ids)
 
 
+#: rope scalings that extend a model past ``max_position_embeddings`` (to ``original_max_position_embeddings x
+#: factor``), as Qwen3's documented YaRN setting does (32768 x 4)
+_EXTENDING_ROPE = ("yarn", "dynamic", "linear", "longrope")
+
+
+def max_positions(config) -> int | None:
+    """The positions a model serves: ``max_position_embeddings``, or more under an extending rope scaling in
+    ``rope_scaling`` / ``rope_parameters``. ``config``: config.json's dict or a transformers config."""
+    get = config.get if isinstance(config, dict) else (lambda k: getattr(config, k, None))
+    base = get("max_position_embeddings")
+    rope = get("rope_scaling") or get("rope_parameters")
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) in _EXTENDING_ROPE:
+        factor = rope.get("factor") or 1
+        if isinstance(factor, (int, float)) and factor > 1:
+            orig = rope.get("original_max_position_embeddings") or base
+            if isinstance(orig, int):
+                return max(base or 0, int(orig * factor))
+    return base
+
+
 def model_facts(cfg: OffloadConfig) -> ModelFacts:
     """The model's vocab, positions, expert intermediate size, format and EOS ids; checks model.format."""
     from moe_offload.checkpoint.families import geometry_from_config
@@ -84,7 +105,7 @@ def model_facts(cfg: OffloadConfig) -> ModelFacts:
     if max_pos is not None and (isinstance(max_pos, bool) or not isinstance(max_pos, int) or max_pos < 1):
         raise InputError(f"{source}: max_position_embeddings in config.json is {max_pos!r}; it must be a JSON "
                          "integer >= 1; fix config.json")
-    return ModelFacts(source, path, fmt, geo.vocab, max_pos or None, geo.inter,
+    return ModelFacts(source, path, fmt, geo.vocab, max_positions(config) or None, geo.inter,
                       _eos_ids(config, path))
 
 
@@ -132,8 +153,8 @@ def read_prompt_file(name: str) -> str:
         raw = getattr(sys.stdin, "buffer", None)  # a text stream without bytes underneath (embedders, tests)
         if raw is None:
             return sys.stdin.read()
-        try:
-            return raw.read().decode("utf-8")
+        try:  # newlines translated as for a file (CRLF -> LF)
+            return io.TextIOWrapper(raw, encoding="utf-8").read()
         except UnicodeDecodeError as exc:
             raise InputError(f"--prompt-file -: standard input is not UTF-8 text ({exc.reason} at byte {exc.start}); "
                              "pipe UTF-8 text") from None

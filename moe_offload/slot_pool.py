@@ -275,15 +275,19 @@ class SlotPool:
         every pair (a loop over pairs cost ~2 us a pair of host time between decode steps on a CI-class CPU)."""
         if not fills:
             return
-        for layer, experts, _ in fills:  # a key outside its layer would name another layer's expert
-            e = np.asarray(experts, dtype=np.int64)
-            if layer not in self.layer_pos or (e.size and (e.min() < 0 or e.max() >= self.E)):
-                raise ValueError(f"commit of layer {layer}, experts {e[(e < 0) | (e >= self.E)][:8].tolist()}: "
-                                 f"the store's MoE layers are {sorted(self.layer_pos)[:4]}..., experts 0..{self.E - 1}; "
-                                 "nothing committed")
-        key_P = np.concatenate([self.layer_pos[layer] * self.E + np.asarray(experts, dtype=np.int64)
-                                for layer, experts, _ in fills])
+        for layer, _, _ in fills:
+            if layer not in self.layer_pos:
+                raise ValueError(f"commit of layer {layer!r}: not a MoE layer of the store; nothing committed")
+        e_P = np.concatenate([np.asarray(experts, dtype=np.int64) for _, experts, _ in fills])
         slot_P = np.concatenate([np.asarray(slots, dtype=np.int64) for _, _, slots in fills])
+        # one check over the joined arrays (a boundary's host time is the GPU's wait): a key outside its layer would
+        # name another layer's expert, a slot outside the pool a row that is not there
+        if e_P.size and (e_P.min() < 0 or e_P.max() >= self.E or slot_P.min() < 0 or slot_P.max() >= self.num_slots):
+            raise ValueError(f"commit of experts {e_P[(e_P < 0) | (e_P >= self.E)][:8].tolist()} / slots "
+                             f"{slot_P[(slot_P < 0) | (slot_P >= self.num_slots)][:8].tolist()} outside 0..{self.E - 1} "
+                             f"/ 0..{self.num_slots - 1}; nothing committed")
+        key_P = np.concatenate([np.full(len(experts), self.layer_pos[layer] * self.E, dtype=np.int64)
+                                for layer, experts, _ in fills]) + e_P
         lp_P, e_P = np.divmod(key_P, self.E)
         # an expert not resident yet keeps the first slot filled with it; the map as it was before this call decides
         fresh_P = np.flatnonzero(self.slot_of_LE[lp_P, e_P] < 0)

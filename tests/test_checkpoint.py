@@ -169,12 +169,19 @@ def test_a_config_json_number_that_is_no_count_is_named_with_its_key(tiny_ckpt, 
         CheckpointReader(_config_edited(tiny_ckpt, tmp_path, **{key: value}))
 
 
-def test_weights_of_more_layers_than_config_json_says_are_refused(tiny_ckpt, tmp_path):
-    """Before: a 4-layer checkpoint whose config.json said 2 ran as a 2-layer model, exit 0."""
+def test_weights_of_more_layers_than_config_json_says_run_truncated_with_one_warning_event(tiny_ckpt, tmp_path,
+                                                                                          events):
+    """A config lowered to run a truncated model (a debugging habit) runs, but not silently: before, a 4-layer
+    checkpoint whose config.json said 2 ran as a 2-layer model with no word."""
+    from moe_offload import log
+
+    log.reset_once_keys()
     dst = _config_edited(tiny_ckpt, tmp_path, num_hidden_layers=2)
-    with pytest.raises(CheckpointError, match=r"num_hidden_layers=2 but the weights hold layer 3 "
-                                              r"\(model\.layers\.2\.\.\. and on\)"):
-        CheckpointReader(dst)
+    CheckpointReader(dst)
+    CheckpointReader(dst)
+    got = [e for e in events() if e.get("event") == "checkpoint_layers_ignored"]
+    assert len(got) == 1 and got[0]["num_hidden_layers"] == 2 and got[0]["ignored_layers"] == "2..3"
+    assert got[0]["change_with"] == "num_hidden_layers=4 in config.json to run them all"
 
 
 @pytest.mark.parametrize("name", ["config.json", "hf_quant_config.json"])

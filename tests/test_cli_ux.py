@@ -183,7 +183,7 @@ def test_a_closed_stdout_ends_quietly(ckpt):
 
 @pytest.mark.parametrize("argv", [["generate"], ["make-checkpoint", "--out", "unused"], ["bench", "decode"],
                                   ["bench", "ttft"], ["bench", "soak"], ["bench", "serve"]])
-@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "18446744073709551616", "-1"])
 def test_a_seed_outside_64_bits_is_named_by_its_flag_before_any_work(argv, seed):
     """Before: torch's "Overflow when unpacking long long", naming nothing (bench decode only after loading)."""
     rc, _, err = _run(*argv, "--seed", seed)

@@ -132,3 +132,10 @@ def test_a_key_given_twice_and_a_directory_as_config_are_named(tmp_path):
     ok = tmp_path / "ok.yaml"
     ok.write_text("cache:\n  budget: 0.5\ndecode:\n  max_tokens: 8\n")  # the same key in two sections is fine
     assert load_config(ok).cache.budget.value == 0.5
+
+
+def test_yaml_merge_keys_still_load(tmp_path):
+    p = tmp_path / "merge.yaml"
+    p.write_text("cache:\n  <<: {budget: 0.25, policy: balanced}\n  policy: lru\n")  # "<<" is no duplicate key
+    cfg = load_config(p)
+    assert cfg.cache.budget.value == 0.25 and cfg.cache.policy == "lru"

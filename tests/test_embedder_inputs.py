@@ -175,3 +175,41 @@ def test_routed_fill_and_route_calls_with_bad_ids_or_logits_are_named(store):
         cache.decode.route(99, torch.zeros(1, store.num_experts), K, True, torch.float32)
     with pytest.raises(ValueError, match=r"exceeds the \d+ tokens this cache was sized for \(decode.max_tokens"):
         cache.decode.route(layer, torch.zeros(1000, store.num_experts), K, True, torch.float32)
+
+
+def test_a_commit_to_a_slot_outside_the_pool_changes_neither_map(store):
+    """The device table is written before the host map: a slot past the pool must be refused before either."""
+    cache = OffloadMoeCache(store, CacheConfig(budget="4 slots"), PrefillConfig(), "cpu")
+    before = _maps(cache)
+    with pytest.raises(ValueError, match=r"slots \[7\] outside .* 0..3; nothing committed"):
+        cache.pool.commit_many([(store.layers[0], np.array([3]), [7])])
+    after = _maps(cache)
+    assert np.array_equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
+
+def test_a_step_whose_boundary_fails_keeps_the_decoder_s_position(path, monkeypatch):
+    eng = _engine(path, "cache.budget=1.0")
+    dec = StaticDecoder(eng, 1, 64, graphs=False)
+    logits = dec.prefill(torch.tensor([list(range(10, 20))]))
+
+    def fail(*a, **k):  # fault injection: the model call of the step raises (e.g. a device OOM)
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(eng, "run_model", fail)
+    with pytest.raises(torch.OutOfMemoryError):
+        dec.step(logits.argmax(-1))
+    assert dec.length == 10
+
+
+def test_the_model_s_positions_count_an_extending_rope_scaling():
+    """Qwen3-30B-A3B documents 131072 tokens with YaRN factor 4 over 32768: serve.max_model_len and the prompt
+    checks must allow them when config.json says so, and only then."""
+    from moe_offload.prompts import max_positions
+
+    base = {"max_position_embeddings": 40960}
+    assert max_positions(base) == 40960
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert max_positions({**base, "rope_scaling": yarn}) == 131072
+    assert max_positions({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 40960
+    assert max_positions({**base, "rope_scaling": {"type": "linear", "factor": 2}}) == 81920
+    assert max_positions({}) is None

@@ -155,6 +155,13 @@ def resolve_naming(geo: ModelGeometry, has: Callable[[str], bool]) -> ModelGeome
     return geo
 
 
+def layers_past_config(geo: ModelGeometry, names: list[str]) -> list[int]:
+    """Decoder layers whose tensors the checkpoint holds at or past config.json's ``num_hidden_layers`` (a config
+    lowered to run a truncated model, or one that does not match its weights)."""
+    layer_prefix = re.escape(geo.family.expert_prefix.split("{l}")[0]) + r"(\d+)\."
+    return sorted({int(m.group(1)) for n in names if (m := re.match(layer_prefix, n)) and int(m.group(1)) >= geo.num_layers})
+
+
 def expert_count_error(geo: ModelGeometry, names: list[str], count_key: str) -> str | None:
     """Where the per-expert tensors disagree with config.json's expert count, a message naming the layer,
     the expert indices found and the fix; None when they agree (or the experts are stored fused)."""
@@ -167,13 +174,6 @@ def expert_count_error(geo: ModelGeometry, names: list[str], count_key: str) -> 
         if m:
             seen.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
     E = geo.num_experts
-    layer_prefix = geo.family.expert_prefix.split("{l}")[0]
-    extra = sorted({int(m.group(1)) for n in names
-                    if (m := re.match(re.escape(layer_prefix) + r"(\d+)\.", n)) and int(m.group(1)) >= geo.num_layers})
-    if extra:
-        return (f"config.json num_hidden_layers={geo.num_layers} but the weights hold layer {extra[-1]} "
-                f"({layer_prefix}{extra[0]}... and on); set num_hidden_layers to the layers the weights hold, or "
-                "remove the extra layers' tensors")
     for layer in sorted(seen):
         idx = seen[layer]
         if max(idx) >= E:

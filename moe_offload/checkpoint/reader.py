@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 from moe_offload import log
-from moe_offload.checkpoint.families import ModelGeometry, expert_count_error, geometry_from_config, resolve_naming
+from moe_offload.checkpoint.families import (ModelGeometry, expert_count_error, geometry_from_config,
+                                              layers_past_config, resolve_naming)
 
 _DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
@@ -107,6 +108,14 @@ class CheckpointReader:
         problem = expert_count_error(self.geometry, self.names(), key)
         if problem:
             raise CheckpointError(f"{cfg_path}: {problem}")
+        extra = layers_past_config(self.geometry, self.names())
+        if extra:  # a model truncated by its config (a debugging habit) runs, but never silently
+            log.log_once(f"checkpoint_layers_ignored:{self.path}", "checkpoint_layers_ignored", logging.WARNING,
+                         path=str(cfg_path), num_hidden_layers=self.geometry.num_layers,
+                         ignored_layers=f"{extra[0]}..{extra[-1]}",
+                         detail=f"only the first {self.geometry.num_layers} decoder layers run; the weights of "
+                                f"{len(extra)} more are not read",
+                         change_with=f"num_hidden_layers={extra[-1] + 1} in config.json to run them all")
 
     def _index_files(self) -> None:
         index = self.path / "model.safetensors.index.json"

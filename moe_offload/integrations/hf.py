@@ -52,7 +52,7 @@ def load_non_expert_weights(model: nn.Module, reader: CheckpointReader, fmt: Exp
             prefix = src[: -len(".weight")] if src.endswith(".weight") else src
             try:
                 t = fmt.read_linear(reader, prefix, dtype) if src.endswith(".weight") else None
-            except CheckpointError:
+            except (CheckpointError, torch.OutOfMemoryError):
                 raise
             except (RuntimeError, ValueError) as exc:  # e.g. packed codes and block scales of different shapes
                 raise CheckpointError(

@@ -26,8 +26,10 @@ def main(a: argparse.Namespace) -> int:
     log.configure(cfg.logging.level, cfg.logging.format)
     if cfg.parallel.tp > 1:  # rank 0 serves HTTP, the other ranks replay its forwards (serve/tp.py)
         from moe_offload.launch import run_on_ranks
+        from moe_offload.serve.server import bind_socket
         from moe_offload.serve.tp import serve_rank
 
+        bind_socket(a.host, a.port).close()  # a port in use or a bad host named before any rank loads the model
         run_on_ranks(cfg, serve_rank, serve_cfg.model_dump(), a.host, a.port)
         return 0
     return serve(cfg, serve_cfg, a.host, a.port)

@@ -28,7 +28,7 @@ class _Common(BaseModel):
     temperature: float | None = None
     top_p: float = 1.0
     top_k: int = 0
-    seed: int | None = Field(None, ge=0, le=(1 << 63) - 1)  # torch.manual_seed's range (config.SEED_MAX)
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)  # torch.manual_seed's range (config.SEED_MIN/MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False

@@ -43,6 +43,7 @@ import torch
 
 from moe_offload import log
 from moe_offload.config import ConfigError
+from moe_offload.prompts import max_positions
 from moe_offload.serve.config import ServeConfig
 from moe_offload.serve.executor import LocalExecutor
 from moe_offload.serve import prefill_batch
@@ -116,7 +117,7 @@ class Scheduler:
         self.executor = executor or LocalExecutor(engine, self.cfg)
         model = engine.model
         self.vocab = int(engine.reader.geometry.vocab)
-        self.max_model_len = self._max_model_len(int(getattr(model.config, "max_position_embeddings", 1 << 30)))
+        self.max_model_len = self._max_model_len(int(max_positions(model.config) or 1 << 30))
         tok = engine.tokenizer
         eos = getattr(tok, "eos_id", None) if tok is not None else None
         if eos is None and tok is not None:
@@ -150,7 +151,8 @@ class Scheduler:
         """``serve.max_model_len`` (default: the model's), within the static KV cache's positions per row."""
         if self.cfg.max_model_len is not None and self.cfg.max_model_len > model_max:
             raise ConfigError(f"serve.max_model_len={self.cfg.max_model_len} is more than the model's {model_max} "
-                              "positions (max_position_embeddings in the checkpoint's config.json): tokens past them "
+                              "positions (max_position_embeddings in the checkpoint's config.json, times an "
+                              "extending rope_scaling factor): tokens past them "
                               "would be computed at positions the model never saw; lower serve.max_model_len or "
                               "leave it unset (null: the model's)")
         limit = self.executor.batch.max_len

@@ -297,7 +297,10 @@ def bind_socket(host: str, port: int):
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: a TCP port is in [0, 65535]")
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        # IPv4 first where a name has both (localhost -> ::1 and 127.0.0.1): clients of http://127.0.0.1 reach it, as
+        # they reached uvicorn's own bind
+        family, kind, proto, _, addr = sorted(infos, key=lambda i: i[0] != socket.AF_INET)[0]
     except socket.gaierror as exc:
         raise ValueError(f"--host {host}: cannot resolve it ({exc.strerror}); pass an address such as 127.0.0.1 or "
                          "0.0.0.0") from None
@@ -329,7 +332,10 @@ def serve(cfg, serve_cfg: ServeConfig, host: str, port: int) -> int:
         log.info_rank0("serve_listening", host=host, port=sock.getsockname()[1], model=model_name(engine, serve_cfg),
                        max_batch=serve_cfg.max_batch, max_queue=serve_cfg.max_queue,
                        max_model_len=scheduler.max_model_len)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off")).run(sockets=[sock])
+        except KeyboardInterrupt:  # Ctrl-C: uvicorn shut down gracefully, then re-raised the signal; a clean exit
+            pass
     finally:
         if scheduler is not None:
             scheduler.stop()

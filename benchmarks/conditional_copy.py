@@ -41,11 +41,8 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.checkpoint.families import geometry_from_config
-from moe_offload.formats.registry import get_format
 from moe_offload.host_store import ExpertStore
 from moe_offload.kernels.decode_miss import serve_misses
-from moe_offload.presets import get_preset, preset_config
 from moe_offload.slot_pool import SlotPool
 from moe_offload.stats import CacheStats
 
@@ -115,8 +112,7 @@ def _condb_body(store, pool, ids_1E):
 def one_layer_store(preset: str) -> ExpertStore:
     """A real ExpertStore of one MoE layer of ``preset``'s NVFP4 shape, pinned and mapped, each row marked (one byte
     every 4096, never 0) so a copy's destination can be checked."""
-    config = {**preset_config(preset, 1), "model_type": get_preset(preset).model_type}
-    store = ExpertStore(geometry_from_config(config), get_format("nvfp4-modelopt"), pin=True)
+    store = ExpertStore.for_preset(preset, 1)
     rows_ER = store.rows(store.layers[0])
     rows_ER.zero_()
     rows_ER[:, ::4096] = (torch.arange(store.num_experts) % 251 + 1).to(torch.uint8)[:, None]

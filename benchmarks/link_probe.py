@@ -17,19 +17,15 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.checkpoint.families import geometry_from_config
-from moe_offload.formats.registry import get_format
 from moe_offload.host_store import ExpertStore
 from moe_offload.link_rates import SLOW_SM_READS, LinkUnmeasurable, measure_link
-from moe_offload.presets import get_preset, preset_config
 from moe_offload.uva import UvaError
 
 
 def probe(reps: int, device: torch.device) -> dict:
     """One entry per measurement (``reps`` of them: each is already the best of ``LINK_REPS``), and ``slow`` by
     their median share."""
-    config = {**preset_config("qwen3-30b-a3b", 1), "model_type": get_preset("qwen3-30b-a3b").model_type}
-    store = ExpertStore(geometry_from_config(config), get_format("nvfp4-modelopt"), pin=device.type == "cuda")
+    store = ExpertStore.for_preset("qwen3-30b-a3b", 1, pin=device.type == "cuda")
     runs = [measure_link(store, device).to_dict() for _ in range(reps)]
     shares = sorted(r["uva_GBps"] / r["h2d_GBps"] for r in runs)
     share = shares[len(shares) // 2]

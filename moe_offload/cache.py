@@ -373,9 +373,7 @@ class OffloadMoeCache:
         assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
         a pass itself. ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
         self._check_open("stage_rows")
-        if layer not in self.pool.layer_pos:
-            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
-                             f"({list(self.store.layers)[:8]}...)")
+        self.pool.check_layer(layer, "stage_rows")
         if layer == self.store.layers[0]:
             if self._pass_open:
                 self._pass_open = False
@@ -472,19 +470,8 @@ class OffloadMoeCache:
         Copies host -> slots and waits for them (HOST SYNC: not a hot path). Every layer and expert id is checked
         before anything changes: a bad one raises ``ValueError`` with the residency as it was."""
         self._check_open("set_residency")
-        E = self.store.num_experts
         for layer, experts in experts_per_layer.items():
-            if layer not in self.store.layers:
-                raise ValueError(f"set_residency: layer {layer!r} is not a MoE layer of the store "
-                                 f"({list(self.store.layers)[:8]}...)")
-            ids = list(experts)
-            bad = [e for e in ids if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer))
-                   or not 0 <= e < E]
-            if bad:
-                raise ValueError(f"set_residency: layer {layer}: expert ids {bad[:8]} are not integers in 0..{E - 1}")
-            if len(set(ids)) != len(ids):
-                raise ValueError(f"set_residency: layer {layer}: expert ids listed twice "
-                                 f"{sorted(e for e in set(ids) if ids.count(e) > 1)[:8]}; list each once")
+            self.pool.check_experts(layer, experts, "set_residency")
         need = sum(len(v) for v in experts_per_layer.values())
         if need > self.num_slots:
             raise BudgetError(f"set_residency wants {need} resident experts but the pool has {self.num_slots} slots")

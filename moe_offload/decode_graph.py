@@ -193,11 +193,7 @@ class StaticDecoder:
         if self.length + T >= self.max_len:
             raise ValueError(f"a prefill of {T} tokens does not fit this decoder ({self.max_len - self.length - 1} "
                              "fit: one position stays for the first decode step); raise decode.max_cache_len")
-        if ids_BT.device.type == "cpu":
-            vocab = self.engine.reader.geometry.vocab
-            bad = ids_BT[(ids_BT < 0) | (ids_BT >= vocab)]
-            if bad.numel():
-                raise ValueError(f"prefill: token ids {bad[:5].tolist()} are outside the vocab (0..{vocab - 1})")
+        self._check_vocab(ids_BT, "prefill")
         if self.length == 0 and self.prefill_graphs is not None:
             logits_BV = self.prefill_graphs.run(ids_BT)
             if logits_BV is not None:
@@ -219,6 +215,16 @@ class StaticDecoder:
             raise
         return logits[:, -1]
 
+    def _check_vocab(self, ids: torch.Tensor, what: str) -> None:
+        """Token ids held on the host must index the vocab; ids on the device (sampled there) are not read back:
+        that would be a host sync a step."""
+        if ids.device.type != "cpu":
+            return
+        vocab = self.engine.reader.geometry.vocab
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.numel():
+            raise ValueError(f"{what}: token ids {bad[:5].tolist()} are outside the vocab (0..{vocab - 1})")
+
     @torch.inference_mode()
     def step(self, tok_B: torch.Tensor) -> torch.Tensor:
         """One decode step for the sampled tokens ``tok_B [B]`` -> logits ``[B, V]`` (a static buffer on
@@ -228,11 +234,7 @@ class StaticDecoder:
         if tok_B.numel() != self.batch or tok_B.dtype.is_floating_point or tok_B.dtype == torch.bool:
             raise ValueError(f"step: one integer token id per sequence ({self.batch}), got {tok_B.dtype} of shape "
                              f"{tuple(tok_B.shape)}")
-        if tok_B.device.type == "cpu":  # ids on the device (sampled there) are not read back: that would sync
-            vocab = self.engine.reader.geometry.vocab
-            bad = tok_B[(tok_B < 0) | (tok_B >= vocab)]
-            if bad.numel():
-                raise ValueError(f"step: token ids {bad[:5].tolist()} are outside the vocab (0..{vocab - 1})")
+        self._check_vocab(tok_B, "step")
         self.ids_B1.copy_(tok_B.view(self.batch, 1))
         self.start_0.fill_(self.length)  # a fill kernel with the value as an argument: no sync (also pos_1)
         if self._positions:

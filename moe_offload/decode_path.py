@@ -172,9 +172,7 @@ class DecodeResidency:
         are an integer ``[T, K]`` tensor (a float or 1-D one was truncated or broadcast into the record before) of
         at most ``max_tokens`` rows. Their values are not read here (a host sync on the sync-free path); the router
         (``route``) gives ids in [0, E) from finite logits, and the logits guard names non-finite ones."""
-        if layer not in self.pool.layer_pos:
-            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
-                             f"({sorted(self.pool.layer_pos)[:8]}...)")
+        self.pool.check_layer(layer, "decode plan")
         if ids_TK.dim() != 2 or ids_TK.dtype.is_floating_point or ids_TK.dtype in (torch.bool, torch.uint8):
             raise ValueError(f"routed expert ids of layer {layer}: an integer [T, K] tensor, got {ids_TK.dtype} of "
                              f"shape {tuple(ids_TK.shape)}")
@@ -242,9 +240,7 @@ class DecodeResidency:
         its ids in one launch (``decode_route.route_and_serve``), where ``routes`` says so."""
         from moe_offload.kernels.decode_route import route_and_serve
 
-        if layer not in self.pool.layer_pos:
-            raise ValueError(f"layer {layer!r} is not a MoE layer of this cache's store "
-                             f"({sorted(self.pool.layer_pos)[:8]}...)")
+        self.pool.check_layer(layer, "route")
         if logits_TE.dim() != 2:
             raise ValueError(f"route: router logits [T, E], got shape {tuple(logits_TE.shape)}")
         self._check_tokens(logits_TE.shape[0])

@@ -197,6 +197,16 @@ class ExpertStore:
             self.bank(layer, s.name)[expert].copy_(tensors[s.name].contiguous().view(-1).view(torch.uint8))
 
     @classmethod
+    def for_preset(cls, preset: str, layers: int | None = None, fmt: str = "nvfp4-modelopt",
+                   pin: bool = True) -> "ExpertStore":
+        """An unfilled store of ``preset``'s shape (``layers`` MoE layers deep): real-size pinned rows for link and
+        copy measurements that need sizes, not weights."""
+        from moe_offload.formats.registry import get_format
+        from moe_offload.presets import preset_geometry
+
+        return cls(preset_geometry(preset, layers), get_format(fmt), pin=pin)
+
+    @classmethod
     def from_checkpoint(cls, path: str | Path | CheckpointReader, fmt: str | None = None, tp_rank: int = 0,
                         tp_size: int = 1, pin: bool = True, progress: bool = True) -> "ExpertStore":
         """Load every expert (this rank's slice) from an HF checkpoint dir into pinned banks."""

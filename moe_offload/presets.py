@@ -93,3 +93,11 @@ def preset_config(preset: str, layers: int | None = None) -> dict:
     cfg.setdefault("bos_token_id", BOS_ID)
     cfg.setdefault("eos_token_id", EOS_ID)
     return cfg
+
+
+def preset_geometry(preset: str, layers: int | None = None):
+    """``checkpoint.families.ModelGeometry`` of ``preset`` (``layers`` as in ``preset_config``), without building it."""
+    from moe_offload.checkpoint.families import geometry_from_config
+
+    return geometry_from_config({**preset_config(preset, layers), "model_type": get_preset(preset).model_type},
+                                f"preset {preset}")

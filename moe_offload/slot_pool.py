@@ -65,6 +65,26 @@ class SlotPool:
         self.policy = make_policy(policy, num_slots, len(store.layers))
         self.count_L = np.zeros(len(store.layers), dtype=np.int64)  # residents per layer (``owner_S`` summarized)
 
+    # ---------------------------------------------------------------- checking callers' ids (no device work)
+    def check_layer(self, layer, what: str) -> None:
+        """A ``ValueError`` naming ``what`` unless ``layer`` is one of the store's MoE layers."""
+        if layer not in self.layer_pos:
+            raise ValueError(f"{what}: layer {layer!r} is not a MoE layer of this cache's store "
+                             f"({sorted(self.layer_pos)[:8]}...)")
+
+    def check_experts(self, layer, experts, what: str) -> None:
+        """A ``ValueError`` naming ``what`` unless ``layer`` is a MoE layer and ``experts`` (a host sequence) are
+        distinct integer ids of it."""
+        self.check_layer(layer, what)
+        ids = list(experts)
+        bad = [e for e in ids if isinstance(e, (bool, np.bool_)) or not isinstance(e, (int, np.integer))
+               or not 0 <= e < self.E]
+        if bad:
+            raise ValueError(f"{what}: layer {layer}: expert ids {bad[:8]} are not integers in 0..{self.E - 1}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{what}: layer {layer}: expert ids listed twice "
+                             f"{sorted(e for e in set(ids) if ids.count(e) > 1)[:8]}; list each once")
+
     # ---------------------------------------------------------------- reading the map
     def resident(self, layer: int) -> np.ndarray:
         """Slot of each expert of ``layer`` (-1 = not resident), a host array [E] (a view: do not keep)."""
@@ -276,8 +296,7 @@ class SlotPool:
         if not fills:
             return
         for layer, _, _ in fills:
-            if layer not in self.layer_pos:
-                raise ValueError(f"commit of layer {layer!r}: not a MoE layer of the store; nothing committed")
+            self.check_layer(layer, "commit (nothing committed)")
         e_P = np.concatenate([np.asarray(experts, dtype=np.int64) for _, experts, _ in fills])
         slot_P = np.concatenate([np.asarray(slots, dtype=np.int64) for _, _, slots in fills])
         # one check over the joined arrays (a boundary's host time is the GPU's wait): a key outside its layer would

@@ -60,14 +60,10 @@ def compiled_without_interpreter():
 def qwen3_layer_store():
     """``qwen3_layer_store(pin)`` -> an ExpertStore of one MoE layer of Qwen3-30B-A3B NVFP4 rows (128 x 2.65 MB;
     their bytes are whatever the allocation holds: the link-rate tests need real sizes, not real weights)."""
-    from moe_offload.checkpoint.families import geometry_from_config
-    from moe_offload.formats.registry import get_format
     from moe_offload.host_store import ExpertStore
-    from moe_offload.presets import get_preset, preset_config
 
     def make(pin: bool) -> ExpertStore:
-        config = {**preset_config("qwen3-30b-a3b", 1), "model_type": get_preset("qwen3-30b-a3b").model_type}
-        return ExpertStore(geometry_from_config(config), get_format("nvfp4-modelopt"), pin=pin)
+        return ExpertStore.for_preset("qwen3-30b-a3b", 1, pin=pin)
 
     return make
 

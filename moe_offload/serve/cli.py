@@ -19,8 +19,6 @@ def main(a: argparse.Namespace) -> int:
     from moe_offload.config import load_config
     from moe_offload.serve.server import serve
 
-    if not 0 <= a.port <= 65535:
-        raise ValueError(f"--port {a.port} is not a TCP port; use 0..65535")
     cfg = load_config(a.config, a.set)  # serve.* keys are part of the config tree
     serve_cfg = cfg.serve
     log.configure(cfg.logging.level, cfg.logging.format)

@@ -98,7 +98,7 @@ def _max_combine(a, b):
 def _align_sorted(rows_ptr, key_ptr, sorted_ids_ptr, block_row_ptr, num_padded_ptr, M, N, last_key,
                   BLOCK_M: tl.constexpr, MP: tl.constexpr, ROWS_VOLATILE: tl.constexpr):
     """The body of ``_align_sorted_kernel``; ROWS_VOLATILE: the rows were written by this program (before a
-    barrier), so they are loaded past any cached copy (``decode_miss._plan_align_kernel``)."""
+    barrier), so they are loaded past any cached copy (``decode_miss_plan._plan_align_kernel``)."""
     offs = tl.arange(0, MP)
     rows = tl.load(rows_ptr + offs, mask=offs < M, other=-1, volatile=ROWS_VOLATILE).to(tl.int64)
     ok = (offs < M) & (rows >= 0) & (rows < N)

@@ -17,14 +17,10 @@ import triton.language as tl
 
 from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
-from moe_offload.kernels.decode_miss import (
+from moe_offload.kernels.decode_miss import MissCopyConfig, MissPlan, _check, _check_stats, copy_misses
+from moe_offload.kernels.decode_miss_plan import (
     _PLAN_BLOCK,
-    MissCopyConfig,
-    MissPlan,
-    _check,
-    _check_stats,
     _plan_phase,
-    copy_misses,
     experts_block,
     plan_chunk,
     plan_outputs,
@@ -69,7 +65,7 @@ def _route_plan_kernel(logits_ptr, stride_t, w_ptr, ids_ptr, done_ptr, K,
 
 #: most routed pairs a step may have for ``route_and_serve``'s one launch (its plan runs in the router's launch
 #: shape, one warp per token up to 256 experts: the register plan where the pairs fit one smaller chunk
-#: (``decode_miss.register_plan_fits``), else the workspace plan)
+#: (``decode_miss_plan.register_plan_fits``), else the workspace plan)
 ROUTE_PLAN_MAX_PAIRS = 128
 
 

@@ -4,20 +4,16 @@
 - ``slot_pool.py``: the slot pool and the residency map (host and device copies), admission;
 - ``staging.py``: the prefill pass (two staging buffers, events, admission into free slots);
 - ``hit_copy.py``: how prefill hits reach staging (resolved once per cache, declines logged + counted);
-- ``streams.py``: the copy and hit streams and the CPU no-op.
+- ``streams.py``: the copy and hit streams and the CPU no-op;
+- ``decode_path.py``: the decode step's rows and admission at step boundaries (``decode_*``, ``step_boundary``).
+
+The facade's methods live in three modules: this one (construction, facts, decode, residency for tests and
+benchmarks, lifecycle and stats), ``forward_paths.py`` (which path each forward takes: routed, staged or routed
+fills) and ``prefill_protocol.py`` (``prefill_pass`` / ``stage_rows`` / ``done``, and the hit path they copy with).
 
 Legend: T tokens, K top-k, E experts per layer, S slots, R bytes of one expert row.
 
-The prefill protocol, owned by the caller (the engine, or the first experts call of a forward that
-nobody announced)::
-
-    with cache.prefill_pass():          # one per model forward on the prefill path
-        views, index_N = cache.stage_rows(layer)  # per MoE layer: its bank for compute; the layer two ahead is assembled at done()
-        ... compute ...
-        cache.done(layer)               # the layer's GEMMs are enqueued
-
-A pass that raises leaves nothing unordered behind (``staging.py``); ``close()`` synchronizes the
-streams before memory goes.
+``close()`` synchronizes the streams before memory goes.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import contextlib
 import logging
 import time
 import weakref
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -36,10 +31,9 @@ from moe_offload.budget import BudgetError, BudgetPlan, is_device_oom, oom_messa
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
-from moe_offload.lookahead import lookahead_rows
-from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows, log_hit_fallback, resolve_hit_copy
-from moe_offload.link_rates import decode_path as resolve_decode_path, decode_path_floor, link_model, routed_copy
-from moe_offload.prefill_path import cost_model as prefill_cost_model, plan_cache
+from moe_offload.forward_paths import ForwardPaths
+from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows
+from moe_offload.prefill_protocol import PrefillProtocol
 from moe_offload.slot_pool import SlotPool
 from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
@@ -48,8 +42,9 @@ from moe_offload.streams import Streams
 __all__ = ["OffloadMoeCache", "BudgetError", "BudgetPlan", "plan_budget"]
 
 
-class OffloadMoeCache:
-    """Device-resident subset of the experts in ``store`` and the copy machinery around it."""
+class OffloadMoeCache(ForwardPaths, PrefillProtocol):
+    """Device-resident subset of the experts in ``store`` and the copy machinery around it (the path each
+    forward takes: ``forward_paths.ForwardPaths``; the prefill protocol: ``prefill_protocol.PrefillProtocol``)."""
 
     def __init__(self, store, cache_cfg: CacheConfig, prefill_cfg: PrefillConfig, device: torch.device | str,
                  decode_max_tokens: int = 16, fused_decode: bool = True, decode_path: str = "routed",
@@ -86,28 +81,9 @@ class OffloadMoeCache:
         self.store, self.device = store, device
         self.cache_cfg, self.prefill_cfg = cache_cfg, prefill_cfg
         self.counters = CacheStats()
-        tp = torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1
-        link = None
-        if cost_model is None:  # this host's link rates in place of the table's (prefill.measure_link)
-            cost_model, link = link_model(store, prefill_cfg, device, fused_decode, tp)
-        path_setting = decode_path
-        decode_path, path_why = resolve_decode_path(path_setting, link)
-        log.info_rank0("decode_path_chosen", path=decode_path, reason=path_why, setting=path_setting,
-                       change_with="decode.path")
-        self.plan, self.routed_path = plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens,
-                                                 fused_decode, decode_path, cost_model, tp, observe_routing,
-                                                 lookahead_rows(decode_max_tokens, store) if lookahead else 0,
-                                                 decode_path_floor(path_setting, link))
-        self._fill_model = None  # decode.path fills: the cost model that weighs a staged step's two forms
-        if decode_path == "fills" and self.routed_path.reason == "cost_model":
-            self._fill_model = (cost_model or prefill_cost_model(torch.cuda.get_device_name(device), store.num_experts,
-                                                                 store.geometry.top_k, store.bytes_per_expert))[0]
-        copy, why = routed_copy(prefill_cfg.routed_copy, device, link)
-        self.routed_path = replace(self.routed_path, link=link, routed_copy=copy, routed_copy_reason=why,
-                                   decode_path_reason=path_why)
-        log.info_rank0("prefill_routed_copy_chosen", copy=copy, reason=why, setting=prefill_cfg.routed_copy,
-                       change_with="prefill.routed_copy")
+        # sets plan, routed_path and the fill model (forward_paths.py); a measured cost model replaces None
+        cost_model = self._resolve_paths(decode_max_tokens, fused_decode, decode_path, cost_model, observe_routing,
+                                         lookahead)
         scratch = self.plan.scratch_rows
         self.streams = Streams(device)
         pool = decode = None
@@ -154,62 +130,6 @@ class OffloadMoeCache:
         return self.plan.num_slots
 
     @property
-    def routed_max_tokens(self) -> int:
-        """Forwards of at most this many tokens take the routed-only (decode) path; longer ones stage unless
-        observed routing routes them (``takes_routed_path``)."""
-        return self.routed_path.max_tokens
-
-    def _observed_routing(self, decode_max_tokens: int, cost_model):
-        rp = self.routed_path
-        if not rp.adaptive_max_tokens:
-            return None
-        from moe_offload.observed_routing import ObservedRouting
-        from moe_offload.prefill_path import AdaptiveRouting, resident_fraction
-        from moe_offload.prefill_path import cost_model as table_model
-
-        E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
-        model = (cost_model or table_model(torch.cuda.get_device_name(self.device), E, K, R))[0]
-        resident = resident_fraction(self.num_slots, len(self.store.layers), E)  # the final plan's (scratch rows taken)
-        adaptive = AdaptiveRouting(model, E, K, R, resident, rp.max_tokens, rp.adaptive_max_tokens)
-        return ObservedRouting(adaptive, self.layers, E, decode_max_tokens, self.device, self.streams)
-
-    # ------------------------------------------------------------------ the path of a forward
-    def begin_forward(self, tokens: int, sequences: int) -> bool:
-        """An engine's forward of ``tokens`` tokens over ``sequences`` sequences starts -> whether it takes
-        the routed path (``observed_routing.py``); ``end_forward`` must follow."""
-        if self.observed is None:
-            return tokens <= self.routed_max_tokens
-        return self.observed.begin(tokens, sequences)
-
-    def end_forward(self, ok: bool = True) -> None:
-        if self.observed is not None:
-            self.observed.end(ok)
-
-    def takes_routed_path(self, tokens: int) -> bool:
-        """Whether an experts call of ``tokens`` tokens reads only its routed experts (else it is staged; a
-        routed-fill forward stages only its routed misses)."""
-        if self._routed_fills:
-            return False
-        if self.observed is None:
-            return tokens <= self.routed_max_tokens
-        return self.observed.routed(tokens)
-
-    def forget_observations(self) -> None:
-        """Drop the observed routing spreads (e.g. after a warmup on random ids)."""
-        if self.observed is not None:
-            self.observed.adaptive.forget()
-
-    def observe_routing(self, layer: int, ids_TK: torch.Tensor) -> None:
-        """An experts call's routed ids, for the observed spread (a no-op unless the forward is observed)."""
-        if self.observed is not None:
-            self.observed.layer(layer, ids_TK)
-
-    @property
-    def hit_path(self) -> str:
-        """The prefill hit path in use: ``gather``, ``batch_memcpy`` or ``full_layer_copy``."""
-        return self.staging.hit.name
-
-    @property
     def layers(self) -> tuple[int, ...]:
         return tuple(self.store.layers)
 
@@ -228,170 +148,6 @@ class OffloadMoeCache:
     def pool_views(self) -> dict[str, torch.Tensor]:
         """Typed per-bank views ``[S, ...]`` of the slot pool (rows read in place)."""
         return self.pool.views()
-
-    # ------------------------------------------------------------------ hit path
-    def resolve_hit_path(self) -> None:
-        """Decide how prefill hits are copied (once; the warmup calls it under load)."""
-        if self._resolution is not None:
-            return
-        cfg = self.prefill_cfg
-        res = resolve_hit_copy(cfg.hit_copy, cfg.hit_copy_on_unavailable, cfg.overlap, self.num_slots, self.device,
-                               self.store.bytes_per_expert, self.streams.copy)
-        self._resolution = res
-        res.h2d.on_batch_failure = self._h2d_batch_failed
-        self.staging.hit, self.staging.h2d = res.hit, res.h2d
-        self.decode.h2d = res.h2d
-
-    def _h2d_batch_failed(self, exc: Exception) -> None:
-        """The batched H2D call failed mid-run (``H2DRows`` copies per run from now on): counted now, and
-        per prefill pass from now on like a batch path declined at start-up."""
-        self._resolution.batch_h2d_reason = "call_failed"
-        self.counters.declined["batch_h2d:call_failed"] += 1
-
-    def _hit_failed(self, exc: Exception):
-        """A hit copy raised mid-run: full-layer copies for the rest of the process (or fail)."""
-        reason, detail = "call_failed", f"{type(exc).__name__}: {exc}"
-        if self.prefill_cfg.hit_copy_on_unavailable == "error":
-            from moe_offload.hit_copy import HitPathUnavailable
-
-            raise HitPathUnavailable(reason, detail) from exc
-        self._resolution.decline = (reason, detail)
-        if self.staging.hit.name == "batch_memcpy":  # the binding failed: PCIe misses per run from now on
-            self._resolution.h2d = self.staging.h2d = self.decode.h2d = H2DRows(stream=self.streams.copy)
-        log_hit_fallback(reason, detail)
-        self.counters.fallback(reason)  # this pass; later passes are counted in begin
-        return FullLayerCopy()
-
-    # ------------------------------------------------------------------ prefill
-    def routed_fills_for(self, tokens: int, rows: int | None = None) -> bool:
-        """Whether a prefill of ``tokens`` tokens (``rows`` rows once padded) that reads only its routed experts gets
-        the missing ones over the copy engine, one host sync a layer (routed fills, ``staging.py``), instead of SM
-        reads in a graph (``prefill.routed_copy`` resolved): never while every expert is resident (nothing to copy);
-        per prompt, ``link_rates.routed_fills_pay`` with the layer's routed misses: as earlier fills of as many rows
-        found them (the host learns each fill's routing), else expected (the observed routing's spread for this
-        length where learned, else uniform routing, which overestimates a skewed router's misses: a wrong first
-        choice corrects itself after one forward)."""
-        copy = self.routed_path.routed_copy
-        if copy == "uva" or self.holds_every_expert():
-            return False
-        if copy == "copy_engine":
-            return True
-        from moe_offload.link_rates import routed_fills_pay
-        from moe_offload.prefill_path import distinct, resident_fraction
-
-        missing = self.staging.missing_seen(rows if rows is not None else tokens)
-        if missing is None:
-            E = self.E
-            share = self.observed.adaptive.share(tokens) if self.observed is not None else None
-            routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
-            missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * routed
-        return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert)
-
-    def decode_fills_for(self, tokens: int) -> bool:
-        """Whether a decode step of ``tokens`` rows on the staged path (above the routed threshold) stages only its
-        routed misses, one host sync a layer (routed fills, ``staging.py``), rather than whole missing layers:
-        ``decode.path: fills`` only, never while every expert is resident; by the cost model
-        (``CostModel.fill_s`` against ``staged_s``) with the misses earlier fills of as many rows found, else uniform
-        routing's."""
-        model = self._fill_model
-        if model is None or self.holds_every_expert():
-            return False
-        from moe_offload.link_rates import ROUTED_FILL_FIXED_S
-        from moe_offload.prefill_path import resident_fraction
-
-        E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
-        resident = resident_fraction(self.num_slots, len(self.store.layers), E)
-        missing = self.staging.missing_seen(tokens)
-        return (model.fill_s(tokens, E, K, R, resident, ROUTED_FILL_FIXED_S, missing)
-                < model.staged_s(tokens, E, K, R, resident))
-
-    @contextlib.contextmanager
-    def routed_fill_forward(self):
-        """Experts calls inside take the staged path, whatever their token count (a routed-fill forward being
-        captured piecewise: its experts calls split the capture, ``prefill_graph.py``)."""
-        saved, self._routed_fills = self._routed_fills, True
-        try:
-            yield self
-        finally:
-            self._routed_fills = saved
-
-    @contextlib.contextmanager
-    def prefill_pass(self, routed_fills: bool = False):
-        """One prefill pass (one model forward on the prefill path): the first layer's copy starts now,
-        overlapping whatever the caller runs before the first MoE layer. On an exception the compute
-        stream is joined behind every copy in flight (no host sync). ``routed_fills``: every experts call of the
-        pass stages only the missing experts its tokens routed, just in time (``staging.py``): nothing is copied
-        ahead."""
-        self._check_open("prefill_pass")
-        self.staging.routed_fills = routed_fills
-        with self.routed_fill_forward() if routed_fills else contextlib.nullcontext():
-            self._begin()
-            self._pass_open = True
-            try:
-                yield self
-            except BaseException:
-                self.streams.current_joins_copies()
-                self.staging.computing = None
-                raise
-            finally:
-                self._pass_open = False
-                self.staging.routed_fills = False
-
-    def _begin(self) -> None:
-        self.resolve_hit_path()
-        # decode admissions enqueued at the last step boundary enter the map now (their copies were issued
-        # a step ago): left pending until the next decode step, their slots were neither resident nor free
-        # for this prefill (after a request ended, up to cache.admit_per_step slots sat out every prefill
-        # until the next request decoded)
-        self.decode.commit_pending()
-        self.counters.prefills += 1
-        self.staging.begin()
-        res = self._resolution
-        if res.decline is not None:
-            self.counters.fallback(res.decline[0])
-        if self.device.type == "cuda" and res.batch_h2d_reason is not None:
-            self.counters.declined[f"batch_h2d:{res.batch_h2d_reason}"] += 1
-        if self.prefill_cfg.overlap and not self.staging.routed_fills:  # both buffers: layers 0 and 1 (later ones
-            # are refilled at release, ``done``); a routed-fill pass copies each layer once its routing is known
-            b0 = self.staging.prefetch(self.store.layers[0])
-            if len(self.store.layers) > 1:  # into the other buffer: a reusable fill of layer 0 is kept
-                self.staging.prefetch(self.store.layers[1], into=1 - b0)
-
-    def stage(self, layer: int) -> dict[str, torch.Tensor]:
-        """Views ``[E, ...]`` of ``layer`` (``stage_rows``; a layer read in place is gathered from its slots
-        into new tensors: for callers that want the bank itself, not the compute path)."""
-        views, index_N = self.stage_rows(layer)
-        if index_N is None:
-            return views
-        return {k: v.index_select(0, index_N.long()) for k, v in views.items()}
-
-    def stage_rows(self, layer: int, ids_TK: torch.Tensor | None = None
-                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """``(views, index_N)`` of ``layer`` for compute (the compute stream waits for them): its staged
-        views ``[E, ...]`` and None, or, when every expert of it is resident and ``prefill.read_in_place``
-        is on, the pool's views and the layer's device slot table row (``staging.py``). The next layer's
-        assembly is enqueued behind it. The first MoE layer of a forward outside ``prefill_pass()`` begins
-        a pass itself. ``ids_TK``: the call's routed ids, which a routed-fill pass stages by (HOST SYNC there)."""
-        self._check_open("stage_rows")
-        self.pool.check_layer(layer, "stage_rows")
-        if layer == self.store.layers[0]:
-            if self._pass_open:
-                self._pass_open = False
-            else:
-                self._begin()
-        return self.staging.wait(layer, ids_TK)
-
-    def done(self, layer: int) -> None:
-        """``layer``'s GEMMs are enqueued: admission into free slots, then its buffer is released and (with
-        ``prefill.overlap``) refilled at once with the layer two ahead. Issued here, at the earliest point
-        its copies may be enqueued (they wait for the release on the device), rather than when the host
-        reaches the next experts call: a host held back by a long launch queue (the linear-attention layers
-        of qwen3_next) no longer delays the copy engine (README "Decisions", prefetch at release)."""
-        refill = None
-        if self.prefill_cfg.overlap and not self.staging.routed_fills:
-            lp = self.pool.layer_pos[layer] + 2
-            refill = self.store.layers[lp] if lp < len(self.store.layers) else None
-        self.staging.done(layer, refill)
 
     # ------------------------------------------------------------------ decode
     def decode_rows(self, layer: int, ids_TK: torch.Tensor, hidden_TH: torch.Tensor | None = None) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_decode_path_host_lowers_a_cache_s_routed_threshold_to_16_rows_on_a_slow
     decode builds it; the start-up measurement replaced by a slow and a fast host's measured rates
     (benchmarks/results/HISTORY.md). host resolves to auto on both, and the cost model's threshold, floored at 16
     rows on the slow host and 32 on the fast one, stages batch 64 on both and batch 32 only on the slow one."""
-    from moe_offload import cache as cache_mod
+    from moe_offload import forward_paths as forward_paths_mod
     from moe_offload.link_rates import LinkRates, measured_link_model
     from moe_offload.prefill_path import cost_model
 
@@ -101,7 +101,7 @@ def test_decode_path_host_lowers_a_cache_s_routed_threshold_to_16_rows_on_a_slow
     monkeypatch.setattr(link_rates_mod, "measure_link", lambda store, device: rates)
     table = cost_model("NVIDIA H100 80GB HBM3", store.num_experts, store.geometry.top_k, store.bytes_per_expert)
     measured = measured_link_model(store, torch.device("cpu"), table)
-    monkeypatch.setattr(cache_mod, "link_model", lambda *args: measured)
+    monkeypatch.setattr(forward_paths_mod, "link_model", lambda *args: measured)
     cache = OffloadMoeCache(store, CacheConfig(budget=residency), PrefillConfig(), "cpu", decode_max_tokens=64,
                             decode_path="host")
     rp = cache.stats()["routed_path"]

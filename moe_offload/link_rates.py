@@ -154,6 +154,12 @@ def measure_link(store, device: torch.device, rows: int = LINK_ROWS, reps: int =
                                f"fewer than the {min_bytes} a rate needs")
     layer, n = store.layers[0], min(rows, store.num_experts)
     small = max(1, n // 4)
+    if device.type == "cuda":
+        # Work already queued on the device shares the link with the timed copies: a cache built while another
+        # one's admissions were still crossing PCIe read the copy engine at 28.7 against 54.8 GB/s (median of three
+        # rounds, so a decode path chosen on half the link; benchmarks/results/HISTORY.md "04e15c0"). A start-up
+        # measurement may wait for it.
+        torch.cuda.synchronize(device)
     # A rate is a slope between two sizes: interference with the larger copy lowers it, with the smaller one raises
     # it, so the median of the rounds, not an extreme, stands for the link
     uva_r, h2d_r, noise = [], [], []

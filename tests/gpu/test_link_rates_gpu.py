@@ -1,10 +1,12 @@
 """On CUDA: the cache times this host's copy engine and SM reads of its pinned store and decides with them."""
 
 import pytest
+import torch
 
 from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.host_store import ExpertStore
+from moe_offload.link_rates import measure_link
 
 pytestmark = pytest.mark.gpu
 
@@ -39,3 +41,18 @@ def test_a_tiny_store_is_not_timed(tiny_ckpt):
     cache = OffloadMoeCache(tiny, CacheConfig(budget=0.5), PrefillConfig(), "cuda")
     assert "too small to time a rate" in cache.stats()["routed_path"]["link"]["off"]
     cache.close()
+
+
+def test_copies_queued_before_the_measurement_do_not_share_its_link(store):
+    """Another cache's copies still in flight when a cache is built (admissions queued at its last boundary) must not
+    halve the measured copy-engine rate: the measurement waits for queued work first."""
+    alone = measure_link(store, torch.device("cuda"))
+    src = torch.empty(256 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(src.shape, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # ~8 GB over the copy engine, ~150 ms at 55 GB/s: longer than the measurement
+        for _ in range(32):
+            dst.copy_(src, non_blocking=True)
+    busy = measure_link(store, torch.device("cuda"))
+    assert side.query(), "the measurement returned before the queued copies had landed"
+    assert busy.h2d_GBps > 0.8 * alone.h2d_GBps, (alone, busy)

@@ -2,27 +2,21 @@
 
 Unknown keys and out-of-range values are errors that name the key, the bad value and what is
 accepted. No environment variable changes behaviour.
+
+This module owns the tree (the section models and their validators). Reading one (the YAML, the overrides, the
+error text) and writing one out as a plain dict is config_load.py's; how byte sizes and the cache budget are
+written is config_values.py's. Their public names stay importable from here.
 """
 
 from __future__ import annotations
 
 import re
-from importlib import resources
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from moe_offload.config_values import Budget, parse_bytes
 from moe_offload.presets import PRESET_NAMES
-
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)\s*$", re.IGNORECASE)
-_SLOTS_RE = re.compile(r"^\s*([0-9]+)\s*slots?\s*$", re.IGNORECASE)
-_PCT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 PRESETS = PRESET_NAMES
 #: largest token count of a forward on the routed-only path (decode_path.py): its routing record and
@@ -34,59 +28,6 @@ FORMATS = ("bf16", "nvfp4-modelopt", "nvfp4-ct")
 
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names the key and the fix."""
-
-
-def parse_bytes(text: str | int) -> int:
-    """``'12GiB'`` -> 12 * 2**30; plain integers are bytes."""
-    if isinstance(text, int):
-        return text
-    m = _BYTES_RE.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a byte size; use e.g. '512MiB', '12GiB', '1.5GB'")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-class Budget(BaseModel):
-    """Device memory budget for the expert cache (slots + the two prefill staging layers).
-
-    kind: ``fraction`` (of all experts' bytes), ``bytes``, ``slots`` (slot count on top of staging)
-    or ``auto`` (free device memory minus ``cache.auto_reserve``).
-    """
-
-    model_config = ConfigDict(frozen=True)
-    kind: Literal["fraction", "bytes", "slots", "auto"]
-    value: float = 0.0
-
-    @classmethod
-    def parse(cls, raw: Any) -> "Budget":
-        if isinstance(raw, Budget):
-            return raw
-        if isinstance(raw, bool):
-            raise ValueError("a budget is not a boolean")
-        if isinstance(raw, (int, float)):
-            if 0 < raw <= 1:
-                return cls(kind="fraction", value=float(raw))
-            raise ValueError(f"{raw!r}: a number is a fraction of experts in (0, 1]; write '{raw} slots' or a byte size")
-        text = str(raw).strip()
-        if text.lower() == "auto":
-            return cls(kind="auto")
-        if m := _PCT_RE.match(text):
-            pct = float(m.group(1))
-            if not 0 < pct <= 100:
-                raise ValueError(f"{text!r}: a percentage must be in (0, 100]")
-            return cls(kind="fraction", value=pct / 100)
-        if m := _SLOTS_RE.match(text):
-            return cls(kind="slots", value=float(m.group(1)))
-        if _BYTES_RE.match(text):
-            return cls(kind="bytes", value=float(parse_bytes(text)))
-        try:
-            return cls.parse(float(text))
-        except ValueError:
-            pass
-        raise ValueError(
-            f"{text!r} is not a budget; accepted: a fraction of experts in (0, 1] (0.37, '37%'), "
-            "a byte size ('12GiB'), a slot count ('300 slots') or 'auto'"
-        )
 
 
 #: seeds of the CLI and the config: torch.manual_seed takes -2^63 .. 2^64 - 1 (others fail with "Overflow when
@@ -444,100 +385,14 @@ class OffloadConfig(_Strict):
         return v
 
 
-def _format_error(err: ValidationError, source: str) -> ConfigError:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(e["loc"][:-1])
-            accepted = ", ".join(parent.model_fields) if parent else "?"
-            lines.append(f"unknown key '{key}' in {source}; accepted keys here: {accepted}")
-        else:
-            lines.append(f"bad value for '{key}' in {source}: got {e.get('input')!r}; {e['msg']}")
-    return ConfigError("\n".join(lines))
+#: config_load.py's public names, importable from here as before. Looked up on first use: config_load imports this
+#: module's models, so importing it here at load time would be circular (and fail for whoever imports it first)
+_LOADER_NAMES = ("load_config", "default_config_text", "config_to_dict")
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] = OffloadConfig
-    for part in loc:
-        field = model.model_fields.get(str(part))
-        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
-            return None
-        model = field.annotation
-    return model
+def __getattr__(name: str) -> Any:
+    if name in _LOADER_NAMES:
+        from moe_offload import config_load
 
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.safe_load`` that refuses a key given twice in one mapping (plain YAML keeps the last one silently, so
-    a config that sets ``cache.budget`` twice would run the one its author did not mean)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # "<<: *anchor": SafeLoader merges it
-                continue
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice in one section; keep one", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-def _apply_override(tree: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected key=value, e.g. --set cache.budget=0.5")
-    key, raw = assignment.split("=", 1)
-    parts = key.strip().split(".")
-    node = tree
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {assignment!r}: '{p}' is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {assignment!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); quote "
-                          "a string, e.g. --set 'model.checkpoint=\"dir\"'") from None
-
-
-def default_config_text() -> str:
-    """The embedded default config (configs/tiny.yaml, packaged as moe_offload.configs)."""
-    return resources.files("moe_offload.configs").joinpath("tiny.yaml").read_text()
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> OffloadConfig:
-    """Load ``path`` (or the embedded default), apply ``key=value`` overrides, validate."""
-    if path is None:
-        text, source = default_config_text(), "embedded configs/tiny.yaml"
-    else:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file {p} is a directory; pass a YAML file (e.g. configs/qwen3-30b-a3b-nvfp4.yaml) "
-                              "or omit --config for the embedded default")
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist; pass an existing YAML file or omit --config for the embedded default")
-        try:
-            text, source = p.read_text(encoding="utf-8"), str(p)
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {p} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as "
-                              "UTF-8 YAML") from None
-    try:
-        tree = yaml.load(text, Loader=_UniqueKeyLoader) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source} is not valid YAML: {exc}") from exc
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping of sections (model, cache, ...)")
-    for o in overrides:
-        _apply_override(tree, o)
-    try:
-        return OffloadConfig.model_validate(tree)
-    except ValidationError as err:
-        raise _format_error(err, source + (" with --set overrides" if overrides else "")) from None
-
-
-def config_to_dict(cfg: OffloadConfig) -> dict:
-    d = cfg.model_dump()
-    b = cfg.cache.budget
-    d["cache"]["budget"] = {"kind": b.kind, "value": b.value}
-    return d
+        return getattr(config_load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,8 @@
-"""Engine: load a checkpoint into a transformers model with offloaded experts, warm it up, and run
-prefill / generate / TTFT measurement.
+"""Engine: a transformers model whose experts are offloaded; it warms up and runs prefill / generate / TTFT
+measurement.
+
+Building one from a config (device, checkpoint, store, cache, model, tokenizer) is engine_load.py's; the generate
+loop behind ``generate`` / ``generate_batch`` is generation.py's.
 
 Legend: B batch (1 here), T prompt tokens, V vocab.
 """
@@ -11,94 +14,21 @@ import inspect
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from moe_offload import log
-from moe_offload.cache import OffloadMoeCache
-from moe_offload.checkpoint.reader import CheckpointError, CheckpointReader, detect_format
-from moe_offload.config import ModelConfig, OffloadConfig
-from moe_offload.compute import make_compute, nvfp4_kernels_usable, prefill_compute
-from moe_offload.compute.decode import DecodeCompute
-from moe_offload.experts import OffloadedExperts, offloaded_experts
-from moe_offload.formats import get_format
-from moe_offload.guards import finite_logits, raise_nonfinite
-from moe_offload.sampling import sample_tokens
-from moe_offload.host_store import ExpertStore
-from moe_offload.integrations.hf import attach_experts, build_skeleton, check_no_meta, hf_config, load_non_expert_weights
+from moe_offload.config import OffloadConfig
+from moe_offload.engine_load import (default_cache_dir, ensure_checkpoint, load_engine, make_cache, resolve_device,
+                                     resolve_dtype)
+from moe_offload.experts import offloaded_experts
+from moe_offload.generation import GenerateResult, generate_batch
 from moe_offload.lookahead import attach_routers
-from moe_offload.run_ahead import decode_greedy
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"device={name!r} but torch has no CUDA here; set device: cpu or auto")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "moe-offload"
-
-
-def ensure_checkpoint(model_cfg: ModelConfig, progress: bool = True) -> Path:
-    """The checkpoint dir: ``model.checkpoint`` as given, or the preset built once into the cache dir."""
-    if model_cfg.checkpoint:
-        path = Path(model_cfg.checkpoint).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.checkpoint {path} is not a directory; point it at an HF checkpoint dir")
-        return path
-    from moe_offload.checkpoint.synthetic import ensure_preset
-
-    fmt = "nvfp4-modelopt" if model_cfg.format == "auto" else model_cfg.format
-    root = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise OSError(f"model.cache_dir {root}: cannot create the directory presets are built in ({exc.strerror}); "
-                      "set model.cache_dir to a writable directory") from None
-    layers = f"-l{model_cfg.layers}" if model_cfg.layers else ""
-    path = root / f"{model_cfg.preset}-{fmt}{layers}-s{model_cfg.seed}"
-    return ensure_preset(model_cfg.preset, fmt, path, model_cfg.layers, model_cfg.seed, progress)
-
-
-@dataclass
-class GenerateResult:
-    prompt_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    ttft_s: float
-    decode_tok_s: float | None
-    stats: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        """What ``moe-offload generate`` prints."""
-        return {
-            "prompt_tokens": len(self.prompt_ids), "token_ids": self.token_ids, "text": self.text,
-            "ttft_s": round(self.ttft_s, 6),
-            "decode_tok_s": None if self.decode_tok_s is None else round(self.decode_tok_s, 2),
-            "cache": {k: v for k, v in self.stats.items() if k != "per_layer"},
-        }
-
-
-def make_cache(store: ExpertStore, cfg: OffloadConfig, device: torch.device, fused_decode: bool) -> OffloadMoeCache:
-    """The engine's cache over ``store`` from ``cfg`` (its cache, prefill and decode settings)."""
-    return OffloadMoeCache(store, cfg.cache, cfg.prefill, device, cfg.decode.max_tokens, fused_decode=fused_decode,
-                           decode_path=cfg.decode.path, observe_routing=True, lookahead=cfg.decode.lookahead,
-                           miss_copy=cfg.decode.miss_copy, overlap_misses_from=cfg.decode.overlap_misses_from)
+# the loading helpers (engine_load.py) and the generate loop's result (generation.py) stay importable from here
+__all__ = ["Engine", "GenerateResult", "default_cache_dir", "ensure_checkpoint", "make_cache", "resolve_device",
+           "resolve_dtype"]
 
 
 class Engine:
@@ -147,61 +77,9 @@ class Engine:
     @classmethod
     def from_config(cls, cfg: OffloadConfig, tp_rank: int = 0, tp_size: int = 1, reduce=None,
                     progress: bool = True) -> "Engine":
-        device = resolve_device(cfg.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device.index or 0)
-        dtype = resolve_dtype(cfg.dtype, device)
-        path = ensure_checkpoint(cfg.model, progress and tp_rank == 0)
-        try:
-            reader = CheckpointReader(path)
-        except CheckpointError as exc:
-            if cfg.model.checkpoint:
-                raise
-            # a preset this process (or an earlier one) built into the cache dir: damaged since, e.g. a full disk
-            raise CheckpointError(f"{exc}. It is a cached build of preset {cfg.model.preset}: delete {path} and "
-                                  "run again to rebuild it") from None
-        fmt_name = detect_format(reader)
-        store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
-        fmt = get_format(fmt_name)
-        fused_decode = cfg.compute.backend != "torch" and (device.type != "cuda" or not fmt.is_quantized
-                                                          or nvfp4_kernels_usable(fmt, device))
-        cache = make_cache(store, cfg, device, fused_decode)
-        compute = make_compute(cfg, fmt, store, device, dtype)
-        graphed = prefill_compute(cfg, compute, device, dtype)
-        decode = DecodeCompute(fmt, compute, device, fused=cfg.compute.backend != "torch",
-                               kernel=cfg.compute.decode_kernel, fused_launches=cfg.compute.fused_moe_launches,
-                               route_max_pairs=cfg.compute.route_plan_max_pairs,
-                               sum_in_down=cfg.compute.moe_sum_in_down,
-                               overlap=cfg.decode.overlap_misses_from > 0)
-        geo = reader.geometry
-        model = build_skeleton(geo.family, hf_config(reader.config), dtype, empty=True)
-        load_non_expert_weights(model, reader, get_format(fmt_name), dtype)
-        # < max_tokens only with decode.path auto (or fills, or host wherever the link rates were measured)
-        routed_rows = min(cfg.decode.max_tokens, cache.routed_max_tokens)
-        attach_experts(model, lambda layer, _p: OffloadedExperts(layer, cache, compute, routed_rows, reduce,
-                                                                 graphed, decode))
-        model.to(device).eval()
-        check_no_meta(model)
-        if cfg.compute.fused_norms and device.type == "cuda":
-            from moe_offload.integrations.fused_norms import fuse_decode_ops
-
-            fuse_decode_ops(model, cfg.compute)
-        tokenizer = None
-        try:
-            from moe_offload.tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(path)
-        except ValueError:
-            log.info_rank0("no_tokenizer", path=str(path), detail="text prompts need --prompt-ids")
-        engine = cls(cfg, model, cache, store, reader, tokenizer, device, dtype)
-        log.info_rank0("engine_ready", model_type=geo.model_type, format=fmt_name, layers=len(store.layers),
-                       experts=geo.num_experts, top_k=geo.top_k, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                       expert_bytes=store.total_bytes, pinned=store.pinned, compute=getattr(graphed or compute, "name", "?"))
-        if cfg.prefill.warmup:
-            engine.warmup(progress=progress and tp_rank == 0)
-        else:
-            cache.resolve_hit_path()
-        return engine
+        """Load ``cfg``'s checkpoint (its preset built on first use) into an Engine and warm it up
+        (engine_load.py)."""
+        return load_engine(cls, cfg, tp_rank, tp_size, reduce, progress)
 
     # ------------------------------------------------------------------ running
     def warmup(self, progress: bool = False) -> None:
@@ -365,10 +243,6 @@ class Engine:
             return parts[-1], past
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)), past
 
-    def _sample(self, logits_BV: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        d = self.cfg.decode
-        return sample_tokens(logits_BV, d.temperature, d.top_k, d.top_p, gen)
-
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -390,7 +264,7 @@ class Engine:
         (``decode_graph.py``); otherwise eager steps over a DynamicCache. ``on_token(b, id)`` streams.
         A sequence that stopped keeps its batch row until all stop (its later tokens are dropped)."""
         with self._exclusive():
-            return self._generate_batch(prompts, max_new_tokens, seed, on_token)
+            return generate_batch(self, prompts, max_new_tokens, seed, on_token)
 
     def check_prompt(self, prompt_ids, max_new_tokens: int = 0, what: str = "prompt") -> None:
         """``prompt_ids`` a non-empty list of token ids (integers, not floats or bools) in the vocab, and with
@@ -413,74 +287,6 @@ class Engine:
             raise ValueError(f"{what}: {len(prompt_ids)} tokens + {max_new_tokens} new ones exceed the model's {limit} "
                              f"positions (max_position_embeddings); at most {max(limit - len(prompt_ids), 0)} new "
                              "tokens fit")
-
-    def _generate_batch(self, prompts, max_new_tokens, seed, on_token) -> list[GenerateResult]:
-        if not prompts or len({len(p) for p in prompts}) != 1 or not prompts[0]:
-            raise ValueError(f"generate_batch needs non-empty prompts of one length, got lengths "
-                             f"{[len(p) for p in prompts]}; batch prompts of different lengths through the server")
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-                                           or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens={max_new_tokens!r}: an integer >= 1, or None for "
-                             f"decode.max_new_tokens ({self.cfg.decode.max_new_tokens})")
-        max_new = self.cfg.decode.max_new_tokens if max_new_tokens is None else max_new_tokens
-        for b, p in enumerate(prompts):
-            self.check_prompt(p, max_new, f"prompt {b}")
-        stop = set(self.cfg.decode.stop_token_ids)
-        gen = torch.Generator().manual_seed(seed)
-        ids_BT = torch.as_tensor(prompts, dtype=torch.long)
-        B, T = ids_BT.shape
-        dec = self.decoder(B) if T + max_new <= self.cfg.decode.max_cache_len else None
-        if dec is None and self.cfg.decode.cuda_graphs and self.device.type == "cuda" and B in self._decoders:
-            self.cache.counters.declined["decode_graph:longer_than_max_cache_len"] += 1
-        self._sync()
-        t0 = time.perf_counter()
-        if dec is not None:
-            dec.reset()
-            logits_BV = dec.prefill(ids_BT.to(self.device))
-            step = dec.step
-        else:
-            logits, past = self.prefill(ids_BT, last_only=True)
-            logits_BV = logits[:, -1]
-
-            def step(tok_B):
-                return self.forward(tok_B.view(B, 1), past, 1)[0][:, -1]
-
-        tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], []), gen)
-        outs = [[t] for t in tok_B.tolist()]  # synchronizes: TTFT includes the first sampled tokens
-        ttft = time.perf_counter() - t0
-        done = [o[-1] in stop for o in outs]
-        if on_token is not None:
-            for b, o in enumerate(outs):
-                on_token(b, o[-1])
-        def take(toks: list[int]) -> None:  # a step's tokens: appended to the sequences still running
-            for b, t in enumerate(toks):
-                if not done[b]:
-                    outs[b].append(t)
-                    done[b] = t in stop or len(outs[b]) >= max_new
-                    if on_token is not None:
-                        on_token(b, t)
-
-        t1 = time.perf_counter()
-        steps = 0
-        if self.cfg.decode.temperature == 0:
-            ahead = self.cfg.decode.run_ahead
-            with self.cache.read_late(ahead):  # a boundary then never waits for the step in flight
-                steps = decode_greedy(step, tok_B, max_new, done, take,
-                                      lambda: raise_nonfinite(self, prompts[0], outs[0]), ahead, self.device)
-        else:
-            while steps + 1 < max_new and not all(done):
-                logits_BV = step(tok_B)
-                tok_B = self._sample(finite_logits(self, logits_BV, prompts[0], outs[0]), gen)
-                steps += 1
-                take(tok_B.tolist())
-        dt = time.perf_counter() - t1
-        stats = self.cache.stats()
-        results = []
-        for p, o in zip(prompts, outs):
-            text = self.tokenizer.decode(o) if self.tokenizer is not None else None
-            rate = steps / dt if steps and dt > 0 else None
-            results.append(GenerateResult(list(p), o, text, ttft, rate, stats))
-        return results
 
     @torch.inference_mode()
     def measure_ttft(self, prompt_ids: list[int]) -> float:

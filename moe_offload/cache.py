@@ -5,7 +5,8 @@
 - ``staging.py``: the prefill pass (two staging buffers, events, admission into free slots);
 - ``hit_copy.py``: how prefill hits reach staging (resolved once per cache, declines logged + counted);
 - ``streams.py``: the copy and hit streams and the CPU no-op;
-- ``decode_path.py``: the decode step's rows and admission at step boundaries (``decode_*``, ``step_boundary``).
+- ``decode_path.py``: the decode step's rows; ``decode_boundary.py``: admission at step boundaries (``decode_*``,
+  ``step_boundary``).
 
 The facade's methods live in three modules: this one (construction, facts, decode, residency for tests and
 benchmarks, lifecycle and stats), ``forward_paths.py`` (which path each forward takes: routed, staged or routed
@@ -202,7 +203,7 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
     @contextlib.contextmanager
     def read_late(self, on: bool = True):
         """Context: while decode steps are enqueued before the host read the last one (``decode.run_ahead``),
-        boundaries admit from the step before the one in flight and never wait for it (``decode_path.py``,
+        boundaries admit from the step before the one in flight and never wait for it (``decode_boundary.py``,
         "read late"); afterwards the next boundary reads the last step as usual."""
         self.decode.set_late(on)
         try:

@@ -258,7 +258,7 @@ class DecodeConfig(_Strict):
                             "of idling it; a step enqueued after every sequence stopped is discarded. A cache short of "
                             "some experts then admits from the routing of the step before the one in flight (one step "
                             "later), so its boundary does not wait for the running step either (moe_offload/"
-                            "decode_path.py, 'read late'). On since 47c82c8's ABBA on an H100: +4.4 / +4.3 % tok/s at "
+                            "decode_boundary.py, 'read late'). On since 47c82c8's ABBA on an H100: +4.4 / +4.3 % tok/s at "
                             "residency 0.37 batch 1 / 4 (misses +27 / +11 %, median step -14 %), +1.0 / +0.4 % fully "
                             "resident at batch 1 / 16 (e31192f); batch 16 / 64 with misses not yet timed in this "
                             "form (benchmarks/results/HISTORY.md, 47c82c8 on an H100)")
@@ -354,7 +354,7 @@ class ServeConfig(_Strict):
         0, ge=0, le=1 << 20, description="prefill several waiting prompts in one forward, left-padded, while "
         "prompts x the longest of them stays within this many tokens, at most prefill.chunk_tokens (each layer's "
         "missing experts are then copied once for all of them); 0 = one prompt per forward. Full-attention models only (others: one event, one at "
-        "a time). Off by default until measured on a GPU (serve/scheduler.py says why)")
+        "a time). Off by default until measured on a GPU")
     kv_cache: Literal["auto", "static", "dynamic"] = Field(
         "auto", description="decode batch KV: static (per-row preallocated cache, each step a CUDA graph replay on "
         "CUDA), dynamic (one left-padded transformers cache, eager); auto = static on CUDA with decode.cuda_graphs")

@@ -207,7 +207,7 @@ class FrequencyAdmission:
 
     def admit(self, lps: np.ndarray, slots_LE: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray, policy,
               count_L: np.ndarray) -> np.ndarray:
-        """The misses of layers ``lps`` (rows of ``decode_path.routed_lookup``) worth a slot under ``policy``; then
+        """The misses of layers ``lps`` (rows of ``decode_boundary.routed_lookup``) worth a slot under ``policy``; then
         the counts take this boundary's routing."""
         f_LE = self.freq_LE[lps] * FREQUENCY_DECAY
         free_L = np.zeros(len(lps), dtype=bool)

@@ -227,7 +227,7 @@ class SlotPool:
 
     def reserve_decode(self, lps: np.ndarray, slots_LE: np.ndarray, hit_LE: np.ndarray, miss_LE: np.ndarray,
                        protected: set[int], budget: int) -> list[tuple]:
-        """``reserve_for_layers`` over a decode step's routing lookup (``decode_path.routed_lookup``: layer positions
+        """``reserve_for_layers`` over a decode step's routing lookup (``decode_boundary.routed_lookup``: layer positions
         ``lps``, their map rows, the experts routed with / without a slot): every layer with misses, in order,
         protects the slots its step routed and ``protected``. Where the policy picks every layer's victims at once
         (``own_victims``: the balanced policy with each of those layers at or above its share, its steady state

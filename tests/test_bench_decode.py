@@ -73,6 +73,7 @@ def test_every_residency_and_batch_gets_a_cell_with_speed_and_pcie_bytes(bench):
         p = c["pcie_bytes_per_step"]
         # per-step means of integer byte counts: compare as floats
         assert p["total"] == pytest.approx(p["decode_uva"] + p["decode_h2d"], rel=1e-12)
+        assert c["link"] is None  # the rates the cell's cache measured: nothing is timed on a CPU
 
 
 def test_all_resident_cells_hit_every_lookup_and_read_nothing_from_host(bench):
@@ -432,3 +433,20 @@ def test_a_zero_or_out_of_range_size_is_named_not_replaced_by_a_default(argv, me
     assert cli_main(["bench", "decode", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and "pydantic.dev" not in err
+
+
+def test_a_cell_whose_cache_misread_the_link_is_named_in_the_notes():
+    """A cache built while other copies crossed PCIe measured half the link (HISTORY.md "04e15c0"); the report says
+    which cell's path choices used such a rate, and stays quiet about cells within the spread or unmeasured."""
+    from moe_offload.bench.env import link_notes
+
+    def cell(r, b, h2d, uva):
+        return {"residency": r, "batch": b, "link": {"h2d_GBps": h2d, "uva_GBps": uva}}
+
+    cells = [cell(0.5, 32, 54.8, 49.1), cell(0.5, 64, 55.0, 48.4), cell(0.37, 32, 28.7, 49.3),
+             cell(0.37, 64, 54.3, 47.7), {"residency": 1.0, "batch": 1, "link": None},
+             {"residency": 0.0, "batch": 1, "link": {"off": "prefill.measure_link is false"}}]
+    (note,) = link_notes(cells)
+    assert "residency 0.37, batch 32" in note and "copy engine at 28.7 GB/s" in note and "54.5" in note
+    assert link_notes(cells[:2] + cells[3:]) == []
+    assert link_notes([cells[2]]) == []  # one measured cell: no spread to stand apart from

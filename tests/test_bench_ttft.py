@@ -93,6 +93,7 @@ def test_every_mode_and_residency_has_a_measured_cell_with_its_floors(bench):
         assert c["ttft_s"]["median"] > 0 and len(c["ttft_s"]["reps"]) == 1
         assert c["floor_s"] == max(c["pcie_floor_s"], c["compute_floor_s"])
         assert c["ratio_to_floor"] == pytest.approx(c["ttft_s"]["median"] / c["floor_s"])
+        assert c["link"] is None  # the rates the cell's cache measured: nothing is timed on a CPU
 
 
 @pytest.mark.parametrize("mode", ["gather", "off"])

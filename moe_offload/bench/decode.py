@@ -179,7 +179,7 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
         "floors": part["floors"],
         "cells": part["cells"],
         "peers": part["peers"],
-        "notes": notes,
+        "notes": notes + env.link_notes(part["cells"]),
     }
 
 

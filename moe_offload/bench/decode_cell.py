@@ -146,6 +146,8 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "path": "staged" if staged == n else "routed" if staged == 0 else "mixed",
         # decode.path as this cell's cache resolved it (host: by the link it measured) and its routed threshold
         "decode_path": engine.cache.routed_path.decode_path, "routed_max_tokens": engine.cache.routed_max_tokens,
+        # the link rates that resolution used (or why none were measured): a disturbed start-up measurement shows here
+        "link": engine.cache.routed_path.link,
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
                   "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
     }

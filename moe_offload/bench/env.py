@@ -122,6 +122,30 @@ def model_section(cfg, path, geo, store: dict) -> dict:
             "bytes_per_expert": store["bytes_per_expert"], "all_expert_bytes": store["total_bytes"]}
 
 
+#: a cell whose cache measured a link rate below this share of the run's median is named in the report's notes
+LINK_OUTLIER = 0.8
+
+
+def link_notes(cells: list[dict]) -> list[str]:
+    """Notes naming the cells whose cache measured the copy engine or the SM reads at under ``LINK_OUTLIER`` x the
+    median of the run's cells (``cell["link"]``, ``prefill.measure_link``): their path choices used that rate, so read
+    such a cell as decided on a disturbed measurement (benchmarks/results/HISTORY.md "04e15c0": 28.7 against ~54.5
+    GB/s kept a batch routed that the other caches would have staged). Cells without measured rates are skipped."""
+    measured = [c for c in cells if isinstance(c.get("link"), dict) and "h2d_GBps" in c["link"]]
+    notes = []
+    for key, what in (("h2d_GBps", "the copy engine"), ("uva_GBps", "SM reads of host memory")):
+        rates = sorted(c["link"][key] for c in measured)
+        if len(rates) < 2:
+            continue
+        mid = rates[len(rates) // 2] if len(rates) % 2 else (rates[len(rates) // 2 - 1] + rates[len(rates) // 2]) / 2
+        for c in measured:
+            if c["link"][key] < LINK_OUTLIER * mid:
+                where = ", ".join(f"{k} {c[k]}" for k in ("prompt_len", "residency", "batch", "variant") if k in c)
+                notes.append(f"the cache of the cell ({where}) measured {what} at {c['link'][key]:.1f} GB/s against a "
+                             f"median of {mid:.1f} over the run's cells: its path choices used that rate")
+    return notes
+
+
 def on_cuda(result: dict) -> bool:
     """Whether a report's run had a GPU (its targets apply only then)."""
     return result.get("device", {}).get("type") == "cuda"

@@ -219,6 +219,9 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
         "ttft_s": _summary(ttft),
         "path": paths[0] if len(set(paths)) == 1 else "mixed",  # mixed: reps (or a pass's chunks) differ
         "routed_max_tokens": stats["routed_path"]["max_tokens"],
+        # the link rates this cell's cache measured at start-up (or why not), which its path choices used: a cell
+        # whose rates stand apart from the others' was decided on a disturbed measurement (HISTORY.md "04e15c0")
+        "link": stats["routed_path"]["link"],
         "routed_pair_hit_rate": stats["hit_rate"],
         "hit_path": stats["hit_path"],
         "hit_d2d_fallbacks": stats["hit_d2d_fallbacks"],

@@ -333,7 +333,7 @@ def assemble(a: argparse.Namespace, cfg: OffloadConfig, plan: Plan, part: dict, 
                      "peers": list(plan.peers), "peer_layers": plan.peer_layers, "peer_reps": plan.peer_reps},
         "floors": {"h2d": part.pop("h2d")},
         **part,
-        "notes": notes,
+        "notes": notes + env.link_notes(part.get("cells", [])),
     }
 
 

@@ -276,7 +276,7 @@ def decode_attention(q_BHGD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.T
         m_arg = mask.view(torch.uint8) if kind == 1 else mask  # bool as bytes, no copy
         smb = 0 if m_arg.shape[0] == 1 else m_arg.stride(0)
         sms = m_arg.stride(3)
-    from moe_offload.kernels.fused_moe import _dot_setup
+    from moe_offload.kernels.fused_moe_ab import _dot_setup
     from moe_offload.kernels.nvfp4 import device_guard
 
     dot_dtype, precision = _dot_setup(q.dtype, q.device)  # fp32 dots on the interpreter (see there)

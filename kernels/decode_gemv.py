@@ -49,26 +49,13 @@ import torch
 import triton
 
 from moe_offload.kernels import pdl
-from moe_offload.kernels.decode_gemv_kernels import (
-    _down_pair_kernel,
-    _down_sum_kernel,
-    _fma2,
-    _gate_up_kernel,
-    _gate_up_one_pair,
-    _k_columns_left,
-    _nvfp4_halves,
-    _sum_if_last,
-)
+from moe_offload.kernels.decode_gemv_kernels import _down_pair_kernel, _down_sum_kernel, _gate_up_kernel
 from moe_offload.kernels.decode_gemv_tuning import GemvConfig, gemv_config_for
 from moe_offload.kernels.decode_moe import decode_align
 from moe_offload.kernels.fused_moe import call_shape, given_alignment
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.moe_sum import no_pairs, sum_args, sum_counters, sum_pairs, zeroing_args
 from moe_offload.kernels.nvfp4 import device_guard, ptx_conversion
-
-# decode_gemv_kernels.py's names, re-exported: tests compile ``decode_gemv._gate_up_kernel`` and its siblings
-__all__ = ["decode_gemv_nvfp4", "_down_pair_kernel", "_down_sum_kernel", "_fma2", "_gate_up_kernel",
-           "_gate_up_one_pair", "_k_columns_left", "_nvfp4_halves", "_sum_if_last"]
 
 
 def decode_gemv_nvfp4(

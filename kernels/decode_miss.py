@@ -37,6 +37,7 @@ router's top-k in ``decode_route.py``.
 On CUDA, ``host_rows_ER`` must be a device tensor aliasing pinned, mapped host memory
 (``ExpertStore.device_rows(layer, device)``); the copy then reads it over PCIe (UVA). Under
 ``TRITON_INTERPRET=1`` every tensor is a CPU tensor and the same kernels run in the interpreter (CI).
+Their plain-torch oracles, which are also the CPU path's miss server, are in ``decode_miss_reference.py``.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from moe_offload.kernels.decode_moe import (
     sorted_align_launch,
 )
 from moe_offload.kernels.moe_align import MoeAlignment
+from moe_offload.kernels.decode_miss_reference import (count_step_reference, prefetch_misses_reference,
+                                                      serve_misses_reference)
 from moe_offload.kernels.decode_miss_plan import (
     _PLAN_BLOCK,
     PLAN_REGS_ELEMENTS,
@@ -69,6 +72,10 @@ from moe_offload.kernels.decode_miss_plan import (
     register_plan_fits,
 )
 from moe_offload.kernels.nvfp4 import device_guard
+
+# the oracles (decode_miss_reference.py), imported from here by the CPU path and patched here by the tests
+__all__ = ["MissCopyConfig", "MissPlan", "plan_misses", "prefetch_misses", "copy_misses", "serve_misses",
+           "serve_misses_plan", "count_step_reference", "prefetch_misses_reference", "serve_misses_reference"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -268,39 +275,6 @@ def prefetch_misses(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, hos
     copy_misses(MissPlan(predicted_ids_TK, miss_experts_X, num_missing_1), host_rows_ER, pool_rows_NR, base, config)
 
 
-def count_step_reference(ids_TK: torch.Tensor, slot_of_E: torch.Tensor, pf_row_E: torch.Tensor | None,
-                         counts_C: torch.Tensor, record_MK: torch.Tensor) -> None:
-    """Plain-torch oracle of the plan kernel's counting (the CPU path uses it): adds (routed pairs, missed pairs,
-    distinct missed experts copied in the step[, distinct routed experts[, distinct missing experts read from a
-    lookahead row]]) to ``counts_C`` (as many as it holds, 3 to 5) and stores the ids into ``record_MK[:T]``."""
-    E, T = slot_of_E.shape[0], ids_TK.shape[0]
-    ids = ids_TK.long().reshape(-1)
-    valid = (ids >= 0) & (ids < E)
-    safe = ids.clamp(0, max(E - 1, 0))
-    missed = valid & (slot_of_E.long()[safe] < 0)
-    from_pf = missed & (pf_row_E.long()[safe] >= 0) if pf_row_E is not None else torch.zeros_like(missed)
-    got = [int(valid.sum()), int(missed.sum()), torch.unique(ids[missed & ~from_pf]).numel(),
-           torch.unique(ids[valid]).numel(), torch.unique(ids[from_pf]).numel()]
-    n = min(counts_C.shape[0], 5)
-    counts_C[:n] += torch.tensor(got[:n], dtype=torch.int64, device=counts_C.device)
-    record_MK[:T].copy_(ids_TK)
-
-
-def prefetch_misses_reference(slot_of_E: torch.Tensor, predicted_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                              pool_rows_NR: torch.Tensor, base: int, row_of_E: torch.Tensor) -> int:
-    """Plain-torch oracle of :func:`prefetch_misses` (syncs; tests and the CPU path): same rows, same map;
-    returns how many experts it copied."""
-    E = host_rows_ER.shape[0]
-    ids = predicted_ids_TK.long().reshape(-1)
-    ids = ids[(ids >= 0) & (ids < E)]
-    missing = torch.unique(ids[slot_of_E.long()[ids] < 0])
-    row_of_E.fill_(-1)
-    for j, e in enumerate(missing.tolist()):
-        pool_rows_NR[base + j].copy_(host_rows_ER[e])
-        row_of_E[e] = base + j
-    return int(missing.numel())
-
-
 def _word_layout(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor) -> tuple[torch.dtype, int, int]:
     """(word dtype, word bytes, VEC words of alignment shared by every row start of both tensors)."""
     R = host_rows_ER.shape[1]
@@ -381,23 +355,3 @@ def serve_misses_plan(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_r
                        align_block_m=align_block_m)
     copy_misses(plan, host_rows_ER, pool_rows_NR, scratch_base, config)
     return plan
-
-
-def serve_misses_reference(slot_of_E: torch.Tensor, topk_ids_TK: torch.Tensor, host_rows_ER: torch.Tensor,
-                           pool_rows_NR: torch.Tensor, scratch_base: int, pf_row_E: torch.Tensor | None = None,
-                           ) -> torch.Tensor:
-    """Plain-torch oracle of :func:`serve_misses` (syncs; tests and the CPU path): same rows, same scratch
-    contents."""
-    E = host_rows_ER.shape[0]
-    ids = topk_ids_TK.long()
-    valid = (ids >= 0) & (ids < E)
-    safe = ids.clamp(0, max(E - 1, 0))
-    slot = torch.where(valid, slot_of_E.long()[safe], torch.zeros_like(ids))
-    pf = pf_row_E.long()[safe] if pf_row_E is not None else torch.full_like(ids, -1)
-    copy = valid & (slot < 0) & (pf < 0)
-    missing = torch.unique(ids[copy])  # sorted ascending
-    pos = torch.searchsorted(missing, safe)
-    rows = torch.where(slot >= 0, slot, torch.where(pf >= 0, pf, scratch_base + pos))
-    for j, e in enumerate(missing.tolist()):
-        pool_rows_NR[scratch_base + j].copy_(host_rows_ER[e])
-    return torch.where(valid, rows, -1).to(torch.int32)

@@ -37,15 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from moe_offload.kernels.fused_moe_ab import (
-    _block_coords,
-    _block_pairs,
-    _dot_nvfp4,
     _dot_setup,
     _down_kernel,
     _gate_up_silu_kernel,
-    _k_tile_masks,
-    _load_even_odd,
-    _nvfp4_tile_t,
     down_weighted,
     gate_up_silu,
 )
@@ -54,12 +48,11 @@ from moe_offload.kernels.moe_align import MoeAlignment, max_padded_pairs, moe_al
 from moe_offload.kernels.moe_sum import check_residual, no_pairs, sum_counters, sum_pairs
 from moe_offload.kernels.nvfp4 import bank_shapes
 
-# with the names others import from here: moe_align's, and fused_moe_ab.py's (fused_moe_swap.py runs _block_coords
-# and _block_pairs, decode_attention.py _dot_setup, tests compile the kernels as ``fused_moe._gate_up_silu_kernel``)
+# with the names others import from here: moe_align's, and fused_moe_ab.py's launchers and kernels (tests compile the
+# kernels as ``fused_moe._gate_up_silu_kernel``)
 __all__ = ["fused_moe_nvfp4", "call_shape", "check_call", "run_fused", "check_x_split", "given_alignment",
            "kernel_calls", "moe_reference", "config_for", "max_padded_pairs", "moe_align", "gate_up_silu",
-           "down_weighted", "_dot_setup", "_block_coords", "_block_pairs", "_gate_up_silu_kernel", "_down_kernel",
-           "_nvfp4_tile_t", "_k_tile_masks", "_load_even_odd", "_dot_nvfp4"]
+           "down_weighted", "_gate_up_silu_kernel", "_down_kernel"]
 
 _HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

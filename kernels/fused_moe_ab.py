@@ -204,52 +204,54 @@ def _dot_setup(hidden_dtype: torch.dtype, device: torch.device):
     return (tl.bfloat16 if hidden_dtype == torch.bfloat16 else tl.float16), "tf32"
 
 
+def bank_args(views, prefix: str) -> tuple:
+    """The launch arguments of one weight bank (``prefix`` "w13" or "w2"), as every fused MoE kernel takes them:
+    the packed codes and the block scales, each with its expert and row strides, then the global scales with theirs."""
+    q, s, gs = views[f"{prefix}_q"], views[f"{prefix}_s"], views["gs"]
+    return q, q.stride(0), q.stride(1), s, s.stride(0), s.stride(1), gs, gs.stride(0)
+
+
+def align_args(align: MoeAlignment) -> tuple:
+    """The alignment's launch arguments: sorted pair ids, each block's bank row, the padded pair count."""
+    return align.sorted_ids_P, align.block_row_B, align.num_padded_1
+
+
+def tile_kwargs(config: FusedMoeConfig, tiles, k: int, dot_setup) -> dict:
+    """The constexprs and launch options of one fused MoE kernel with ``tiles`` (``config.gate_up`` or ``.down``)
+    over a reduction of ``k`` columns, ``dot_setup`` from ``_dot_setup``."""
+    dot_dtype, precision = dot_setup
+    return dict(BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+                EVEN_K=k % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
+                **tiles.launch_options(), **pdl.launch_kwargs())
+
+
 def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:
     """Kernel 1 (enqueue only): ``act_MI[pair] = silu(gate @ x) * (up @ x)`` for every routed pair,
     ``x = hidden_TH[pair // topk]``. Inputs as validated by ``fused_moe_nvfp4``; ``act_MI [T*K, I]``."""
-    q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
     M, I = act_MI.shape
     H = hidden_TH.shape[1]
     tiles = config.gate_up
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
-    dot_dtype, precision = _dot_setup(hidden_TH.dtype, hidden_TH.device)
     grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
     with device_guard(hidden_TH.device):
         _gate_up_silu_kernel[grid](
-            hidden_TH, hidden_TH.stride(0),
-            q, q.stride(0), q.stride(1),
-            s, s.stride(0), s.stride(1),
-            gs, gs.stride(0),
-            act_MI, act_MI.stride(0),
-            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            hidden_TH, hidden_TH.stride(0), *bank_args(views, "w13"), act_MI, act_MI.stride(0), *align_args(align),
             M, H, I, topk, num_blocks_m,
-            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **tiles.launch_options(), **pdl.launch_kwargs()
+            **tile_kwargs(config, tiles, H, _dot_setup(hidden_TH.dtype, hidden_TH.device))
         )
 
 
 def down_weighted(act_MI, views, weights_M, align: MoeAlignment, terms_MH, config: FusedMoeConfig) -> None:
     """Kernel 2 (enqueue only): ``terms_MH[pair] = weights_M[pair] * (down @ act_MI[pair])``,
     ``weights_M [T*K]`` fp32, ``terms_MH [T*K, H]``."""
-    q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
     M, I = act_MI.shape
     H = terms_MH.shape[1]
     tiles = config.down
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
-    dot_dtype, precision = _dot_setup(act_MI.dtype, act_MI.device)
     grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
     with device_guard(act_MI.device):
         _down_kernel[grid](
-            act_MI, act_MI.stride(0),
-            q, q.stride(0), q.stride(1),
-            s, s.stride(0), s.stride(1),
-            gs, gs.stride(0),
-            weights_M,
-            terms_MH, terms_MH.stride(0),
-            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
-            M, H, I, num_blocks_m,
-            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **tiles.launch_options(), **pdl.launch_kwargs()
+            act_MI, act_MI.stride(0), *bank_args(views, "w2"), weights_M, terms_MH, terms_MH.stride(0),
+            *align_args(align), M, H, I, num_blocks_m,
+            **tile_kwargs(config, tiles, I, _dot_setup(act_MI.dtype, act_MI.device))
         )

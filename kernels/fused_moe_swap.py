@@ -30,9 +30,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
-from moe_offload.kernels.fused_moe import _block_coords, _block_pairs
+from moe_offload.kernels.fused_moe_ab import _block_coords, _block_pairs, align_args, bank_args, tile_kwargs
 from moe_offload.kernels.moe_align import MoeAlignment
 from moe_offload.kernels.moe_sum import store_out, sum_args, zero_counters, zeroing_args
 from moe_offload.kernels.nvfp4 import (
@@ -250,24 +249,15 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
     """Kernel 1 (enqueue only): ``act[pair] = silu(gate @ x) * (up @ x)`` for every routed pair, written
     in the down kernel's split layout; ``x_split = split_columns(hidden_TH, config.gate_up.block_k)``.
     ``counters``: int32 the down kernel sums over K with (``down_weighted_swap``'s ``sum_into``), zeroed here."""
-    q, s, gs = views["w13_q"], views["w13_s"], views["gs"]
     tiles = config.gate_up
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
-    dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(I, tiles.block_n),)
     zero = {} if counters is None else zeroing_args(counters, grid[0])
     with device_guard(x_split.device):
         _gate_up_swap_kernel[grid](
-            x_split, x_split.stride(0),
-            q, q.stride(0), q.stride(1),
-            s, s.stride(0), s.stride(1),
-            gs, gs.stride(0),
-            act_split, act_split.stride(0),
-            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
+            x_split, x_split.stride(0), *bank_args(views, "w13"), act_split, act_split.stride(0), *align_args(align),
             M, H, I, topk, num_blocks_m,
-            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            ACT_BLOCK_K=config.down.block_k, EVEN_K=H % tiles.block_k == 0, DOT_DTYPE=dot_dtype,
-            INPUT_PRECISION=precision, **zero, **tiles.launch_options(), **pdl.launch_kwargs()
+            ACT_BLOCK_K=config.down.block_k, **zero, **tile_kwargs(config, tiles, H, dot_setup)
         )
 
 
@@ -292,24 +282,14 @@ def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_M
     ``(counters, out_TH, residual_TH or None, K)``: the program that stores a token's last term of a column tile
     also writes that tile of ``out_TH`` as ``moe_sum.sum_pairs(terms_MH, K, out_TH, residual_TH)`` would (same bits;
     ``counters`` from ``moe_sum.sum_counters``, zeroed by this call's gate_up launch), so no sum launch follows."""
-    q, s, gs = views["w2_q"], views["w2_s"], views["gs"]
     M, H = terms_MH.shape
     tiles = config.down
     num_blocks_m = align.sorted_ids_P.numel() // config.block_m
-    dot_dtype, precision = dot_setup
     grid = (num_blocks_m * triton.cdiv(H, tiles.block_n),)
     summed = {} if sum_into is None else sum_args(*sum_into)
     with device_guard(act_split.device):
         _down_swap_kernel[grid](
-            act_split, act_split.stride(0),
-            q, q.stride(0), q.stride(1),
-            s, s.stride(0), s.stride(1),
-            gs, gs.stride(0),
-            weights_M,
-            terms_MH, terms_MH.stride(0),
-            align.sorted_ids_P, align.block_row_B, align.num_padded_1,
-            M, H, I, num_blocks_m,
-            BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            EVEN_K=I % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-            **summed, **tiles.launch_options(), **pdl.launch_kwargs()
+            act_split, act_split.stride(0), *bank_args(views, "w2"), weights_M, terms_MH, terms_MH.stride(0),
+            *align_args(align), M, H, I, num_blocks_m,
+            **summed, **tile_kwargs(config, tiles, I, dot_setup)
         )

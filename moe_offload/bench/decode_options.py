@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from moe_offload.bench.env import add_git_sha_argument
+from moe_offload.bench.env import add_result_arguments
 from moe_offload.bench.ttft import BUDGETS, BenchError, _csv
 from moe_offload.config import FORMATS, PRESETS, OffloadConfig, load_config, seed_arg
 
@@ -66,11 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: as many layers as the engine)")
     p.add_argument("--peer-reps", type=int, default=2, help="timed runs per peer and batch (default %(default)s)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and of the resident sets")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
-                   "(default %(default)s)")
-    add_git_sha_argument(p)
-    p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
+    add_result_arguments(p, "JSON, markdown and PNG", "markdown table")
 
 
 def _ints(text: str, option: str) -> tuple[int, ...]:

@@ -8,6 +8,7 @@ import os
 import logging
 import platform
 import re
+import statistics
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -57,6 +58,15 @@ def add_git_sha_argument(p) -> None:
     """The benches' ``--git-sha`` option (``git_info``'s override; ``short_sha`` names the files with it)."""
     p.add_argument("--git-sha", help="record this commit (or a label such as <sha>-<variant>) when the tree has "
                    "no .git or a copy reports another; file names carry it whole")
+
+
+def add_result_arguments(p, files: str, printed: str) -> None:
+    """The options every bench shares: ``--set`` overrides, ``--out`` (where its ``files`` go), ``--git-sha`` and
+    ``--json`` (print the JSON instead of the ``printed`` markdown)."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
+    p.add_argument("--out", default="benchmarks/results", help=f"directory for the {files} (default %(default)s)")
+    add_git_sha_argument(p)
+    p.add_argument("--json", action="store_true", help=f"print the JSON result instead of the {printed}")
 
 
 def short_sha(git: dict) -> str:
@@ -134,10 +144,9 @@ def link_notes(cells: list[dict]) -> list[str]:
     measured = [c for c in cells if isinstance(c.get("link"), dict) and "h2d_GBps" in c["link"]]
     notes = []
     for key, what in (("h2d_GBps", "the copy engine"), ("uva_GBps", "SM reads of host memory")):
-        rates = sorted(c["link"][key] for c in measured)
-        if len(rates) < 2:
+        if len(measured) < 2:
             continue
-        mid = rates[len(rates) // 2] if len(rates) % 2 else (rates[len(rates) // 2 - 1] + rates[len(rates) // 2]) / 2
+        mid = statistics.median(c["link"][key] for c in measured)
         for c in measured:
             if c["link"][key] < LINK_OUTLIER * mid:
                 where = ", ".join(f"{k} {c[k]}" for k in ("prompt_len", "residency", "batch", "variant") if k in c)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from moe_offload.bench.env import add_git_sha_argument
+from moe_offload.bench.env import add_result_arguments
 from moe_offload.bench.ttft import BenchError, _csv
 from moe_offload.config import OffloadConfig, load_config, seed_arg
 
@@ -52,11 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", type=int, help=f"seeded workloads with reference answers {both('workloads')}")
     p.add_argument("--sample-s", type=float, default=2.0, help="seconds between memory samples (default %(default)s)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the workloads, their order and the resident sets")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the JSON, markdown and PNG "
-                   "(default %(default)s)")
-    add_git_sha_argument(p)
-    p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown report")
+    add_result_arguments(p, "JSON, markdown and PNG", "markdown report")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="run nothing: write one report (JSON, markdown, PNG) "
                    "from the runs of earlier soak results of the same model and settings, e.g. one residency per "
                    "command where a command's length is limited")

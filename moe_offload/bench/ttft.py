@@ -61,7 +61,7 @@ from pathlib import Path
 import torch
 
 from moe_offload import log
-from moe_offload.bench.env import add_git_sha_argument
+from moe_offload.bench.env import add_result_arguments
 from moe_offload.bench.sweep import MODES, PATHS, cell_config, free_memory, pool_slots, sweep
 from moe_offload.bench.timing import measure_h2d
 from moe_offload.config import FORMATS, PRESETS, ROUTED_MAX_TOKENS_LIMIT, OffloadConfig, load_config, seed_arg
@@ -126,13 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: as many layers as the engine)")
     p.add_argument("--peer-reps", type=int, default=3, help="timed repetitions per peer and prompt length (default 3)")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the prompts and of the resident sets")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key (repeatable)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (spawned, or one per process under "
                    "torchrun); the expert intermediate size must split into multiples of the format's block")
-    p.add_argument("--out", default="benchmarks/results",
-                   help="directory for the JSON and markdown (default %(default)s)")
-    add_git_sha_argument(p)
-    p.add_argument("--json", action="store_true", help="print the JSON result instead of the markdown table")
+    add_result_arguments(p, "JSON and markdown", "markdown table")
 
 
 def _csv(text: str, option: str, conv, check, accepted: str) -> tuple:

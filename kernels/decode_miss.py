@@ -14,8 +14,8 @@ For every routed pair (t, k) with expert ``e = topk_ids_TK[t, k]``:
 
 Two launches, no host sync, grids sized from host-known shapes only (CUDA-graph capturable; the table
 and the ids are read at replay time):
-1. The plan (``decode_miss_plan.py``), one program, in one of two kernels that the tests check agree. ``_plan_kernel`` marks the missing
-   experts in an [E] workspace in global memory, phases separated by ``tl.debug_barrier()`` (one CTA: global
+1. The plan (``decode_miss_plan.py``), one program, in one of two kernels that the tests check agree.
+   ``_plan_kernel`` marks the missing experts in an [E] workspace in global memory, phases separated by ``tl.debug_barrier()`` (one CTA: global
    writes before the barrier are visible after it), and scans them into scratch indices, a list of missing
    experts (+ their count) and ``rows_TK``; it also serves the lookahead's dense plan. ``_plan_regs_kernel`` does
    the same in registers (a max over an ``[pairs, E]`` match matrix, pairs taken a chunk at a time; each pair's

@@ -218,11 +218,12 @@ def align_args(align: MoeAlignment) -> tuple:
 
 def tile_kwargs(config: FusedMoeConfig, tiles, k: int, dot_setup) -> dict:
     """The constexprs and launch options of one fused MoE kernel with ``tiles`` (``config.gate_up`` or ``.down``)
-    over a reduction of ``k`` columns, ``dot_setup`` from ``_dot_setup``."""
+    over a reduction of ``k`` columns, ``dot_setup`` from ``_dot_setup``. Not the PDL switch: every launch passes
+    ``**pdl.launch_kwargs()`` itself, where tests/test_pdl.py sees it."""
     dot_dtype, precision = dot_setup
     return dict(BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
                 EVEN_K=k % tiles.block_k == 0, DOT_DTYPE=dot_dtype, INPUT_PRECISION=precision,
-                **tiles.launch_options(), **pdl.launch_kwargs())
+                **tiles.launch_options())
 
 
 def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, config: FusedMoeConfig) -> None:
@@ -237,7 +238,7 @@ def gate_up_silu(hidden_TH, views, align: MoeAlignment, act_MI, topk: int, confi
         _gate_up_silu_kernel[grid](
             hidden_TH, hidden_TH.stride(0), *bank_args(views, "w13"), act_MI, act_MI.stride(0), *align_args(align),
             M, H, I, topk, num_blocks_m,
-            **tile_kwargs(config, tiles, H, _dot_setup(hidden_TH.dtype, hidden_TH.device))
+            **tile_kwargs(config, tiles, H, _dot_setup(hidden_TH.dtype, hidden_TH.device)), **pdl.launch_kwargs()
         )
 
 
@@ -253,5 +254,5 @@ def down_weighted(act_MI, views, weights_M, align: MoeAlignment, terms_MH, confi
         _down_kernel[grid](
             act_MI, act_MI.stride(0), *bank_args(views, "w2"), weights_M, terms_MH, terms_MH.stride(0),
             *align_args(align), M, H, I, num_blocks_m,
-            **tile_kwargs(config, tiles, I, _dot_setup(act_MI.dtype, act_MI.device))
+            **tile_kwargs(config, tiles, I, _dot_setup(act_MI.dtype, act_MI.device)), **pdl.launch_kwargs()
         )

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
 from moe_offload.kernels.pdl import pdl_enter
 from moe_offload.kernels.fused_moe_ab import _block_coords, _block_pairs, align_args, bank_args, tile_kwargs
 from moe_offload.kernels.moe_align import MoeAlignment
@@ -257,7 +258,7 @@ def gate_up_silu_swap(x_split, views, align: MoeAlignment, act_split, topk: int,
         _gate_up_swap_kernel[grid](
             x_split, x_split.stride(0), *bank_args(views, "w13"), act_split, act_split.stride(0), *align_args(align),
             M, H, I, topk, num_blocks_m,
-            ACT_BLOCK_K=config.down.block_k, **zero, **tile_kwargs(config, tiles, H, dot_setup)
+            ACT_BLOCK_K=config.down.block_k, **zero, **tile_kwargs(config, tiles, H, dot_setup), **pdl.launch_kwargs()
         )
 
 
@@ -291,5 +292,5 @@ def down_weighted_swap(act_split, views, weights_M, align: MoeAlignment, terms_M
         _down_swap_kernel[grid](
             act_split, act_split.stride(0), *bank_args(views, "w2"), weights_M, terms_MH, terms_MH.stride(0),
             *align_args(align), M, H, I, num_blocks_m,
-            **summed, **tile_kwargs(config, tiles, I, dot_setup)
+            **summed, **tile_kwargs(config, tiles, I, dot_setup), **pdl.launch_kwargs()
         )

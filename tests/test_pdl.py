@@ -25,7 +25,7 @@ from moe_offload.kernels import pdl
 
 #: the kernels/ modules a decode-path forward launches kernels from (their every ``*_kernel`` takes USE_PDL)
 DECODE_MODULES = ["decode_attention", "decode_gemv", "decode_miss", "decode_moe", "decode_route", "fused_moe",
-                  "fused_moe_swap", "kv_write", "moe_align", "moe_sum", "qk_norm_rope", "rmsnorm", "rotary", "router"]
+                  "fused_moe_ab", "fused_moe_swap", "kv_write", "moe_align", "moe_sum", "qk_norm_rope", "rmsnorm", "rotary", "router"]
 
 
 def test_launches_turn_the_keyword_arguments_on_only_inside():

@@ -12,7 +12,7 @@
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
 # checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)
-# fill_profile: benchmarks/profile_prefill.py --trace on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
+# fill_profile: benchmarks/profile_prefill.py --trace --host-splits on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
 # prefill.routed_copy copy_engine then uva: where the whole device idles for the host (device_idle, per layer), i.e.
 # where a routed fill's ~0.28 ms a layer goes (needs a build; ~1-2 min a side; FILL_PROFILE_COPIES picks the sides;
 # first run at 80a81c2: the device idles ~235 us a layer between the routing read and the copy, host work)
@@ -387,7 +387,7 @@ if has fill_profile; then
     (( $(cap 60) < 60 )) && { echo "fill_profile: $copy skipped, the call's limit is near" >> "$RES/fill-profile-skipped.txt"; continue; }
     timeout $(cap 200) python3 benchmarks/profile_prefill.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set prefill.routed_copy=$copy --tokens ${FILL_PROFILE_TOKENS:-16} \
-      --residency 0.37,0 --reps 3 --trace --out "$RES/fill-profile-$copy" > "$RES/fill-profile-$copy.log" 2>&1
+      --residency 0.37,0 --reps 3 --trace --host-splits --out "$RES/fill-profile-$copy" > "$RES/fill-profile-$copy.log" 2>&1
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

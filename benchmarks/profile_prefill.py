@@ -13,6 +13,12 @@ Writes ``profile-<preset>-l<layers>.txt`` and a JSON summary under ``--out``.
 With ``--trace`` the report adds where the whole device idles waiting for the host (``device_idle``: per MoE layer,
 by the kernels either side). E.g. a routed fill's fixed cost (one routing read a layer, ``prefill.routed_copy``):
 ``--tokens 16 --residency 0.37 --set prefill.routed_copy=copy_engine --trace``, against ``=uva``.
+
+With ``--host-splits`` each routed fill's host side is timed in three parts (``host_splits`` in the JSON): the
+routing read's return to the copy call (``pre_copy_us``: numpy on the ids, the residency lookup, the stream switch,
+the pointer arrays; it includes one extra read of the already-read ids, ``reread_us`` measured alone), the copy call
+itself (``copy_call_us``, of which ``batch_call_us`` is the ``cudaMemcpyBatchAsync`` call) and the rest of the fill
+(``post_copy_us``); plus ``cpu_ref_us``, a fixed numpy/Python workload, to compare this host's CPU with another's.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ import io
 import json
 import pstats
 import statistics
+import time
 from pathlib import Path
+
+import numpy as np
 
 import torch
 
@@ -47,6 +56,8 @@ def main() -> int:
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--trace", action="store_true", help="also write the profiled prefill's chrome trace (gzip) and "
                    "its timeline summary: per-stream busy time, gaps between H2D copies, host calls that blocked")
+    p.add_argument("--host-splits", action="store_true", help="time each routed fill's host side in parts "
+                   "(module docstring)")
     a = p.parse_args()
     overrides = [f"model.layers={a.layers}"] if a.layers else []
     cfg = load_config(a.config, [*overrides, "prefill.warmup=true", *a.set])
@@ -63,6 +74,7 @@ def main() -> int:
         sets = resident_sets(engine.store.layers, E, {r: n_res}, 0)[r]
         gen = torch.Generator().manual_seed(0)
         ids = torch.randint(3, engine.reader.geometry.vocab, (a.tokens,), generator=gen).tolist()
+        splits = HostSplits(engine.cache.staging) if a.host_splits else None
         timer = HostTimer(engine.model, offloaded_experts(engine.model))
         ttft, host_fwd, host_exp = [], [], []
         for rep in range(a.reps + 1):
@@ -75,6 +87,8 @@ def main() -> int:
                 host_fwd.append(timer.forward_s)
                 host_exp.append(timer.experts_s)
         timer.remove()
+        if splits is not None:
+            splits.remove()
         # host-only view: cProfile of one prefill
         engine.cache.set_residency(sets)
         prof = cProfile.Profile()
@@ -107,6 +121,7 @@ def main() -> int:
         cell = {"residency": r, "ttft_ms": statistics.median(ttft) * 1e3, "ttft_reps_ms": [x * 1e3 for x in ttft],
                 "host_forward_ms": statistics.median(host_fwd) * 1e3, "host_experts_ms": statistics.median(host_exp) * 1e3,
                 "device_self_total_ms": dev_total, "layers": n_layers, "device_idle": idle,
+                "host_splits": splits.summary() if splits is not None else None,
                 "stats": engine.cache.stats()["total"]}
         summary["cells"].append(cell)
         headline = json.dumps({k: v for k, v in cell.items() if k != "stats"})
@@ -120,6 +135,90 @@ def main() -> int:
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"wrote {out_dir / name}.txt", flush=True)
     return 0
+
+
+class HostSplits:
+    """Host time of each routed fill in parts (``--host-splits``), by wrapping the staging's instance methods: the
+    routing is read once more up front (a sync that waits for the router, excluded), so ``pre_copy_us`` starts when
+    the routing is on the host. The wrappers go with ``remove``."""
+
+    def __init__(self, staging):
+        self.staging, self.rows = staging, []
+        self._orig = staging._assemble_routed
+        h2d = staging.h2d
+        self._h2d_copy, self._batch = h2d.copy, h2d.batch
+        self._t: dict[str, float] = {}
+
+        def assemble(layer, b, ids_TK):
+            ids_TK.cpu()  # the wait for the router, outside the split
+            t0 = time.perf_counter()
+            self._t.clear()
+            self._orig(layer, b, ids_TK)
+            t1 = time.perf_counter()
+            c0, c1 = self._t.get("copy0", t1), self._t.get("copy1", t1)
+            self.rows.append({"pre_copy_us": (c0 - t0) * 1e6, "copy_call_us": (c1 - c0) * 1e6,
+                              "batch_call_us": self._t.get("batch", 0.0) * 1e6, "post_copy_us": (t1 - c1) * 1e6})
+
+        def h2d_copy(copies, coalesce):
+            self._t["copy0"] = time.perf_counter()
+            self._h2d_copy(copies, coalesce)
+            self._t["copy1"] = time.perf_counter()
+
+        staging._assemble_routed, h2d.copy = assemble, h2d_copy
+        if self._batch is not None:
+            batch_copy = self._batch.copy
+
+            def timed_batch(*args):
+                t = time.perf_counter()
+                batch_copy(*args)
+                self._t["batch"] = self._t.get("batch", 0.0) + time.perf_counter() - t
+
+            self._batch_copy = batch_copy
+            self._batch.copy = timed_batch
+
+    def remove(self) -> None:
+        del self.staging._assemble_routed, self.staging.h2d.copy
+        if self._batch is not None:
+            del self._batch.copy
+
+    def summary(self) -> dict:
+        out = {"fills": len(self.rows), "reread_us": reread_us(), "cpu_ref_us": cpu_ref_us()}
+        for k in ("pre_copy_us", "copy_call_us", "batch_call_us", "post_copy_us"):
+            v = [r[k] for r in self.rows]
+            out[k] = {"median": round(statistics.median(v), 1), "p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 1)} \
+                if v else None
+        return out
+
+
+def reread_us(n: int = 200) -> float:
+    """Median host time of reading a small, already computed index tensor back (the extra read in ``HostSplits``)."""
+    if not torch.cuda.is_available():
+        return 0.0
+    x = torch.zeros(16, 8, dtype=torch.int64, device="cuda")
+    torch.cuda.synchronize()
+    t = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        x.cpu()
+        t.append(time.perf_counter() - t0)
+    return round(statistics.median(t) * 1e6, 1)
+
+
+def cpu_ref_us(n: int = 200) -> float:
+    """Median time of a fixed host workload shaped like a routed fill's (numpy on 128 routed ids of 128 experts,
+    a few Python calls): the same on two hosts says how their CPUs compare."""
+    gen = np.random.default_rng(0)
+    ids, resident = gen.integers(0, 128, 128), gen.integers(-1, 2, 128)
+    t = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        miss = np.flatnonzero((np.bincount(ids, minlength=128) > 0) & (resident < 0))
+        brk = np.flatnonzero(np.diff(miss) != 1)
+        first = np.concatenate(([0], brk + 1))
+        off = miss[first].astype(np.uint64) * np.uint64(2 << 20)
+        _ = [off + np.uint64(1), off + np.uint64(2), np.append(brk, miss.size - 1) - first + 1]
+        t.append(time.perf_counter() - t0)
+    return round(statistics.median(t) * 1e6, 1)
 
 
 def timeline(trace: Path, layers: int) -> dict:

@@ -7,7 +7,7 @@
 #           fast SM reads: decode.path host against routed at residency 0.37 / 0.5, batch 32 / 64, with the link
 #           GPU tests first (owed 3: the start-up measurement that waits for queued work);
 #   call 2: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2, 3);
-#           fast: nothing more is owed (the call says so and ends);
+#           fast: fill_profile's host splits of a routed fill at 16 and 64 tokens (owed 6);
 #   call 3: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 4), then fill_profile (5).
 # Each call ends within the device's 10 minutes (gpu_run.sh caps every stage); results in $OUT/results.tgz.
 set -uo pipefail
@@ -36,8 +36,9 @@ if [[ $call == 2 ]]; then
   if [[ $k == slow ]]; then
     SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="on off" AB_RESIDENCY=0.37 AB_BATCH=16,32,64 \
       AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
-  else
-    echo "fast host: nothing more is owed after call 1 (README \"GPU runs still owed\")"
+  else  # where a routed fill's fixed cost goes on the host (profile_prefill.py --host-splits), 16 and 64 tokens
+    FILL_PROFILE_COPIES=copy_engine run 280 fill_profile
+    FILL_PROFILE_COPIES=copy_engine FILL_PROFILE_TOKENS=64 run 290 fill_profile
   fi
 elif [[ $call == 3 ]]; then
   if [[ $k == slow ]]; then

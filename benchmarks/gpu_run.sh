@@ -387,7 +387,8 @@ if has fill_profile; then
     (( $(cap 60) < 60 )) && { echo "fill_profile: $copy skipped, the call's limit is near" >> "$RES/fill-profile-skipped.txt"; continue; }
     timeout $(cap 200) python3 benchmarks/profile_prefill.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set prefill.routed_copy=$copy --tokens ${FILL_PROFILE_TOKENS:-16} \
-      --residency 0.37,0 --reps 3 --trace --host-splits --out "$RES/fill-profile-$copy" > "$RES/fill-profile-$copy.log" 2>&1
+      --residency 0.37,0 --reps 3 --trace --host-splits --out "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}" \
+      > "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}.log" 2>&1
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

@@ -15,7 +15,8 @@
 # fill_profile: benchmarks/profile_prefill.py --trace --host-splits on a FILL_PROFILE_TOKENS (16)-token prompt at residency 0.37 / 0,
 # prefill.routed_copy copy_engine then uva: where the whole device idles for the host (device_idle, per layer), i.e.
 # where a routed fill's ~0.28 ms a layer goes (needs a build; ~1-2 min a side; FILL_PROFILE_COPIES picks the sides;
-# first run at 80a81c2: the device idles ~235 us a layer between the routing read and the copy, host work)
+# first run at 80a81c2: the device idles ~235 us a layer between the routing read and the copy, host work);
+# FILL_PROFILE_ARGS adds options (e.g. "--set prefill.routed_plan=device"), FILL_PROFILE_TAG a suffix to the names)
 # decode_plan: benchmarks/decode_plan.py, the routing launches (top-k, register vs workspace plan, alignment, their
 # fused forms) timed alone in CUDA graphs at 1/4/16/64 tokens; no checkpoint needed (~1 min; not yet run). The miss
 # copy's rate across layouts and configs: the kernels stage with KERNELS_ARGS=--uva-only.
@@ -387,8 +388,9 @@ if has fill_profile; then
     (( $(cap 60) < 60 )) && { echo "fill_profile: $copy skipped, the call's limit is near" >> "$RES/fill-profile-skipped.txt"; continue; }
     timeout $(cap 200) python3 benchmarks/profile_prefill.py --config ${TTFT_CONFIG:-configs/qwen3-30b-a3b-nvfp4.yaml} \
       --set model.cache_dir=/tmp/moe-cache --set prefill.routed_copy=$copy --tokens ${FILL_PROFILE_TOKENS:-16} \
-      --residency 0.37,0 --reps 3 --trace --host-splits --out "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}" \
-      > "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}.log" 2>&1
+      --residency 0.37,0 --reps 3 --trace --host-splits ${FILL_PROFILE_ARGS:-} \
+      --out "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}${FILL_PROFILE_TAG:-}" \
+      > "$RES/fill-profile-$copy-${FILL_PROFILE_TOKENS:-16}${FILL_PROFILE_TAG:-}.log" 2>&1
     tar czf "$OUT/results.tgz" -C "$RES" .
   done
 fi

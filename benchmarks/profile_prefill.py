@@ -16,7 +16,7 @@ by the kernels either side). E.g. a routed fill's fixed cost (one routing read a
 
 With ``--host-splits`` each routed fill's host side is timed in three parts (``host_splits`` in the JSON): the
 routing read's return to the copy call (``pre_copy_us``: numpy on the ids, the residency lookup, the stream switch,
-the pointer arrays; it includes one extra read of the already-read ids, ``reread_us`` measured alone), the copy call
+the pointer arrays; with ``prefill.routed_plan: device`` the plan's launch and read instead; it includes one extra read of the already-read ids, ``reread_us`` measured alone), the copy call
 itself (``copy_call_us``, of which ``batch_call_us`` is the ``cudaMemcpyBatchAsync`` call) and the rest of the fill
 (``post_copy_us``); plus ``cpu_ref_us``, a fixed numpy/Python workload, to compare this host's CPU with another's.
 """
@@ -164,7 +164,13 @@ class HostSplits:
             self._h2d_copy(copies, coalesce)
             self._t["copy1"] = time.perf_counter()
 
-        staging._assemble_routed, h2d.copy = assemble, h2d_copy
+        def h2d_entries(*args):  # prefill.routed_plan: device
+            self._t["copy0"] = time.perf_counter()
+            self._h2d_entries(*args)
+            self._t["copy1"] = time.perf_counter()
+
+        self._h2d_entries = h2d.copy_entries
+        staging._assemble_routed, h2d.copy, h2d.copy_entries = assemble, h2d_copy, h2d_entries
         if self._batch is not None:
             batch_copy = self._batch.copy
 
@@ -177,7 +183,7 @@ class HostSplits:
             self._batch.copy = timed_batch
 
     def remove(self) -> None:
-        del self.staging._assemble_routed, self.staging.h2d.copy
+        del self.staging._assemble_routed, self.staging.h2d.copy, self.staging.h2d.copy_entries
         if self._batch is not None:
             del self._batch.copy
 

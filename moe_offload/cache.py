@@ -36,7 +36,7 @@ from moe_offload.forward_paths import ForwardPaths
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows
 from moe_offload.prefill_protocol import PrefillProtocol
 from moe_offload.slot_pool import SlotPool
-from moe_offload.staging import PrefillStaging
+from moe_offload.staging import PrefillStaging, RoutedPlanBuffers
 from moe_offload.stats import CacheStats
 from moe_offload.streams import Streams
 
@@ -110,6 +110,8 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         self.observed = self._observed_routing(decode_max_tokens, cost_model)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.staging.read_in_place = prefill_cfg.read_in_place
+        if prefill_cfg.routed_plan == "device":
+            self.staging.plan = RoutedPlanBuffers.make(self.E, device)
         self._resolution = None
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs

@@ -15,12 +15,13 @@ copier of the misses (large rows in one batched call, small rows per coalesced r
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -32,6 +33,8 @@ from moe_offload.kernels.batch_memcpy import BatchMemcpyError
 FULL_LAYER_COPY = "full_layer_copy"
 HIT_COPY_CHOICES = ("batch_memcpy", "gather")
 _TABLE_PATH = Path(__file__).with_name("hit_copy_table.json")
+#: ``H2DRows.copy_entries``: entries in the first batched call of a planned copy
+FIRST_ENTRIES = 2
 
 
 class HitPathUnavailable(RuntimeError):
@@ -116,6 +119,37 @@ class H2DRows:
                 self._batch_failed(exc)
                 copy_rows_torch(large, coalesce)
         copy_rows_torch([c for c in copies if c.dst.shape[1] < self.min_batch_row_bytes], coalesce)
+
+    def entries_unavailable(self, row_bytes: int, device: torch.device) -> str | None:
+        """Why ``copy_entries`` cannot copy rows of ``row_bytes`` on ``device`` (None: it can): on CUDA it needs the
+        batched call (``batch_memcpy_unavailable``, or ``small_rows`` below this GPU's ``min_batch_row_bytes``)."""
+        if device.type != "cuda":
+            return None
+        if self.batch is None:
+            return "batch_memcpy_unavailable"
+        return "small_rows" if row_bytes < self.min_batch_row_bytes else None
+
+    def copy_entries(self, dst_N: np.ndarray, src_N: np.ndarray, size_N: np.ndarray,
+                     fallback: Callable[[], list[RowCopy]], device: torch.device) -> None:
+        """Copies planned as entries (uint64 addresses and byte counts, e.g. ``kernels/routed_plan.py``'s), where
+        ``entries_unavailable`` said they can be. On CUDA the first ``FIRST_ENTRIES`` go in a batched call of their
+        own: the copy engine starts on them while the driver takes the rest (~1.6 us an entry on the lent H100 at
+        feb415a, benchmarks/results/HISTORY.md). A failed call is redone with ``fallback()``'s row copies (as
+        ``copy``). Off CUDA, a host copy per entry."""
+        if self.batch is None:
+            if device.type == "cuda":  # the caller asks entries_unavailable first
+                raise RuntimeError("copy_entries on CUDA needs the batched call; see entries_unavailable")
+            for d, s, n in zip(dst_N.tolist(), src_N.tolist(), size_N.tolist()):
+                ctypes.memmove(d, s, n)
+            return
+        k = FIRST_ENTRIES
+        try:
+            self.batch.copy(dst_N[:k], src_N[:k], size_N[:k], self.stream)
+            if size_N.size > k:
+                self.batch.copy(dst_N[k:], src_N[k:], size_N[k:], self.stream)
+        except BatchMemcpyError as exc:
+            self._batch_failed(exc)
+            copy_rows_torch(fallback(), coalesce=True)
 
     def _batch_failed(self, exc: Exception) -> None:
         self.batch = None

@@ -46,12 +46,37 @@ the layer is assembled whole. Counted in ``stats()["compute"]["prefill_routed_fi
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
+from moe_offload import log
 from moe_offload.copy_paths import RowCopy, index_tensor
 from moe_offload.hit_copy import FULL_LAYER_COPY
 from moe_offload.host_store import bank_views
+
+
+@dataclass
+class RoutedPlanBuffers:
+    """Where a routed fill's device plan lands (``prefill.routed_plan: device``): ``dev_P`` on the device, read back
+    into pinned ``host_P`` (the same tensor off CUDA), ``words`` its numpy view, ``read`` the event the host waits."""
+
+    dev_P: torch.Tensor
+    host_P: torch.Tensor
+    words: np.ndarray
+    read: object
+
+    @classmethod
+    def make(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
+        from moe_offload.kernels.routed_plan import plan_words
+
+        dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
+        if device.type != "cuda":
+            return cls(dev_P, dev_P, dev_P.numpy(), None)
+        host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
+        return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
 
 
 #: per layer fill, the weight of older fills in ``fill_missing`` (~50 layers: about one forward of a 48-layer model)
@@ -87,6 +112,7 @@ class PrefillStaging:
         self.computing: int | None = None  # the buffer the layer being computed reads
         self.last_filled = 1
         self.hit = None  # the HitCopy (set by the cache after resolution)
+        self.plan: RoutedPlanBuffers | None = None  # prefill.routed_plan: device (set by the cache)
         self.h2d = None  # the H2DRows of the misses
 
     def buffer_for(self, layer: int) -> int | None:
@@ -181,9 +207,34 @@ class PrefillStaging:
     def _assemble_routed(self, layer: int, b: int, ids_TK: torch.Tensor) -> None:
         """A routed fill of ``layer`` into buffer ``b`` (module docstring)."""
         s, R = self.streams, self.store.bytes_per_expert
-        # HOST SYNC: the layer's routing. Between this read and the copy below the whole device waits for the host
-        # (235 us a layer on an H100 at 80a81c2, HISTORY.md): array operations kept few
-        ids = ids_TK.reshape(-1).cpu().numpy()
+        rows_ER, host_ER = self.rows[b], self.store.rows(layer)
+        declined = self.h2d.entries_unavailable(rows_ER.shape[1], rows_ER.device) if self.plan is not None else None
+        if self.plan is not None and declined is None:
+            miss_e, routed = self._planned_copy(layer, rows_ER, host_ER, ids_TK)
+        else:
+            if declined is not None:  # prefill.routed_plan: device, but its entries cannot be copied here
+                log.log_once(f"routed_plan_declined:{declined}", "routed_plan_declined", logging.WARNING,
+                             reason=declined, fallback="host", setting="prefill.routed_plan")
+                self.stats.declined[f"routed_plan:{declined}"] += 1
+            # HOST SYNC: the layer's routing. Between this read and the copy below the whole device waits for the
+            # host (235 us a layer on an H100 at 80a81c2, HISTORY.md): array operations kept few
+            routed_E = self._routed_experts(layer, ids_TK.reshape(-1).cpu().numpy())
+            miss_e = np.flatnonzero(routed_E & (self.pool.resident(layer) < 0))
+            routed = int(np.count_nonzero(routed_E))
+            with s.on(s.copy):
+                if miss_e.size:
+                    self.h2d.copy([RowCopy(rows_ER, host_ER, miss_e, miss_e)], coalesce=True)
+        s.record(self.misses_done[b], s.copy)
+        s.record(self.hits_done[b], s.hit)
+        self.stats.layer(layer).bytes["prefill_routed_h2d"] += int(miss_e.size) * R
+        total, weight = self.fill_missing.get(ids_TK.shape[0], (0.0, 0.0))
+        self.fill_missing[ids_TK.shape[0]] = (FILL_DECAY * total + miss_e.size, FILL_DECAY * weight + 1.0)
+        self.stats.compute["prefill_routed_fills"] += 1
+        self.used[b] = (routed - int(miss_e.size), int(miss_e.size))
+        self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
+
+    def _routed_experts(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """``[E]`` bool: the experts ``ids`` route to; a ValueError naming the layer for ids outside the layer."""
         try:
             routed_E = np.bincount(ids, minlength=self.store.num_experts) > 0
         except ValueError:  # a negative id: bincount's own message names nothing (checked only when it fails)
@@ -192,18 +243,45 @@ class PrefillStaging:
         if routed_E.size != self.store.num_experts:
             raise ValueError(f"layer {layer}: routed expert ids reach {routed_E.size - 1}, the layer has "
                              f"{self.store.num_experts} experts (the router's top-k must index the checkpoint's experts)")
-        miss_e = np.flatnonzero(routed_E & (self.pool.resident(layer) < 0))
-        with s.on(s.copy):
-            if miss_e.size:
-                self.h2d.copy([RowCopy(self.rows[b], self.store.rows(layer), miss_e, miss_e)], coalesce=True)
-            s.record(self.misses_done[b], s.copy)
-        s.record(self.hits_done[b], s.hit)
-        self.stats.layer(layer).bytes["prefill_routed_h2d"] += int(miss_e.size) * R
-        total, weight = self.fill_missing.get(ids_TK.shape[0], (0.0, 0.0))
-        self.fill_missing[ids_TK.shape[0]] = (FILL_DECAY * total + miss_e.size, FILL_DECAY * weight + 1.0)
-        self.stats.compute["prefill_routed_fills"] += 1
-        self.used[b] = (int(np.count_nonzero(routed_E)) - int(miss_e.size), int(miss_e.size))
-        self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
+        return routed_E
+
+    def _planned_copy(self, layer: int, rows_ER: torch.Tensor, host_ER: torch.Tensor, ids_TK: torch.Tensor
+                      ) -> tuple[np.ndarray, int]:
+        """``prefill.routed_plan: device``: the fill's copy entries planned on the compute stream
+        (``kernels/routed_plan.py``), read back in one host read, and handed to the copy engine as they are; returns
+        the missing experts it copies and the number routed. The host's numpy work moves after the copy call."""
+        from moe_offload.kernels.routed_plan import HEADER, plan_routed_fill
+
+        E, plan = self.store.num_experts, self.plan
+        if host_ER.shape[1] != rows_ER.shape[1]:
+            raise ValueError(f"layer {layer}: host rows of {host_ER.shape[1]} bytes, staging rows of {rows_ER.shape[1]}")
+        plan_routed_fill(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], plan.dev_P,
+                         rows_ER.shape[1], rows_ER.data_ptr(), host_ER.data_ptr())
+        if plan.host_P is not plan.dev_P:  # HOST SYNC: the plan, the fill's one read of the device
+            plan.host_P.copy_(plan.dev_P, non_blocking=True)
+            plan.read.record()
+            plan.read.synchronize()
+        words = plan.words
+        runs, routed, _, bad = words[:HEADER].tolist()
+        if bad:  # the error path reads the ids themselves, for the message
+            self._routed_experts(layer, ids_TK.reshape(-1).cpu().numpy())
+        at = words.view(np.uint64)
+        miss_e = None
+
+        def fallback() -> list[RowCopy]:
+            return [RowCopy(rows_ER, host_ER, missing(), missing())]
+
+        def missing() -> np.ndarray:
+            nonlocal miss_e
+            if miss_e is None:
+                miss_e = np.flatnonzero(words[HEADER + 3 * E:])
+            return miss_e
+
+        if runs:
+            with self.streams.on(self.streams.copy):
+                self.h2d.copy_entries(at[HEADER:HEADER + runs], at[HEADER + E:HEADER + E + runs],
+                                      at[HEADER + 2 * E:HEADER + 2 * E + runs], fallback, rows_ER.device)
+        return missing(), routed
 
     def missing_seen(self, rows: int) -> float | None:
         """The routed misses a layer's fill of ``rows`` rows found, averaged over earlier fills (decayed), or None."""

@@ -131,14 +131,17 @@ def test_the_setting_is_validated_and_the_choice_logged_once_and_reported_in_sta
     assert not cache.routed_fills_for(8)  # every expert resident: nothing to copy, the routed graph reads in place
 
 
+@pytest.mark.parametrize("plan", ["host", "device"])
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
-def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_copied(tiny_ckpt, fmt):
+def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_copied(tiny_ckpt, fmt, plan):
     """Residency: every other expert. Each layer's call routes a random subset of experts: every routed expert's
     rows (hit or miss) read through (views, index_N) equal the store's bytes; only routed misses cross (counted as
-    prefill_routed_h2d), nothing is copied ahead, and the free slots take only experts a fill copied."""
+    prefill_routed_h2d), nothing is copied ahead, and the free slots take only experts a fill copied. ``plan``:
+    prefill.routed_plan (device: kernels/routed_plan.py's plan, its entries copied as they are)."""
     store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", fmt), progress=False)
     E, K, R = store.num_experts, store.geometry.top_k, store.bytes_per_expert
-    cache = _cache(store, "1.0", hit_copy="gather", routed_copy="copy_engine")
+    cache = _cache(store, "1.0", hit_copy="gather", routed_copy="copy_engine", routed_plan=plan)
+    assert (cache.staging.plan is not None) == (plan == "device")
     cache.set_residency({layer: list(range(0, E, 4)) for layer in store.layers})  # a quarter: free slots remain
     before = cache.pool.slot_of_LE.copy()
     rng = np.random.default_rng(0)
@@ -176,6 +179,7 @@ def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_cop
         for e, slot in zip(new_e.tolist(), slots.tolist()):  # the admitted slot holds the expert's bytes
             assert torch.equal(cache.pool.rows_SR[slot], store.rows(layer)[e])
     assert np.array_equal(cache.pool.table_LE.cpu().numpy(), cache.pool.slot_of_LE)
+    assert not st["declined"]
 
 
 def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt):
@@ -183,10 +187,11 @@ def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt
     ones gives the same logits, bit for bit (the same compute reads the same bytes for every routed expert)."""
     path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
     outs = []
-    for fills in (False, True):
+    for fills, plan in ((False, "host"), (True, "host"), (True, "device")):
         cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "cache.budget=1.0",
                                  "prefill.hit_copy=gather", "prefill.routed_max_tokens=1", "decode.max_tokens=1",
-                                 "logging.level=WARNING", f"prefill.routed_copy={'copy_engine' if fills else 'uva'}"])
+                                 "logging.level=WARNING", f"prefill.routed_copy={'copy_engine' if fills else 'uva'}",
+                                 f"prefill.routed_plan={plan}"])
         eng = Engine.from_config(cfg, progress=False)
         E = eng.cache.E
         eng.cache.set_residency({layer: list(range(0, E, 4)) for layer in eng.cache.layers})
@@ -196,7 +201,7 @@ def test_a_routed_fill_forward_gives_the_same_logits_as_the_staged_one(tiny_ckpt
         st = eng.cache.stats()
         assert (st["compute"].get("prefill_routed_fills", 0) == len(eng.cache.layers)) == fills
         assert (st["total"]["bytes"].get("prefill_routed_h2d", 0) > 0) == fills
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_per_prompt_routed_fills_pay_where_the_slow_reads_cost_more_than_the_fixed_cost_of_a_fill():

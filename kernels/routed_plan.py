@@ -1,0 +1,116 @@
+"""A routed fill's copy entries planned on the device, so that its one host read returns them ready to copy.
+
+Legend: N routed ids (T tokens x K), E experts per layer, R bytes of one expert row, P the plan's int64 words.
+
+A routed fill (``moe_offload/staging.py``) reads a layer's routing on the host and copies only the routed missing
+experts over the copy engine. Planned on the host, the numpy work between the routing's arrival and the batched copy
+call held the whole device idle (~87-149 us a layer on the lent H100 at feb415a, for work a hot loop does in ~17 us:
+benchmarks/results/HISTORY.md). Here one program computes, on the stream of the routing, what the host needed:
+
+    plan_P = [runs, routed, missing, bad,
+              dst_ptr[E], src_ptr[E], size[E],     # one batched-copy entry per run of consecutive missing experts
+              missing_E[E]]                        # 1 where expert e is routed and not resident
+
+``bad`` counts ids outside ``[0, E)`` (the caller raises, naming the layer). Entries past ``runs`` are unspecified.
+A missing expert is one the device slot table (``SlotPool.table_LE``'s row) holds at -1: the table the compute reads
+in the same stream order, so the plan copies exactly the rows the compute will read from the staging buffer.
+
+:func:`plan_routed_fill` is one Triton program on CUDA and :func:`plan_reference` (plain torch, the oracle of the
+tests) elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # importing triton touches no CUDA
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+HEADER = 4  # runs, routed, missing, bad
+
+
+def plan_words(E: int) -> int:
+    """P: the plan's length in int64 words for ``E`` experts."""
+    return HEADER + 4 * E
+
+
+if triton is not None:
+
+    @triton.jit
+    def _plan_kernel(ids_ptr, N, table_ptr, plan_ptr, E, row_bytes, dst_base, src_base,
+                     BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+        """One program: each expert's routed flag from the ids in chunks of CHUNK, its missing flag written to the
+        plan; after a barrier each expert reads its neighbours' flags (the runs' edges) and the runs are compacted
+        in order by a prefix sum."""
+        e = tl.arange(0, BLOCK_E)
+        routed = tl.zeros([BLOCK_E], dtype=tl.int32)
+        bad = tl.zeros([CHUNK], dtype=tl.int32)
+        for start in range(0, N, CHUNK):
+            i = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int64)
+            bad += ((i < N) & ((ids < 0) | (ids >= E))).to(tl.int32)
+            routed = tl.maximum(routed, tl.max((ids[:, None] == e[None, :]).to(tl.int32), axis=0))
+        in_e = e < E
+        miss = (routed > 0) & in_e & (tl.load(table_ptr + e, mask=in_e, other=0) < 0)
+        flags = plan_ptr + 4 + 3 * E
+        sizes = plan_ptr + 4 + 2 * E
+        tl.store(flags + e, miss.to(tl.int64), mask=in_e)
+        tl.store(sizes + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=in_e)  # the runs' sizes are summed into
+        tl.debug_barrier()  # every expert's flag and zeroed size visible to the whole program
+        miss_l = tl.load(flags + e - 1, mask=(e >= 1) & (e - 1 < E), other=0) > 0
+        miss_r = tl.load(flags + e + 1, mask=e + 1 < E, other=0) > 0
+        first = miss & ~miss_l
+        last = miss & ~miss_r
+        run = tl.cumsum(first.to(tl.int32), axis=0) - 1  # the run each missing expert belongs to
+        off = e.to(tl.int64) * row_bytes
+        tl.store(plan_ptr + 4 + run, dst_base + off, mask=first)
+        tl.store(plan_ptr + 4 + E + run, src_base + off, mask=first)
+        # a run's size, (last - first + 1) rows: -first * R from its first expert, (last + 1) * R from its last
+        tl.atomic_add(sizes + run, -off, mask=first)
+        tl.atomic_add(sizes + run, off + row_bytes, mask=last)
+        tl.store(plan_ptr + 0, tl.sum(first.to(tl.int64), axis=0))
+        tl.store(plan_ptr + 1, tl.sum(((routed > 0) & in_e).to(tl.int64), axis=0))
+        tl.store(plan_ptr + 2, tl.sum(miss.to(tl.int64), axis=0))
+        tl.store(plan_ptr + 3, tl.sum(bad.to(tl.int64), axis=0))
+
+
+def plan_routed_fill(ids_N: torch.Tensor, table_E: torch.Tensor, plan_P: torch.Tensor, row_bytes: int, dst_base: int,
+                     src_base: int) -> None:
+    """Write the plan of a routed fill into ``plan_P`` (int64, ``plan_words(E)``, on the device of ``ids_N``) on the
+    current stream, without a host sync: ``ids_N`` the routed ids (any integer dtype, flat), ``table_E`` the layer's
+    slot table (int32, -1 = not resident), ``dst_base`` / ``src_base`` the addresses of row 0 of the staging buffer
+    and of the layer's pinned host rows (rows ``row_bytes`` apart in both)."""
+    E = table_E.shape[0]
+    if plan_P.dtype != torch.int64 or plan_P.numel() != plan_words(E):
+        raise ValueError(f"plan_P must be int64 [{plan_words(E)}], got {plan_P.dtype} [{plan_P.numel()}]")
+    if ids_N.device.type != "cuda" or triton is None:
+        plan_P.copy_(plan_reference(ids_N, table_E, row_bytes, dst_base, src_base))
+        return
+    _plan_kernel[(1,)](ids_N.contiguous(), ids_N.numel(), table_E, plan_P, E, row_bytes, dst_base, src_base,
+                       BLOCK_E=triton.next_power_of_2(E), CHUNK=64, num_warps=4)
+
+
+def plan_reference(ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, dst_base: int, src_base: int
+                   ) -> torch.Tensor:
+    """The plan in plain torch (the oracle; the path off CUDA), entries past ``runs`` zero."""
+    E, dev = table_E.shape[0], table_E.device
+    ids = ids_N.reshape(-1).to(device=dev, dtype=torch.int64)
+    valid = (ids >= 0) & (ids < E)
+    routed = torch.zeros(E, dtype=torch.bool, device=dev)
+    routed[ids[valid]] = True
+    miss = routed & (table_E < 0)
+    pad = torch.zeros(1, dtype=torch.bool, device=dev)
+    prev, nxt = torch.cat([pad, miss[:-1]]), torch.cat([miss[1:], pad])
+    firsts = torch.nonzero(miss & ~prev).flatten()
+    lasts = torch.nonzero(miss & ~nxt).flatten()
+    plan = torch.zeros(plan_words(E), dtype=torch.int64, device=dev)
+    n = firsts.numel()
+    plan[:HEADER] = torch.tensor([n, int(routed.sum()), int(miss.sum()), int((~valid).sum())], device=dev)
+    plan[HEADER:HEADER + n] = dst_base + firsts * row_bytes
+    plan[HEADER + E:HEADER + E + n] = src_base + firsts * row_bytes
+    plan[HEADER + 2 * E:HEADER + 2 * E + n] = (lasts - firsts + 1) * row_bytes
+    plan[HEADER + 3 * E:] = miss.to(torch.int64)
+    return plan

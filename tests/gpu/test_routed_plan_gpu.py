@@ -1,0 +1,66 @@
+"""On CUDA: a routed fill's copy entries planned on the device (``prefill.routed_plan: device``,
+kernels/routed_plan.py). The Triton program equals the plain-torch plan; on real-size rows (one Qwen3-30B-A3B layer)
+a fill that hands the planned entries to the batched call stages every routed expert's bytes, counts what the
+host plan counts, and declines nothing."""
+
+import numpy as np
+import pytest
+import torch
+
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig
+from moe_offload.kernels.routed_plan import plan_reference, plan_routed_fill, plan_words
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def store(qwen3_layer_store):
+    s = qwen3_layer_store(pin=True)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("E,N,resident", [(128, 128, 0.37), (128, 2048, 0.0), (512, 160, 0.5), (130, 77, 1.0)])
+def test_the_program_on_the_gpu_writes_the_reference_plan(E, N, resident):
+    gen = torch.Generator(device="cuda").manual_seed(E + N)
+    ids = torch.randint(0, E, (N,), device="cuda", generator=gen)
+    ids[N // 2] = -1  # one id outside the layer: counted as bad, routed nowhere
+    table = torch.where(torch.rand(E, device="cuda", generator=gen) < resident,
+                        torch.randint(0, 99, (E,), device="cuda", generator=gen), -1).to(torch.int32)
+    plan = torch.full((plan_words(E),), -5, dtype=torch.int64, device="cuda")
+    plan_routed_fill(ids, table, plan, 2654224, 1 << 40, 1 << 41)
+    want = plan_reference(ids, table, 2654224, 1 << 40, 1 << 41)
+    runs = int(want[0])
+    assert torch.equal(plan[:4], want[:4])
+    for part in range(3):  # the entries: only the first ``runs`` words of each array are specified
+        lo = 4 + part * E
+        assert torch.equal(plan[lo:lo + runs], want[lo:lo + runs]), part
+    assert torch.equal(plan[4 + 3 * E:], want[4 + 3 * E:])
+
+
+@pytest.mark.parametrize("plan", ["device", "host"])
+def test_a_planned_fill_on_real_rows_stages_the_routed_experts_bytes(store, plan):
+    E, K, R = store.num_experts, store.geometry.top_k, store.bytes_per_expert
+    cache = OffloadMoeCache(store, CacheConfig(budget="0.5"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan=plan), "cuda")
+    layer = store.layers[0]
+    cache.set_residency({layer: list(range(0, E, 4))})
+    rng = np.random.default_rng(1)
+    ids = torch.from_numpy(rng.integers(0, E, (16, K))).cuda()
+    routed = np.unique(ids.cpu().numpy())
+    with cache.prefill_pass(routed_fills=True):
+        views, index_N = cache.stage_rows(layer, ids)
+        got = {e: {name: view[int(index_N[e])].clone() for name, view in views.items()} for e in routed.tolist()}
+        cache.done(layer)
+    torch.cuda.synchronize()
+    want = store.views(layer)
+    for e, banks in got.items():
+        for name, row in banks.items():
+            assert torch.equal(row.cpu(), want[name][e]), (e, name)
+    st = cache.stats()
+    missing = int(np.count_nonzero(routed % 4 != 0))
+    assert st["total"]["prefill_misses"] == missing and st["total"]["prefill_hits"] == routed.size - missing
+    assert st["total"]["bytes"]["prefill_routed_h2d"] == missing * R
+    assert not st["declined"], st["declined"]
+    cache.close()

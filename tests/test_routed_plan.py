@@ -1,0 +1,146 @@
+"""A routed fill's copy entries planned on the device (``prefill.routed_plan: device``, kernels/routed_plan.py): the
+Triton program (here under TRITON_INTERPRET) equals the plain-torch plan, the plan equals the runs of routed missing
+experts worked out in numpy, and a routed fill that copies its planned entries stages the same rows, counts and
+admissions as the host plan (tests/test_routed_fills.py runs both). The program on a GPU and the batched call of its
+entries: tests/gpu/test_routed_plan_gpu.py."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_offload.cache import OffloadMoeCache
+from moe_offload.config import CacheConfig, PrefillConfig
+from moe_offload.host_store import ExpertStore
+from moe_offload.kernels import routed_plan
+from moe_offload.kernels.routed_plan import HEADER, plan_reference, plan_words
+
+R, DST, SRC = 1000, 1 << 40, 1 << 41
+
+
+def numpy_plan(ids: np.ndarray, table: np.ndarray) -> tuple[list[tuple[int, int]], int, np.ndarray, int]:
+    """(runs [(first, rows)], routed, missing_E, bad) straight from the definition."""
+    E = table.size
+    valid = ids[(ids >= 0) & (ids < E)]
+    routed = np.zeros(E, bool)
+    routed[valid] = True
+    miss = routed & (table < 0)
+    runs, e = [], 0
+    while e < E:
+        if miss[e]:
+            f = e
+            while e < E and miss[e]:
+                e += 1
+            runs.append((f, e - f))
+        else:
+            e += 1
+    return runs, int(routed.sum()), miss.astype(np.int64), int(ids.size - valid.size)
+
+
+def check(plan: np.ndarray, ids: np.ndarray, table: np.ndarray) -> None:
+    E = table.size
+    runs, routed, miss, bad = numpy_plan(ids, table)
+    n = len(runs)
+    assert plan[:HEADER].tolist() == [n, routed, int(miss.sum()), bad]
+    assert plan[HEADER:HEADER + n].tolist() == [DST + f * R for f, _ in runs]
+    assert plan[HEADER + E:HEADER + E + n].tolist() == [SRC + f * R for f, _ in runs]
+    assert plan[HEADER + 2 * E:HEADER + 2 * E + n].tolist() == [k * R for _, k in runs]
+    assert np.array_equal(plan[HEADER + 3 * E:], miss)
+
+
+def _case(seed: int, E: int, N: int, resident: float, bad: bool):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, E, N)
+    if bad:
+        ids[rng.integers(0, N)] = rng.choice([-1, E, E + 7])
+    table = np.where(rng.random(E) < resident, rng.integers(0, 99, E), -1).astype(np.int32)
+    return ids, table
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), E=st.sampled_from([1, 2, 8, 60, 128, 130]), N=st.integers(1, 200),
+       resident=st.sampled_from([0.0, 0.3, 0.7, 1.0]), bad=st.booleans())
+def test_the_reference_plan_is_the_runs_of_routed_missing_experts(seed, E, N, resident, bad):
+    ids, table = _case(seed, E, N, resident, bad)
+    plan = plan_reference(torch.from_numpy(ids), torch.from_numpy(table), R, DST, SRC)
+    assert plan.shape == (plan_words(E),)
+    check(plan.numpy(), ids, table)
+
+
+@pytest.mark.parametrize("E,N,resident,bad", [(8, 5, 0.0, False), (128, 128, 0.37, False), (130, 300, 0.5, True),
+                                              (128, 2048, 0.0, False), (512, 160, 0.37, True), (60, 64, 1.0, False)])
+def test_the_triton_program_writes_the_reference_plan(E, N, resident, bad):
+    """The program itself (interpreted): ids in chunks past one (N > 64), E not a power of two, ids outside the layer,
+    every expert resident (no runs)."""
+    if routed_plan.triton is None:
+        pytest.skip("triton is not installed")
+    ids, table = _case(E * N, E, N, resident, bad)
+    plan = torch.full((plan_words(E),), -5, dtype=torch.int64)  # stale words where the program writes none
+    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids), N, torch.from_numpy(table), plan, E, R, DST, SRC,
+                                   BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64)
+    check(plan.numpy(), ids, table)
+
+
+def test_a_plan_buffer_of_the_wrong_size_or_type_is_refused():
+    table = torch.full((8,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"plan_P must be int64 \[36\]"):
+        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(35, dtype=torch.int64),
+                                     R, DST, SRC)
+    with pytest.raises(ValueError, match="plan_P must be int64"):
+        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(36, dtype=torch.int32),
+                                     R, DST, SRC)
+
+
+def test_a_device_planned_fill_names_bad_ids_as_the_host_plan_does(tiny_ckpt):
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan="device"), "cpu")
+    cache.set_residency({layer: [0] for layer in store.layers})
+    layer, K, E = store.layers[0], store.geometry.top_k, store.num_experts
+    for bad, match in ((-1, "routed expert ids include -1"), (E, f"routed expert ids reach {E}")):
+        ids = torch.zeros((2, K), dtype=torch.long)
+        ids[1, 0] = bad
+        with pytest.raises(ValueError, match=f"layer {layer}: {match}"):
+            with cache.prefill_pass(routed_fills=True):
+                cache.stage_rows(layer, ids)
+    assert cache.stats()["total"]["bytes"].get("prefill_routed_h2d", 0) == 0  # nothing was copied
+
+
+def test_entries_unavailable_names_why_a_device_plan_cannot_be_copied():
+    from moe_offload.hit_copy import H2DRows
+
+    cuda = torch.device("cuda", 0)
+    assert H2DRows().entries_unavailable(1 << 20, cuda) == "batch_memcpy_unavailable"
+    assert H2DRows(batch=object(), min_batch_row_bytes=1 << 21).entries_unavailable(1 << 20, cuda) == "small_rows"
+    assert H2DRows(batch=object(), min_batch_row_bytes=1 << 20).entries_unavailable(1 << 20, cuda) is None
+    assert H2DRows().entries_unavailable(8, torch.device("cpu")) is None
+    with pytest.raises(RuntimeError, match="needs the batched call"):
+        H2DRows().copy_entries(np.zeros(1, np.uint64), np.zeros(1, np.uint64), np.zeros(1, np.uint64), list, cuda)
+
+
+def test_a_declined_device_plan_logs_once_counts_each_fill_and_stages_by_the_host_plan(tiny_ckpt, caplog):
+    """A fault injected where the entries cannot be copied (as on a CUDA device without the batched call): every fill
+    takes the host plan and stages the right rows; one routed_plan_declined event, one count per fill."""
+    import logging
+
+    from moe_offload import log
+
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "bf16"), progress=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan="device"), "cpu")
+    cache.set_residency({layer: [0] for layer in store.layers})
+    cache.staging.h2d.entries_unavailable = lambda row_bytes, device: "batch_memcpy_unavailable"
+    K = store.geometry.top_k
+    with caplog.at_level(logging.INFO, logger=log.LOGGER_NAME):
+        with cache.prefill_pass(routed_fills=True):
+            for layer in store.layers:
+                ids = torch.arange(1, 1 + 2 * K).reshape(2, K) % store.num_experts
+                views, index_N = cache.stage_rows(layer, ids)
+                for e in ids.unique().tolist():
+                    for name, view in views.items():
+                        assert torch.equal(view[int(index_N[e])], store.views(layer)[name][e])
+                cache.done(layer)
+    events = [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "routed_plan_declined"]
+    assert len(events) <= 1  # once per process (an earlier test may have logged it already)
+    assert cache.stats()["declined"]["routed_plan:batch_memcpy_unavailable"] == len(store.layers)

@@ -4,11 +4,10 @@
 # Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, then 3)
 #   call 1: the link stage (which kind of host: benchmarks/link_probe.py) and the build, then
 #           slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
-#           fast SM reads: decode.path host against routed at residency 0.37 / 0.5, batch 32 / 64, with the link
-#           GPU tests first (owed 3: the start-up measurement that waits for queued work);
-#   call 2: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2, 3);
-#           fast: fill_profile's host splits of a routed fill at 16 and 64 tokens (owed 6);
-#   call 3: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 4), then fill_profile (5).
+#           fast SM reads: fill_profile of a routed fill (the device plan) at 16 tokens; nothing else is owed there;
+#   call 2: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
+#           fast: nothing more is owed (the call says so and ends);
+#   call 3: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).
 # Each call ends within the device's 10 minutes (gpu_run.sh caps every stage); results in $OUT/results.tgz.
 set -uo pipefail
 call="${1:?call number: 1, 2 or 3}"
@@ -24,9 +23,8 @@ if [[ $call == 1 ]]; then
   k=$(kind); echo "host: $k"
   if [[ $k == slow ]]; then
     TTFT_AB=prefill.routed_copy=copy_engine TTFT_AB_OFF=prefill.routed_copy=uva run 590 ttft_ab
-  else
-    SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="off on" AB_RESIDENCY=0.37,0.5 AB_BATCH=32,64 \
-      AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
+  else  # every fast-host item ran at feb415a / 65790fb: the device plan's profile again, then nothing is owed
+    FILL_PROFILE_COPIES=copy_engine run 590 fill_profile
   fi
   exit 0
 fi
@@ -36,9 +34,8 @@ if [[ $call == 2 ]]; then
   if [[ $k == slow ]]; then
     SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="on off" AB_RESIDENCY=0.37 AB_BATCH=16,32,64 \
       AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
-  else  # where a routed fill's fixed cost goes on the host (profile_prefill.py --host-splits), 16 and 64 tokens
-    FILL_PROFILE_COPIES=copy_engine run 280 fill_profile
-    FILL_PROFILE_COPIES=copy_engine FILL_PROFILE_TOKENS=64 run 290 fill_profile
+  else
+    echo "fast host: nothing more is owed after call 1 (README \"GPU runs still owed\")"
   fi
 elif [[ $call == 3 ]]; then
   if [[ $k == slow ]]; then

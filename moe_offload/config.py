@@ -140,9 +140,9 @@ class PrefillConfig(_Strict):
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
     routed_plan: Literal["host", "device"] = Field(
-        "host", description="how a routed fill (routed_copy copy_engine) works out its copies: host = numpy on the "
-        "routing read back; device = one kernel on the compute stream, the host reads back batched-copy entries "
-        "(kernels/routed_plan.py; README Config keys)")
+        "device", description="how a routed fill (routed_copy copy_engine) works out its copies: device = one kernel "
+        "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); host = numpy on "
+        "the routing read back (2-14 % slower on an H100, README Config keys)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "

@@ -213,7 +213,8 @@ class PrefillStaging:
             miss_e, routed = self._planned_copy(layer, rows_ER, host_ER, ids_TK)
         else:
             if declined is not None:  # prefill.routed_plan: device, but its entries cannot be copied here
-                log.log_once(f"routed_plan_declined:{declined}", "routed_plan_declined", logging.WARNING,
+                level = logging.INFO if declined == "small_rows" else logging.WARNING  # small rows: by design
+                log.log_once(f"routed_plan_declined:{declined}", "routed_plan_declined", level,
                              reason=declined, fallback="host", setting="prefill.routed_plan")
                 self.stats.declined[f"routed_plan:{declined}"] += 1
             # HOST SYNC: the layer's routing. Between this read and the copy below the whole device waits for the

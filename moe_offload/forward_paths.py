@@ -126,7 +126,7 @@ class ForwardPaths:
             return False
         if copy == "copy_engine":
             return True
-        from moe_offload.link_rates import routed_fills_pay
+        from moe_offload.link_rates import routed_fill_fixed_s, routed_fills_pay
         from moe_offload.prefill_path import distinct, resident_fraction
 
         missing = self.staging.missing_seen(rows if rows is not None else tokens)
@@ -135,7 +135,8 @@ class ForwardPaths:
             share = self.observed.adaptive.share(tokens) if self.observed is not None else None
             routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
             missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * routed
-        return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert)
+        return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert,
+                                routed_fill_fixed_s(self.prefill_cfg.routed_plan))
 
     def decode_fills_for(self, tokens: int) -> bool:
         """Whether a decode step of ``tokens`` rows on the staged path (above the routed threshold) stages only its
@@ -146,13 +147,13 @@ class ForwardPaths:
         model = self._fill_model
         if model is None or self.holds_every_expert():
             return False
-        from moe_offload.link_rates import ROUTED_FILL_FIXED_S
+        from moe_offload.link_rates import routed_fill_fixed_s
         from moe_offload.prefill_path import resident_fraction
 
         E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
         resident = resident_fraction(self.num_slots, len(self.store.layers), E)
         missing = self.staging.missing_seen(tokens)
-        return (model.fill_s(tokens, E, K, R, resident, ROUTED_FILL_FIXED_S, missing)
+        return (model.fill_s(tokens, E, K, R, resident, routed_fill_fixed_s(self.prefill_cfg.routed_plan), missing)
                 < model.staged_s(tokens, E, K, R, resident))
 
     @contextlib.contextmanager

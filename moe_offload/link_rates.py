@@ -244,6 +244,15 @@ def measured_link_model(store, device, model: tuple[CostModel, str]) -> tuple[tu
 #: ids, the host's planning and launches): 0.28 / 0.26 ms on an H100 at b703e18, from 16 / 64-token prompts fully
 #: resident (19.5 / 20.6 ms with routed fills against 6.1 / 7.9 ms as one routed graph, 48 layers)
 ROUTED_FILL_FIXED_S = 0.28e-3
+#: the same with ``prefill.routed_plan: device``: 0.14-0.16 ms a layer on a fast H100 at 65790fb, as TTFT less the routed
+#: floor and the compute floor over 48 layers at 16 / 64 tokens, residency 0 / 0.37 (the host plan's runs of the same
+#: ABBA gave 0.22-0.30 by the same sum; benchmarks/results/HISTORY.md "feb415a / 65790fb")
+ROUTED_FILL_FIXED_S_DEVICE_PLAN = 0.15e-3
+
+
+def routed_fill_fixed_s(plan: str) -> float:
+    """A routed fill's fixed cost a layer under ``prefill.routed_plan`` ``plan`` (host or device)."""
+    return ROUTED_FILL_FIXED_S_DEVICE_PLAN if plan == "device" else ROUTED_FILL_FIXED_S
 
 
 def routed_copy(setting: str, device: torch.device, link: dict | None) -> tuple[str, str]:
@@ -319,8 +328,9 @@ def decode_path_floor(setting: str, link: dict | None) -> int:
 FILLS_MIN_TOKENS = 8
 
 
-def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int) -> bool:
+def routed_fills_pay(link: dict, missing_experts: float, row_bytes: int, fixed_s: float = ROUTED_FILL_FIXED_S) -> bool:
     """Whether a layer whose routed tokens miss ``missing_experts`` experts of ``row_bytes`` each is cheaper as a
-    routed fill (copy engine plus ``ROUTED_FILL_FIXED_S``) than read by SMs at this host's measured rates."""
+    routed fill (copy engine plus ``fixed_s``, ``routed_fill_fixed_s``) than read by SMs at this host's measured
+    rates."""
     moved = missing_experts * row_bytes
-    return ROUTED_FILL_FIXED_S + moved / (link["h2d_GBps"] * 1e9) < moved / (link["uva_GBps"] * 1e9)
+    return fixed_s + moved / (link["h2d_GBps"] * 1e9) < moved / (link["uva_GBps"] * 1e9)

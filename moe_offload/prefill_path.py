@@ -300,7 +300,7 @@ def _estimates(model: CostModel, E: int, K: int, R: int, f: float) -> tuple[dict
 
 def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, resident: float, device,
             fused_decode: bool, decode_path: str = "routed", adaptive_max_tokens: int = 0,
-            model: tuple[CostModel, str] | None = None, auto_floor: int = 1) -> RoutedPath:
+            model: tuple[CostModel, str] | None = None, auto_floor: int = 1, routed_plan: str = "host") -> RoutedPath:
     """The routed-only threshold of a cache (see the module docstring); logs ``prefill_path_chosen``.
     ``decode_path`` "auto" (or "fills": staged steps may be routed fills, which the model weighs too): a setting or
     the cost model may put the threshold below ``decode_max_tokens``
@@ -310,7 +310,7 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
     thresholds only; the caller turns it off under tensor parallelism). ``model``: ``(CostModel, entry)`` to
     decide with instead of the table's entry for this GPU (a GPU measured elsewhere, or a CPU test). ``auto_floor``:
     the lowest threshold ``auto`` may reach (``link_rates.decode_path_floor``: for ``decode.path: host`` 16 rows on a
-    host with slow SM reads, 32 elsewhere)."""
+    host with slow SM reads, 32 elsewhere). ``routed_plan``: ``prefill.routed_plan``, which sets a fill's fixed cost."""
     if decode_path not in ("routed", "auto", "fills"):
         raise ValueError(f"decode_path {decode_path!r}: resolve it first (routed, auto or fills; link_rates.decode_path)")
     floor = decode_max_tokens
@@ -325,9 +325,9 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
         model, entry = model
         fill_fixed_s = None
         if decode_path == "fills":
-            from moe_offload.link_rates import ROUTED_FILL_FIXED_S  # it imports this module
+            from moe_offload.link_rates import routed_fill_fixed_s  # it imports this module
 
-            fill_fixed_s = ROUTED_FILL_FIXED_S
+            fill_fixed_s = routed_fill_fixed_s(routed_plan)
         chosen = model.threshold(E, K, R, resident, ROUTED_MAX_TOKENS_LIMIT, fill_fixed_s)
         staged, routed = _estimates(model, E, K, R, resident)
         top = max(lowest, chosen)
@@ -370,7 +370,7 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     adaptive = prefill_cfg.routed_adaptive_max_tokens if observe_routing else 0
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
                      resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
-                     decode_path, 0 if tensor_parallel else adaptive, model, auto_floor)
+                     decode_path, 0 if tensor_parallel else adaptive, model, auto_floor, prefill_cfg.routed_plan)
     if tensor_parallel and adaptive and choice.reason == "cost_model":
         choice = replace(choice, adaptive_off="tensor parallelism")
     rows = scratch_rows(choice.record_tokens, K, E) + extra_rows

@@ -219,6 +219,33 @@ def test_per_prompt_routed_fills_pay_where_the_slow_reads_cost_more_than_the_fix
     assert not any(routed_fills_pay(fast, n, R) for n in (1, 10, 128))
 
 
+def test_the_device_plans_lower_fixed_cost_lets_fills_pay_from_fewer_misses(qwen3_layer_store):
+    """``prefill.routed_plan: device`` measured 0.14-0.16 ms a layer of fixed cost against the host plan's 0.22-0.30
+    (65790fb): at the slow host's rates a fill then pays from ~4 missing experts a layer instead of ~7; the cache's
+    per-prompt choice and the fills-weighing threshold take the constant of the cache's plan."""
+    from moe_offload.link_rates import (ROUTED_FILL_FIXED_S, ROUTED_FILL_FIXED_S_DEVICE_PLAN, routed_fill_fixed_s,
+                                        routed_fills_pay)
+
+    R, slow = 2654224, {"h2d_GBps": 49.6, "uva_GBps": 27.9}
+    assert routed_fill_fixed_s("host") == ROUTED_FILL_FIXED_S and routed_fill_fixed_s("device") < ROUTED_FILL_FIXED_S
+    even = ROUTED_FILL_FIXED_S_DEVICE_PLAN / (R / 27.9e9 - R / 49.6e9)
+    assert 3 < even < 4
+    assert routed_fills_pay(slow, 5, R, routed_fill_fixed_s("device"))
+    assert not routed_fills_pay(slow, 5, R, routed_fill_fixed_s("host"))
+    from dataclasses import replace
+
+    store = qwen3_layer_store(pin=False)
+    layer, K = store.layers[0], store.geometry.top_k
+    for plan, pays in (("host", False), ("device", True)):  # a cache learns 5 missing experts a layer from a fill
+        cache = _cache(store, "8 slots", hit_copy="gather", routed_plan=plan)
+        cache.routed_path = replace(cache.routed_path, routed_copy="per_prompt", link=slow)
+        ids = torch.tensor([100 + i % 5 for i in range(16 * K)]).view(16, K)
+        with cache.prefill_pass(routed_fills=True):
+            cache.stage_rows(layer, ids)
+            cache.done(layer)
+        assert cache.routed_fills_for(16, 16) == pays, plan
+
+
 def test_a_cache_on_a_slow_host_takes_routed_fills_per_prompt_at_real_row_sizes(qwen3_layer_store):
     """One Qwen3-30B-A3B layer (128 x 2.65 MB rows), a cache of 8 slots (its minimum). With the slow H100 host's
     measured rates resolved as ``per_prompt`` (what ``auto`` resolves to there on CUDA), a 16-token prompt (~82

@@ -9,7 +9,8 @@ benchmarks/results/HISTORY.md). Here one program computes, on the stream of the 
 
     plan_P = [runs, routed, missing, bad,
               dst_ptr[E], src_ptr[E], size[E],     # one batched-copy entry per run of consecutive missing experts
-              missing_E[E]]                        # 1 where expert e is routed and not resident
+              missing_E[E],                        # 1 where expert e is routed and not resident
+              scratch[E]]                          # the program's own words
 
 ``bad`` counts ids outside ``[0, E)`` (the caller raises, naming the layer). Entries past ``runs`` are unspecified.
 A missing expert is one the device slot table (``SlotPool.table_LE``'s row) holds at -1: the table the compute reads
@@ -34,32 +35,39 @@ HEADER = 4  # runs, routed, missing, bad
 
 def plan_words(E: int) -> int:
     """P: the plan's length in int64 words for ``E`` experts."""
-    return HEADER + 4 * E
+    return HEADER + 5 * E
 
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["N", "dst_base", "src_base"])
     def _plan_kernel(ids_ptr, N, table_ptr, plan_ptr, E, row_bytes, dst_base, src_base,
                      BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
-        """One program: each expert's routed flag from the ids in chunks of CHUNK, its missing flag written to the
-        plan; after a barrier each expert reads its neighbours' flags (the runs' edges) and the runs are compacted
-        in order by a prefix sum."""
+        """One program, no atomics (a lane's replicas in a layout wider than BLOCK_E store the same values). The routed
+        flags are scattered into the scratch words (zeroed first) and read back per expert into the missing flags;
+        each expert then reads its neighbours' flags (the runs' edges), the runs are compacted in order by a prefix
+        sum, each run's last expert leaves its end in the scratch word of its run, and its first expert turns that
+        into the size. Each phase ends in a CTA barrier, so every thread sees the words the others wrote. Work
+        O(N + E): ids are scattered, not compared."""
         e = tl.arange(0, BLOCK_E)
-        routed = tl.zeros([BLOCK_E], dtype=tl.int32)
+        in_e = e < E
+        sizes = plan_ptr + 4 + 2 * E
+        flags = plan_ptr + 4 + 3 * E
+        scratch = plan_ptr + 4 + 4 * E
+        tl.store(scratch + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=in_e)
+        tl.debug_barrier()
         bad = tl.zeros([CHUNK], dtype=tl.int32)
         for start in range(0, N, CHUNK):
             i = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + i, mask=i < N, other=-1).to(tl.int64)
-            bad += ((i < N) & ((ids < 0) | (ids >= E))).to(tl.int32)
-            routed = tl.maximum(routed, tl.max((ids[:, None] == e[None, :]).to(tl.int32), axis=0))
-        in_e = e < E
-        miss = (routed > 0) & in_e & (tl.load(table_ptr + e, mask=in_e, other=0) < 0)
-        flags = plan_ptr + 4 + 3 * E
-        sizes = plan_ptr + 4 + 2 * E
+            ids = tl.load(ids_ptr + i, mask=i < N, other=0).to(tl.int64)
+            valid = (i < N) & (ids >= 0) & (ids < E)
+            bad += ((i < N) & ~valid).to(tl.int32)
+            tl.store(scratch + ids, tl.full([CHUNK], 1, tl.int64), mask=valid)  # same-value stores may collide
+        tl.debug_barrier()
+        routed = (tl.load(scratch + e, mask=in_e, other=0) > 0) & in_e
+        miss = routed & (tl.load(table_ptr + e, mask=in_e, other=0) < 0)
         tl.store(flags + e, miss.to(tl.int64), mask=in_e)
-        tl.store(sizes + e, tl.zeros([BLOCK_E], dtype=tl.int64), mask=in_e)  # the runs' sizes are summed into
-        tl.debug_barrier()  # every expert's flag and zeroed size visible to the whole program
+        tl.debug_barrier()  # the flags are written and the scratch words read
         miss_l = tl.load(flags + e - 1, mask=(e >= 1) & (e - 1 < E), other=0) > 0
         miss_r = tl.load(flags + e + 1, mask=e + 1 < E, other=0) > 0
         first = miss & ~miss_l
@@ -68,11 +76,11 @@ if triton is not None:
         off = e.to(tl.int64) * row_bytes
         tl.store(plan_ptr + 4 + run, dst_base + off, mask=first)
         tl.store(plan_ptr + 4 + E + run, src_base + off, mask=first)
-        # a run's size, (last - first + 1) rows: -first * R from its first expert, (last + 1) * R from its last
-        tl.atomic_add(sizes + run, -off, mask=first)
-        tl.atomic_add(sizes + run, off + row_bytes, mask=last)
+        tl.store(scratch + run, off + row_bytes, mask=last)  # where the run ends
+        tl.debug_barrier()
+        tl.store(sizes + run, tl.load(scratch + run, mask=first, other=0) - off, mask=first)
         tl.store(plan_ptr + 0, tl.sum(first.to(tl.int64), axis=0))
-        tl.store(plan_ptr + 1, tl.sum(((routed > 0) & in_e).to(tl.int64), axis=0))
+        tl.store(plan_ptr + 1, tl.sum(routed.to(tl.int64), axis=0))
         tl.store(plan_ptr + 2, tl.sum(miss.to(tl.int64), axis=0))
         tl.store(plan_ptr + 3, tl.sum(bad.to(tl.int64), axis=0))
 
@@ -95,7 +103,7 @@ def plan_routed_fill(ids_N: torch.Tensor, table_E: torch.Tensor, plan_P: torch.T
 
 def plan_reference(ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, dst_base: int, src_base: int
                    ) -> torch.Tensor:
-    """The plan in plain torch (the oracle; the path off CUDA), entries past ``runs`` zero."""
+    """The plan in plain torch (the oracle; the path off CUDA), entries past ``runs`` and the scratch words zero."""
     E, dev = table_E.shape[0], table_E.device
     ids = ids_N.reshape(-1).to(device=dev, dtype=torch.int64)
     valid = (ids >= 0) & (ids < E)
@@ -112,5 +120,5 @@ def plan_reference(ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, d
     plan[HEADER:HEADER + n] = dst_base + firsts * row_bytes
     plan[HEADER + E:HEADER + E + n] = src_base + firsts * row_bytes
     plan[HEADER + 2 * E:HEADER + 2 * E + n] = (lasts - firsts + 1) * row_bytes
-    plan[HEADER + 3 * E:] = miss.to(torch.int64)
+    plan[HEADER + 3 * E:HEADER + 4 * E] = miss.to(torch.int64)
     return plan

@@ -136,7 +136,7 @@ class ForwardPaths:
             routed = distinct(tokens * (share or 1.0), E, self.store.geometry.top_k)
             missing = (1.0 - resident_fraction(self.num_slots, len(self.store.layers), E)) * routed
         return routed_fills_pay(self.routed_path.link, missing, self.store.bytes_per_expert,
-                                routed_fill_fixed_s(self.prefill_cfg.routed_plan))
+                                routed_fill_fixed_s(self.staging.plan_in_effect()))
 
     def decode_fills_for(self, tokens: int) -> bool:
         """Whether a decode step of ``tokens`` rows on the staged path (above the routed threshold) stages only its
@@ -153,7 +153,7 @@ class ForwardPaths:
         E, K, R = self.E, self.store.geometry.top_k, self.store.bytes_per_expert
         resident = resident_fraction(self.num_slots, len(self.store.layers), E)
         missing = self.staging.missing_seen(tokens)
-        return (model.fill_s(tokens, E, K, R, resident, routed_fill_fixed_s(self.prefill_cfg.routed_plan), missing)
+        return (model.fill_s(tokens, E, K, R, resident, routed_fill_fixed_s(self.staging.plan_in_effect()), missing)
                 < model.staged_s(tokens, E, K, R, resident))
 
     @contextlib.contextmanager

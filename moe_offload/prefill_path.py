@@ -354,6 +354,19 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
     return choice
 
 
+def _plan_for(prefill_cfg, device, R: int) -> str:
+    """``prefill.routed_plan`` as a fill of ``R``-byte rows will take it: on CUDA rows below the GPU's batched-copy
+    minimum decline the device plan (``staging.PrefillStaging.plan_in_effect`` decides per fill)."""
+    if prefill_cfg.routed_plan == "device" and device.type == "cuda":
+        import torch
+
+        from moe_offload.hit_copy import h2d_batch_min_row_bytes
+
+        if R < h2d_batch_min_row_bytes(torch.cuda.get_device_name(device)):
+            return "host"
+    return prefill_cfg.routed_plan
+
+
 def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fused_decode: bool,
                decode_path: str = "routed", model: tuple[CostModel, str] | None = None, tensor_parallel: bool = False,
                observe_routing: bool = True, extra_rows: int = 0, auto_floor: int = 1):
@@ -370,7 +383,7 @@ def plan_cache(store, cache_cfg, prefill_cfg, device, decode_max_tokens: int, fu
     adaptive = prefill_cfg.routed_adaptive_max_tokens if observe_routing else 0
     choice = resolve(prefill_cfg.routed_max_tokens, decode_max_tokens, E, K, R,
                      resident_fraction(plan.num_slots, L, E), device, fused_decode and store.format.is_quantized,
-                     decode_path, 0 if tensor_parallel else adaptive, model, auto_floor, prefill_cfg.routed_plan)
+                     decode_path, 0 if tensor_parallel else adaptive, model, auto_floor, _plan_for(prefill_cfg, device, R))
     if tensor_parallel and adaptive and choice.reason == "cost_model":
         choice = replace(choice, adaptive_off="tensor parallelism")
     rows = scratch_rows(choice.record_tokens, K, E) + extra_rows

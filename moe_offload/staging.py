@@ -35,8 +35,9 @@ too. The admission (``_admit_free``) copies only misses, whose rows the buffer h
 ``stats()["compute"]["prefill_mixed_layers"]``.
 
 Routed fills (``prefill.routed_copy``, a pass opened with ``routed_fills``): nothing is copied ahead.
-``wait(layer, ids_TK)`` reads the call's routed ids on the host (HOST SYNC, one a layer) and copies only the routed
-missing experts into the buffer over the copy engine, a mixed fill whose other missing experts' rows are stale (no
+``wait(layer, ids_TK)`` learns the call's routing on the host (HOST SYNC, one a layer: with ``prefill.routed_plan:
+device`` the copy entries a program worked out from the ids, ``kernels/routed_plan.py``; else the ids themselves) and
+copies only the routed missing experts into the buffer over the copy engine, a mixed fill whose other missing experts' rows are stale (no
 routed token reads them). For short prompts on hosts whose SM reads of mapped memory are slow, where the routed
 path would read its misses at that rate. Such a fill is dropped at the next ``begin`` like any mixed fill, and
 its admission takes only the experts it copied. Needs mixed fills (read in place, a device hit path); elsewhere
@@ -234,6 +235,14 @@ class PrefillStaging:
         self.used[b] = (routed - int(miss_e.size), int(miss_e.size))
         self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
 
+    def plan_in_effect(self) -> str:
+        """``device`` where a routed fill would take the device plan now (``prefill.routed_plan: device`` and entries
+        this copier can copy), else ``host``: what a fill's fixed cost is priced at (``link_rates.routed_fill_fixed_s``)."""
+        if self.plan is None or self.h2d is None:
+            return "host"
+        rows = self.rows[0]
+        return "device" if self.h2d.entries_unavailable(rows.shape[1], rows.device) is None else "host"
+
     def _routed_experts(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """``[E]`` bool: the experts ``ids`` route to; a ValueError naming the layer for ids outside the layer."""
         try:
@@ -260,7 +269,7 @@ class PrefillStaging:
                          rows_ER.shape[1], rows_ER.data_ptr(), host_ER.data_ptr())
         if plan.host_P is not plan.dev_P:  # HOST SYNC: the plan, the fill's one read of the device
             plan.host_P.copy_(plan.dev_P, non_blocking=True)
-            plan.read.record()
+            self.streams.record(plan.read, self.streams.current())
             plan.read.synchronize()
         words = plan.words
         runs, routed, _, bad = words[:HEADER].tolist()
@@ -275,7 +284,7 @@ class PrefillStaging:
         def missing() -> np.ndarray:
             nonlocal miss_e
             if miss_e is None:
-                miss_e = np.flatnonzero(words[HEADER + 3 * E:])
+                miss_e = np.flatnonzero(words[HEADER + 3 * E:HEADER + 4 * E])
             return miss_e
 
         if runs:

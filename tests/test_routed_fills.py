@@ -236,13 +236,18 @@ def test_the_device_plans_lower_fixed_cost_lets_fills_pay_from_fewer_misses(qwen
 
     store = qwen3_layer_store(pin=False)
     layer, K = store.layers[0], store.geometry.top_k
-    for plan, pays in (("host", False), ("device", True)):  # a cache learns 5 missing experts a layer from a fill
+    for plan, declined, pays in (("host", False, False), ("device", False, True), ("device", True, False)):
+        # a cache learns 5 missing experts a layer from a fill; a device plan this copier declines (a fault injected:
+        # as on CUDA without the batched call) is priced as the host plan it falls back to
         cache = _cache(store, "8 slots", hit_copy="gather", routed_plan=plan)
         cache.routed_path = replace(cache.routed_path, routed_copy="per_prompt", link=slow)
         ids = torch.tensor([100 + i % 5 for i in range(16 * K)]).view(16, K)
         with cache.prefill_pass(routed_fills=True):
             cache.stage_rows(layer, ids)
             cache.done(layer)
+        if declined:  # after the pass: resolving the hit path (its first) sets the copier
+            cache.staging.h2d.entries_unavailable = lambda row_bytes, device: "batch_memcpy_unavailable"
+        assert cache.staging.plan_in_effect() == ("device" if plan == "device" and not declined else "host")
         assert cache.routed_fills_for(16, 16) == pays, plan
 
 

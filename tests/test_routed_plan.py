@@ -46,7 +46,7 @@ def check(plan: np.ndarray, ids: np.ndarray, table: np.ndarray) -> None:
     assert plan[HEADER:HEADER + n].tolist() == [DST + f * R for f, _ in runs]
     assert plan[HEADER + E:HEADER + E + n].tolist() == [SRC + f * R for f, _ in runs]
     assert plan[HEADER + 2 * E:HEADER + 2 * E + n].tolist() == [k * R for _, k in runs]
-    assert np.array_equal(plan[HEADER + 3 * E:], miss)
+    assert np.array_equal(plan[HEADER + 3 * E:HEADER + 4 * E], miss)
 
 
 def _case(seed: int, E: int, N: int, resident: float, bad: bool):
@@ -68,27 +68,29 @@ def test_the_reference_plan_is_the_runs_of_routed_missing_experts(seed, E, N, re
     check(plan.numpy(), ids, table)
 
 
-@pytest.mark.parametrize("E,N,resident,bad", [(8, 5, 0.0, False), (128, 128, 0.37, False), (130, 300, 0.5, True),
-                                              (128, 2048, 0.0, False), (512, 160, 0.37, True), (60, 64, 1.0, False)])
-def test_the_triton_program_writes_the_reference_plan(E, N, resident, bad):
+@pytest.mark.parametrize("E,N,resident,bad,dtype", [
+    (8, 5, 0.0, False, torch.int64), (128, 128, 0.37, False, torch.int64), (130, 300, 0.5, True, torch.int64),
+    (128, 2048, 0.0, False, torch.int32), (512, 160, 0.37, True, torch.int64), (60, 64, 1.0, False, torch.int64),
+    (64, 77, 0.2, False, torch.int16), (256, 5, 0.0, False, torch.uint8)])
+def test_the_triton_program_writes_the_reference_plan(E, N, resident, bad, dtype):
     """The program itself (interpreted): ids in chunks past one (N > 64), E not a power of two, ids outside the layer,
-    every expert resident (no runs)."""
+    every expert resident (no runs), narrow and unsigned id types (a uint8 tail lane once read as expert 255)."""
     if routed_plan.triton is None:
         pytest.skip("triton is not installed")
     ids, table = _case(E * N, E, N, resident, bad)
     plan = torch.full((plan_words(E),), -5, dtype=torch.int64)  # stale words where the program writes none
-    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids), N, torch.from_numpy(table), plan, E, R, DST, SRC,
+    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids).to(dtype), N, torch.from_numpy(table), plan, E, R, DST, SRC,
                                    BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64)
     check(plan.numpy(), ids, table)
 
 
 def test_a_plan_buffer_of_the_wrong_size_or_type_is_refused():
     table = torch.full((8,), -1, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"plan_P must be int64 \[36\]"):
-        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(35, dtype=torch.int64),
+    with pytest.raises(ValueError, match=r"plan_P must be int64 \[44\]"):
+        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(43, dtype=torch.int64),
                                      R, DST, SRC)
     with pytest.raises(ValueError, match="plan_P must be int64"):
-        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(36, dtype=torch.int32),
+        routed_plan.plan_routed_fill(torch.zeros(4, dtype=torch.long), table, torch.zeros(44, dtype=torch.int32),
                                      R, DST, SRC)
 
 
@@ -144,3 +146,42 @@ def test_a_declined_device_plan_logs_once_counts_each_fill_and_stages_by_the_hos
     events = [r for r in caplog.records if getattr(r, "event_fields", {}).get("event") == "routed_plan_declined"]
     assert len(events) <= 1  # once per process (an earlier test may have logged it already)
     assert cache.stats()["declined"]["routed_plan:batch_memcpy_unavailable"] == len(store.layers)
+
+
+class _FailingBatch:
+    """A batched-copy binding whose ``fail_at``-th call raises (a fault injected); records the entries it took."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = [], fail_at
+
+    def copy(self, dst, src, size, stream):
+        from moe_offload.kernels.batch_memcpy import BatchMemcpyError
+
+        self.calls.append(len(size))
+        if len(self.calls) == self.fail_at:
+            raise BatchMemcpyError("cudaMemcpyBatchAsync failed: cudaErrorInvalidValue (1)", code=1,
+                                   name="cudaErrorInvalidValue")
+
+
+@pytest.mark.parametrize("fail_at", [None, 1, 2])
+def test_planned_entries_go_first_two_then_the_rest_and_a_failed_call_is_redone_by_rows(fail_at):
+    """``H2DRows.copy_entries`` with a batched binding: the first ``FIRST_ENTRIES`` entries in a call of their own,
+    the rest in a second; a call that fails (first or second) drops the binding and the fallback's row copies land
+    every row (host tensors here, so the copies are real)."""
+    from moe_offload.copy_paths import RowCopy
+    from moe_offload.hit_copy import FIRST_ENTRIES, H2DRows
+
+    src, dst = torch.arange(6 * 8, dtype=torch.uint8).view(6, 8), torch.zeros(6, 8, dtype=torch.uint8)
+    rows = np.array([0, 2, 3, 5])
+    batch = _FailingBatch(fail_at)
+    h2d = H2DRows(batch, 0, None)
+    failures = []
+    h2d.on_batch_failure = failures.append
+    n = np.zeros(5, dtype=np.uint64)
+    h2d.copy_entries(n, n, n, lambda: [RowCopy(dst, src, rows, rows)], torch.device("cpu"))
+    assert batch.calls == ([FIRST_ENTRIES, 5 - FIRST_ENTRIES] if fail_at in (None, 2) else [FIRST_ENTRIES])
+    if fail_at is None:
+        assert h2d.batch is batch and not failures and not dst.any()  # the fake moved nothing: no fallback ran
+    else:
+        assert h2d.batch is None and len(failures) == 1
+        assert torch.equal(dst[rows], src[rows]) and not dst[[1, 4]].any()

@@ -21,10 +21,15 @@ def store(qwen3_layer_store):
     s.close()
 
 
-@pytest.mark.parametrize("E,N,resident", [(128, 128, 0.37), (128, 2048, 0.0), (512, 160, 0.5), (130, 77, 1.0)])
-def test_the_program_on_the_gpu_writes_the_reference_plan(E, N, resident):
+@pytest.mark.parametrize("E,N,resident,dtype", [
+    (128, 128, 0.37, torch.int64), (128, 2048, 0.0, torch.int64), (512, 160, 0.5, torch.int64),
+    (130, 77, 1.0, torch.int64), (8, 13, 0.25, torch.int64), (60, 200, 0.37, torch.int32), (64, 32768, 0.5, torch.int64),
+    (256, 5, 0.0, torch.int16)])
+def test_the_program_on_the_gpu_writes_the_reference_plan(E, N, resident, dtype):
+    """Layouts wider than BLOCK_E (E = 8 / 60 / 64: every lane replicated across the 128 threads), 32,768 ids (4,096
+    tokens of top-8, the routed threshold's limit), narrow id types."""
     gen = torch.Generator(device="cuda").manual_seed(E + N)
-    ids = torch.randint(0, E, (N,), device="cuda", generator=gen)
+    ids = torch.randint(0, E, (N,), device="cuda", generator=gen).to(dtype)
     ids[N // 2] = -1  # one id outside the layer: counted as bad, routed nowhere
     table = torch.where(torch.rand(E, device="cuda", generator=gen) < resident,
                         torch.randint(0, 99, (E,), device="cuda", generator=gen), -1).to(torch.int32)
@@ -36,7 +41,7 @@ def test_the_program_on_the_gpu_writes_the_reference_plan(E, N, resident):
     for part in range(3):  # the entries: only the first ``runs`` words of each array are specified
         lo = 4 + part * E
         assert torch.equal(plan[lo:lo + runs], want[lo:lo + runs]), part
-    assert torch.equal(plan[4 + 3 * E:], want[4 + 3 * E:])
+    assert torch.equal(plan[4 + 3 * E:4 + 4 * E], want[4 + 3 * E:4 + 4 * E])
 
 
 @pytest.mark.parametrize("plan", ["device", "host"])

@@ -122,3 +122,24 @@ def plan_reference(ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, d
     plan[HEADER + 2 * E:HEADER + 2 * E + n] = (lasts - firsts + 1) * row_bytes
     plan[HEADER + 3 * E:HEADER + 4 * E] = miss.to(torch.int64)
     return plan
+
+
+def check_program(device: torch.device, E: int, N: int = 200) -> str | None:
+    """Run the program once on ``device`` on seeded ids (a few outside the layer) and a ~37 % resident table, and
+    compare the words it specifies with ``plan_reference``: None when they agree, else what differs (a cache then
+    declines the device plan, ``moe_offload/staging.py``). A start-up check (it synchronizes), as the batched copy's."""
+    gen = torch.Generator().manual_seed(E)
+    ids = torch.randint(-1, E + 1, (N,), generator=gen)
+    table = torch.where(torch.rand(E, generator=gen) < 0.37, torch.randint(0, 99, (E,), generator=gen), -1)
+    table = table.to(torch.int32)
+    R, dst, src = 2654224, 1 << 40, 1 << 41
+    want = plan_reference(ids, table, R, dst, src)
+    got = torch.full((plan_words(E),), -5, dtype=torch.int64, device=device)
+    plan_routed_fill(ids.to(device), table.to(device), got, R, dst, src)
+    got = got.cpu()
+    runs = int(want[0])
+    spans = [(0, HEADER), (HEADER + 3 * E, HEADER + 4 * E)] + [(HEADER + k * E, HEADER + k * E + runs) for k in range(3)]
+    for lo, hi in spans:
+        if not torch.equal(got[lo:hi], want[lo:hi]):
+            return f"words {lo}-{hi} of the plan of {N} ids over {E} experts differ from the reference"
+    return None

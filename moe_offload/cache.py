@@ -111,7 +111,7 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.staging.read_in_place = prefill_cfg.read_in_place
         if prefill_cfg.routed_plan == "device":
-            self.staging.plan = RoutedPlanBuffers.make(self.E, device)
+            self.staging.plan, self.staging.plan_declined = RoutedPlanBuffers.make(self.E, device)
         self._resolution = None
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs

@@ -70,7 +70,21 @@ class RoutedPlanBuffers:
     read: object
 
     @classmethod
-    def make(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
+    def make(cls, num_experts: int, device: torch.device) -> "tuple[RoutedPlanBuffers | None, str | None]":
+        """``(buffers, None)``, or ``(None, reason)`` where the program's start-up check on this device failed
+        (``kernels/routed_plan.check_program``; one ``routed_plan_declined`` event)."""
+        from moe_offload.kernels.routed_plan import check_program
+
+        if device.type == "cuda":
+            wrong = check_program(device, num_experts)
+            if wrong is not None:
+                log.log_once("routed_plan_declined:check_failed", "routed_plan_declined", logging.WARNING,
+                             reason="check_failed", detail=wrong, fallback="host", setting="prefill.routed_plan")
+                return None, "check_failed"
+        return cls._buffers(num_experts, device), None
+
+    @classmethod
+    def _buffers(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
         from moe_offload.kernels.routed_plan import plan_words
 
         dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
@@ -114,6 +128,7 @@ class PrefillStaging:
         self.last_filled = 1
         self.hit = None  # the HitCopy (set by the cache after resolution)
         self.plan: RoutedPlanBuffers | None = None  # prefill.routed_plan: device (set by the cache)
+        self.plan_declined: str | None = None  # why the cache declined the device plan at start-up
         self.h2d = None  # the H2DRows of the misses
 
     def buffer_for(self, layer: int) -> int | None:
@@ -209,7 +224,9 @@ class PrefillStaging:
         """A routed fill of ``layer`` into buffer ``b`` (module docstring)."""
         s, R = self.streams, self.store.bytes_per_expert
         rows_ER, host_ER = self.rows[b], self.store.rows(layer)
-        declined = self.h2d.entries_unavailable(rows_ER.shape[1], rows_ER.device) if self.plan is not None else None
+        declined = self.plan_declined
+        if self.plan is not None:
+            declined = self.h2d.entries_unavailable(rows_ER.shape[1], rows_ER.device)
         if self.plan is not None and declined is None:
             miss_e, routed = self._planned_copy(layer, rows_ER, host_ER, ids_TK)
         else:

@@ -185,3 +185,39 @@ def test_planned_entries_go_first_two_then_the_rest_and_a_failed_call_is_redone_
     else:
         assert h2d.batch is None and len(failures) == 1
         assert torch.equal(dst[rows], src[rows]) and not dst[[1, 4]].any()
+
+
+def test_the_start_up_check_catches_a_program_that_plans_wrong(monkeypatch):
+    """``check_program`` (run by a CUDA cache before it takes the device plan) against a fault injected into the
+    plan: one word off is named; the plain-torch plan passes it."""
+    assert routed_plan.check_program(torch.device("cpu"), 128) is None
+    assert routed_plan.check_program(torch.device("cpu"), 8) is None
+    right = routed_plan.plan_routed_fill
+
+    def off_by_one(ids_N, table_E, plan_P, *args):
+        right(ids_N, table_E, plan_P, *args)
+        plan_P[HEADER + 2 * table_E.shape[0]] += 1  # the first run's size
+
+    monkeypatch.setattr(routed_plan, "plan_routed_fill", off_by_one)
+    assert "differ from the reference" in routed_plan.check_program(torch.device("cpu"), 128)
+
+
+def test_a_cache_whose_check_failed_stages_by_the_host_plan_and_counts_each_fill(tiny_ckpt):
+    """What ``RoutedPlanBuffers.make`` returns when the check fails on a GPU (set here: a fault injected): every fill
+    takes the host plan, stages the right rows, and counts ``routed_plan:check_failed``."""
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan="device"), "cpu")
+    cache.set_residency({layer: [0, 3] for layer in store.layers})
+    cache.staging.plan, cache.staging.plan_declined = None, "check_failed"
+    assert cache.staging.plan_in_effect() == "host"
+    K = store.geometry.top_k
+    with cache.prefill_pass(routed_fills=True):
+        for layer in store.layers:
+            ids = (torch.arange(2 * K).reshape(2, K) * 3) % store.num_experts
+            views, index_N = cache.stage_rows(layer, ids)
+            for e in ids.unique().tolist():
+                for name, view in views.items():
+                    assert torch.equal(view[int(index_N[e])], store.views(layer)[name][e])
+            cache.done(layer)
+    assert cache.stats()["declined"]["routed_plan:check_failed"] == len(store.layers)

@@ -49,6 +49,7 @@ def test_a_planned_fill_on_real_rows_stages_the_routed_experts_bytes(store, plan
     E, K, R = store.num_experts, store.geometry.top_k, store.bytes_per_expert
     cache = OffloadMoeCache(store, CacheConfig(budget="0.5"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
                                                                            routed_plan=plan), "cuda")
+    assert (cache.staging.plan is not None) == (plan == "device")  # the start-up check passed on this GPU
     layer = store.layers[0]
     cache.set_residency({layer: list(range(0, E, 4))})
     rng = np.random.default_rng(1)

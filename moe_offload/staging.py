@@ -292,6 +292,8 @@ class PrefillStaging:
         runs, routed, _, bad = words[:HEADER].tolist()
         if bad:  # the error path reads the ids themselves, for the message
             self._routed_experts(layer, ids_TK.reshape(-1).cpu().numpy())
+            raise RuntimeError(f"layer {layer}: the routed plan counted {bad} ids outside the layer, the ids read back "
+                               "none: the plan program is wrong on this device; set prefill.routed_plan=host")
         at = words.view(np.uint64)
         miss_e = None
 

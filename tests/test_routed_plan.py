@@ -221,3 +221,24 @@ def test_a_cache_whose_check_failed_stages_by_the_host_plan_and_counts_each_fill
                     assert torch.equal(view[int(index_N[e])], store.views(layer)[name][e])
             cache.done(layer)
     assert cache.stats()["declined"]["routed_plan:check_failed"] == len(store.layers)
+
+
+def test_a_plan_that_counts_bad_ids_the_ids_do_not_hold_is_an_error_not_a_silent_copy(tiny_ckpt, monkeypatch):
+    """A fault injected into the plan (a bad-id count with every id inside the layer): the fill raises, naming the
+    layer and the setting that avoids the program, instead of copying by a plan it cannot trust."""
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan="device"), "cpu")
+    cache.set_residency({layer: [0] for layer in store.layers})
+    right = routed_plan.plan_routed_fill
+
+    def miscounts(ids_N, table_E, plan_P, *args):
+        right(ids_N, table_E, plan_P, *args)
+        plan_P[3] = 1
+
+    monkeypatch.setattr(routed_plan, "plan_routed_fill", miscounts)
+    layer, K = store.layers[0], store.geometry.top_k
+    with pytest.raises(RuntimeError, match=f"layer {layer}: the routed plan counted 1 ids outside the layer.*"
+                                           "prefill.routed_plan=host"):
+        with cache.prefill_pass(routed_fills=True):
+            cache.stage_rows(layer, torch.ones((2, K), dtype=torch.long))

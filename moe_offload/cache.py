@@ -282,7 +282,7 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         snap["hit_path"] = self.hit_path if self._resolution is not None else FULL_LAYER_COPY
         snap["slots"] = self.num_slots
         snap["resident_experts"] = self.pool.resident_count
-        snap["routed_path"] = self.routed_path.to_dict()
+        snap["routed_path"] = {**self.routed_path.to_dict(), "routed_plan": self.staging.plan_in_effect()}
         declined = (self.routed_path.link or {}).get("declined")
         if declined:  # a start-up decline: counted once, whatever was reset since
             snap["declined"][f"link_measure:{declined}"] = 1

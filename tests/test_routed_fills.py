@@ -142,6 +142,7 @@ def test_a_routed_fill_stages_only_the_routed_misses_and_admits_only_what_it_cop
     E, K, R = store.num_experts, store.geometry.top_k, store.bytes_per_expert
     cache = _cache(store, "1.0", hit_copy="gather", routed_copy="copy_engine", routed_plan=plan)
     assert (cache.staging.plan is not None) == (plan == "device")
+    assert cache.stats()["routed_path"]["routed_plan"] == plan  # what a fill takes, in stats and bench cells
     cache.set_residency({layer: list(range(0, E, 4)) for layer in store.layers})  # a quarter: free slots remain
     before = cache.pool.slot_of_LE.copy()
     rng = np.random.default_rng(0)

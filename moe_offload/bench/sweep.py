@@ -219,6 +219,7 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
         "ttft_s": _summary(ttft),
         "path": paths[0] if len(set(paths)) == 1 else "mixed",  # mixed: reps (or a pass's chunks) differ
         "routed_max_tokens": stats["routed_path"]["max_tokens"],
+        "routed_plan": stats["routed_path"]["routed_plan"],  # how a routed fill finds its copies (prefill.routed_plan)
         # the link rates this cell's cache measured at start-up (or why not), which its path choices used: a cell
         # whose rates stand apart from the others' was decided on a disturbed measurement (HISTORY.md "04e15c0")
         "link": stats["routed_path"]["link"],

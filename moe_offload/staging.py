@@ -76,7 +76,10 @@ class RoutedPlanBuffers:
         from moe_offload.kernels.routed_plan import check_program
 
         if device.type == "cuda":
-            wrong = check_program(device, num_experts)
+            try:
+                wrong = check_program(device, num_experts)
+            except Exception as exc:  # e.g. the program does not compile for this GPU: the host plan serves
+                wrong = f"{type(exc).__name__}: {exc}"
             if wrong is not None:
                 log.log_once("routed_plan_declined:check_failed", "routed_plan_declined", logging.WARNING,
                              reason="check_failed", detail=wrong, fallback="host", setting="prefill.routed_plan")

@@ -242,3 +242,15 @@ def test_a_plan_that_counts_bad_ids_the_ids_do_not_hold_is_an_error_not_a_silent
                                            "prefill.routed_plan=host"):
         with cache.prefill_pass(routed_fills=True):
             cache.stage_rows(layer, torch.ones((2, K), dtype=torch.long))
+
+
+def test_a_program_that_cannot_run_on_the_device_declines_the_device_plan_at_start_up(monkeypatch):
+    """``RoutedPlanBuffers.make`` on CUDA runs the start-up check; a check that raises (a fault injected: as a program
+    that does not compile for the GPU) declines the device plan instead of failing the cache."""
+    from moe_offload.staging import RoutedPlanBuffers
+
+    def broken(device, E, N=200):
+        raise RuntimeError("PTX .version 8.7 does not support .target sm_120 (injected)")
+
+    monkeypatch.setattr(routed_plan, "check_program", broken)
+    assert RoutedPlanBuffers.make(8, torch.device("cuda", 0)) == (None, "check_failed")

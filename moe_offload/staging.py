@@ -227,13 +227,11 @@ class PrefillStaging:
         """A routed fill of ``layer`` into buffer ``b`` (module docstring)."""
         s, R = self.streams, self.store.bytes_per_expert
         rows_ER, host_ER = self.rows[b], self.store.rows(layer)
-        declined = self.plan_declined
-        if self.plan is not None:
-            declined = self.h2d.entries_unavailable(rows_ER.shape[1], rows_ER.device)
-        if self.plan is not None and declined is None:
+        declined = self._plan_declined()
+        if declined is None:
             miss_e, routed = self._planned_copy(layer, rows_ER, host_ER, ids_TK)
         else:
-            if declined is not None:  # prefill.routed_plan: device, but its entries cannot be copied here
+            if declined:  # prefill.routed_plan: device, but its entries cannot be copied here
                 level = logging.INFO if declined == "small_rows" else logging.WARNING  # small rows: by design
                 log.log_once(f"routed_plan_declined:{declined}", "routed_plan_declined", level,
                              reason=declined, fallback="host", setting="prefill.routed_plan")
@@ -255,13 +253,18 @@ class PrefillStaging:
         self.used[b] = (routed - int(miss_e.size), int(miss_e.size))
         self.in_place[b], self.mixed[b], self.copied[b] = None, True, miss_e
 
-    def plan_in_effect(self) -> str:
-        """``device`` where a routed fill would take the device plan now (``prefill.routed_plan: device`` and entries
-        this copier can copy), else ``host``: what a fill's fixed cost is priced at (``link_rates.routed_fill_fixed_s``)."""
-        if self.plan is None or self.h2d is None:
-            return "host"
+    def _plan_declined(self) -> str | None:
+        """None where a routed fill takes the device plan now (``prefill.routed_plan: device`` and entries this copier
+        can copy), else why not: the start-up or copier's reason, "" under ``prefill.routed_plan: host``."""
+        if self.plan is None:
+            return self.plan_declined or ""
         rows = self.rows[0]
-        return "device" if self.h2d.entries_unavailable(rows.shape[1], rows.device) is None else "host"
+        return self.h2d.entries_unavailable(rows.shape[1], rows.device)
+
+    def plan_in_effect(self) -> str:
+        """``device`` or ``host``: the plan a routed fill would take now, what its fixed cost is priced at
+        (``link_rates.routed_fill_fixed_s``)."""
+        return "device" if self._plan_declined() is None else "host"
 
     def _routed_experts(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """``[E]`` bool: the experts ``ids`` route to; a ValueError naming the layer for ids outside the layer."""
@@ -298,22 +301,17 @@ class PrefillStaging:
             raise RuntimeError(f"layer {layer}: the routed plan counted {bad} ids outside the layer, the ids read back "
                                "none: the plan program is wrong on this device; set prefill.routed_plan=host")
         at = words.view(np.uint64)
-        miss_e = None
+        flags = words[HEADER + 3 * E:HEADER + 4 * E]
 
-        def fallback() -> list[RowCopy]:
-            return [RowCopy(rows_ER, host_ER, missing(), missing())]
-
-        def missing() -> np.ndarray:
-            nonlocal miss_e
-            if miss_e is None:
-                miss_e = np.flatnonzero(words[HEADER + 3 * E:HEADER + 4 * E])
-            return miss_e
+        def fallback() -> list[RowCopy]:  # a failed batched call only
+            miss_e = np.flatnonzero(flags)
+            return [RowCopy(rows_ER, host_ER, miss_e, miss_e)]
 
         if runs:
             with self.streams.on(self.streams.copy):
                 self.h2d.copy_entries(at[HEADER:HEADER + runs], at[HEADER + E:HEADER + E + runs],
                                       at[HEADER + 2 * E:HEADER + 2 * E + runs], fallback, rows_ER.device)
-        return missing(), routed
+        return np.flatnonzero(flags), routed
 
     def missing_seen(self, rows: int) -> float | None:
         """The routed misses a layer's fill of ``rows`` rows found, averaged over earlier fills (decayed), or None."""

@@ -19,6 +19,10 @@ routing read's return to the copy call (``pre_copy_us``: numpy on the ids, the r
 the pointer arrays; with ``prefill.routed_plan: device`` the plan's launch and read instead; it includes one extra read of the already-read ids, ``reread_us`` measured alone), the copy call
 itself (``copy_call_us``, of which ``batch_call_us`` is the ``cudaMemcpyBatchAsync`` call) and the rest of the fill
 (``post_copy_us``); plus ``cpu_ref_us``, a fixed numpy/Python workload, to compare this host's CPU with another's.
+With the device plan ``pre_copy_us`` is split further: ``plan_pre_us`` (from the routing's return to the program's
+launch), ``plan_launch_us`` (the launcher's call) and ``plan_read_us`` (the words' copy, the wait and their parse, to
+the copy call); and ``stage_us`` is the host time from the experts call's ``stage_rows`` to the fill (buffer choice,
+stream waits), before the extra read. ``benchmarks/plan_latency.py`` times the same steps without a model.
 """
 
 from __future__ import annotations
@@ -150,14 +154,38 @@ class HostSplits:
         self._t: dict[str, float] = {}
 
         def assemble(layer, b, ids_TK):
+            stage = time.perf_counter() - self._t.pop("stage0", time.perf_counter())
             ids_TK.cpu()  # the wait for the router, outside the split
             t0 = time.perf_counter()
             self._t.clear()
             self._orig(layer, b, ids_TK)
             t1 = time.perf_counter()
             c0, c1 = self._t.get("copy0", t1), self._t.get("copy1", t1)
-            self.rows.append({"pre_copy_us": (c0 - t0) * 1e6, "copy_call_us": (c1 - c0) * 1e6,
-                              "batch_call_us": self._t.get("batch", 0.0) * 1e6, "post_copy_us": (t1 - c1) * 1e6})
+            row = {"pre_copy_us": (c0 - t0) * 1e6, "copy_call_us": (c1 - c0) * 1e6,
+                   "batch_call_us": self._t.get("batch", 0.0) * 1e6, "post_copy_us": (t1 - c1) * 1e6,
+                   "stage_us": stage * 1e6}
+            if "plan0" in self._t:
+                p0, p1 = self._t["plan0"], self._t["plan1"]
+                row.update(plan_pre_us=(p0 - t0) * 1e6, plan_launch_us=(p1 - p0) * 1e6, plan_read_us=(c0 - p1) * 1e6)
+            self.rows.append(row)
+
+        import moe_offload.kernels.routed_plan as plan_mod
+
+        self._plan_mod, self._plan_fn = plan_mod, plan_mod.plan_routed_fill
+
+        def plan_fill(*args):
+            self._t["plan0"] = time.perf_counter()
+            self._plan_fn(*args)
+            self._t["plan1"] = time.perf_counter()
+
+        plan_mod.plan_routed_fill = plan_fill
+        self._stage_rows = stage_rows = staging.wait
+
+        def timed_stage(*args, **kw):
+            self._t["stage0"] = time.perf_counter()
+            return stage_rows(*args, **kw)
+
+        staging.wait = timed_stage
 
         def h2d_copy(copies, coalesce):
             self._t["copy0"] = time.perf_counter()
@@ -183,14 +211,16 @@ class HostSplits:
             self._batch.copy = timed_batch
 
     def remove(self) -> None:
-        del self.staging._assemble_routed, self.staging.h2d.copy, self.staging.h2d.copy_entries
+        del self.staging._assemble_routed, self.staging.h2d.copy, self.staging.h2d.copy_entries, self.staging.wait
+        self._plan_mod.plan_routed_fill = self._plan_fn
         if self._batch is not None:
             del self._batch.copy
 
     def summary(self) -> dict:
         out = {"fills": len(self.rows), "reread_us": reread_us(), "cpu_ref_us": cpu_ref_us()}
-        for k in ("pre_copy_us", "copy_call_us", "batch_call_us", "post_copy_us"):
-            v = [r[k] for r in self.rows]
+        for k in ("pre_copy_us", "copy_call_us", "batch_call_us", "post_copy_us", "stage_us", "plan_pre_us",
+                  "plan_launch_us", "plan_read_us"):
+            v = [r[k] for r in self.rows if k in r]
             out[k] = {"median": round(statistics.median(v), 1), "p90": round(sorted(v)[int(0.9 * (len(v) - 1))], 1)} \
                 if v else None
         return out

@@ -32,11 +32,12 @@ from moe_offload.budget import BudgetError, BudgetPlan, is_device_oom, oom_messa
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.copy_paths import RowCopy
 from moe_offload.decode_path import DecodeResidency
+from moe_offload.fill_plan import RoutedPlanBuffers
 from moe_offload.forward_paths import ForwardPaths
 from moe_offload.hit_copy import FULL_LAYER_COPY, FullLayerCopy, H2DRows
 from moe_offload.prefill_protocol import PrefillProtocol
 from moe_offload.slot_pool import SlotPool
-from moe_offload.staging import PrefillStaging, RoutedPlanBuffers
+from moe_offload.staging import PrefillStaging
 from moe_offload.stats import CacheStats
 from moe_offload.streams import Streams
 
@@ -110,8 +111,9 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         self.observed = self._observed_routing(decode_max_tokens, cost_model)
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.staging.read_in_place = prefill_cfg.read_in_place
-        if prefill_cfg.routed_plan == "device":
+        if prefill_cfg.routed_plan in ("device", "graph"):
             self.staging.plan, self.staging.plan_declined = RoutedPlanBuffers.make(self.E, device)
+            self.staging.plan_in_graph = prefill_cfg.routed_plan == "graph"
         self._resolution = None
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs

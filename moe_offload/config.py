@@ -139,10 +139,12 @@ class PrefillConfig(_Strict):
         "(benchmarks/results/HISTORY.md), copy_engine for the "
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
-    routed_plan: Literal["host", "device"] = Field(
+    routed_plan: Literal["host", "device", "graph"] = Field(
         "device", description="how a routed fill (routed_copy copy_engine) works out its copies: device = one kernel "
-        "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); host = numpy on "
-        "the routing read back (2-14 % slower on an H100, README Config keys)")
+        "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); graph = the same, "
+        "and in a routed-fill prefill graph the kernel is captured right after each layer's router, so the host only "
+        "waits for its words (moe_offload/fill_plan.py); host = numpy on the routing read back (2-14 % slower than "
+        "device on an H100, README Config keys)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "

@@ -156,7 +156,7 @@ class OffloadedExperts(nn.Module):
         if routed is None and self._splits(hidden_TH, topk_ids_TK.shape[1]):
             # the misses' copy on a side stream while the pairs read from slots compute (decode.overlap_misses_from)
             self._begin_step(hidden_TH)
-            rows_TK, scratch_base, join = cache.decode_plan_split(self.layer_idx, _pad_rows_routed(cache, topk_ids_TK))
+            rows_TK, scratch_base, join = cache.decode_plan_split(self.layer_idx, pad_rows_routed(cache, topk_ids_TK))
             try:
                 out = self.decode_compute.split(hidden_TH, rows_TK, topk_w_TK, views, scratch_base, join,
                                                 residual_TH=residual_TH, x_split=x_split_TH)
@@ -168,7 +168,7 @@ class OffloadedExperts(nn.Module):
         if routed is not None and routed[0] is topk_ids_TK:  # planned in the router's launch (``route``)
             rows_TK, alignment = routed[1:]
         else:
-            topk_ids_TK = _pad_rows_routed(cache, topk_ids_TK)
+            topk_ids_TK = pad_rows_routed(cache, topk_ids_TK)
             self._begin_step(hidden_TH)
             block_m = self.decode_compute.align_block_m(hidden_TH, topk_ids_TK.shape[1], views) if fused else None
             # the plan of the misses also groups the rows for the tile kernels, in its own launch
@@ -196,14 +196,14 @@ class OffloadedExperts(nn.Module):
         """The staged (prefill) path of one call, eagerly: the layer's bank from the cache's pass (in a routed-fill
         pass only the routed misses, ``staging.py``), the compute, the release (``cache.done``). Before the TP reduce
         (``forward`` applies it)."""
-        topk_ids_TK = _pad_rows_routed(self.cache, topk_ids_TK)
+        topk_ids_TK = pad_rows_routed(self.cache, topk_ids_TK)
         views, index_N = self.cache.stage_rows(self.layer_idx, topk_ids_TK)
         out = self.prefill_compute(hidden_TH, topk_ids_TK, topk_w_TK, views, self.cache.E, index_N)
         self.cache.done(self.layer_idx)
         return out
 
 
-def _pad_rows_routed(cache: OffloadMoeCache, ids_TK: torch.Tensor) -> torch.Tensor:
+def pad_rows_routed(cache: OffloadMoeCache, ids_TK: torch.Tensor) -> torch.Tensor:
     """In a padded prefill (``cache.pad_src_N``, prefill_graph.py; routed or routed fills) pad rows route as their
     sequence's last real row, so padding copies no expert the prompt did not route; other calls as they are."""
     src_T = cache.pad_src_N

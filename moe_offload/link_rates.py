@@ -251,8 +251,9 @@ ROUTED_FILL_FIXED_S_DEVICE_PLAN = 0.15e-3
 
 
 def routed_fill_fixed_s(plan: str) -> float:
-    """A routed fill's fixed cost a layer under ``prefill.routed_plan`` ``plan`` (host or device)."""
-    return ROUTED_FILL_FIXED_S_DEVICE_PLAN if plan == "device" else ROUTED_FILL_FIXED_S
+    """A routed fill's fixed cost a layer under ``prefill.routed_plan`` ``plan`` (host, device or graph; graph is priced
+    as device until measured)."""
+    return ROUTED_FILL_FIXED_S_DEVICE_PLAN if plan in ("device", "graph") else ROUTED_FILL_FIXED_S
 
 
 def routed_copy(setting: str, device: torch.device, link: dict | None) -> tuple[str, str]:

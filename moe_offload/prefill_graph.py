@@ -29,7 +29,9 @@ start-0 prefill whose experts calls do no host work is captured once per bucket 
   engine (``cache.routed_fills_for``, ``prefill.routed_copy``): captured like ``piecewise``, and each eager experts
   call reads its layer's routing on the host (one sync a layer) and stages only the routed missing experts
   (``staging.py``). Pad rows route as in ``routed``. For hosts whose SM reads of mapped memory run far below
-  the copy engine's rate (benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18 on two more H100s").
+  the copy engine's rate (benchmarks/results/HISTORY.md "e9c32fa / 9867ced / b703e18 on two more H100s"). With
+  ``prefill.routed_plan: graph`` each stretch also ends with its layer's fill plan (``fill_plan.py``), so the eager
+  call only waits for the plan's words.
 
 A single prompt whose length the observed routing (``observed_routing.py``) may still route but has not yet
 learned is not captured piecewise (its padded forward would not be observed): it runs eagerly, observed, and is
@@ -75,8 +77,9 @@ class Segments:
     docstring). ``parts``: ``(graph, call)`` in forward order; ``call`` runs the experts call that follows the graph
     eagerly (None after the last graph). Replays must follow the capture order (the graphs share one pool)."""
 
-    def __init__(self, pool, stream):
+    def __init__(self, pool, stream, fills=None):
         self.pool, self.stream = pool, stream
+        self.fills = fills  # routed fills: the staging, which may capture each layer's plan (``capture_plan``)
         self.parts: list[tuple[torch.cuda.CUDAGraph, object]] = []
         self._open: torch.cuda.CUDAGraph | None = None
         self._io: tuple[torch.Tensor, ...] | None = None  # (hidden, ids, weights, out): one set for every call
@@ -113,11 +116,20 @@ class Segments:
                 raise PrefillNotCapturable(f"experts call inputs differ between layers ({tuple(t.shape)} {t.dtype} "
                                            f"vs {tuple(buf.shape)} {buf.dtype}): no shared buffers")
             buf.copy_(t)
+        planned = False
+        if self.fills is not None:  # the layer's routed-fill plan, worked out on the device right after its router
+            from moe_offload.experts import pad_rows_routed
+
+            planned = self.fills.capture_plan(module.layer_idx, pad_rows_routed(module.cache, ids))
         graph, self._open = self._open, None
         graph.capture_end()
 
         def call() -> None:
-            out_TH.copy_(module.staged(h, ids, w))
+            if planned:
+                with self.fills.planned_in_graph(module.layer_idx):
+                    out_TH.copy_(module.staged(h, ids, w))
+            else:
+                out_TH.copy_(module.staged(h, ids, w))
 
         self.parts.append((graph, call))
         self.begin()
@@ -357,7 +369,7 @@ class PrefillGraphs:
         cache = dec.engine.cache
         try:
             if mode in ("piecewise", "routed_fills"):
-                graph = Segments(self._pool, side)
+                graph = Segments(self._pool, side, cache.staging if mode == "routed_fills" else None)
                 cache.prefill_split = graph
                 try:
                     logits = graph.capture(lambda: self._forward(st, Tb, mode, capture=True))

@@ -357,7 +357,7 @@ def resolve(setting: str | int, decode_max_tokens: int, E: int, K: int, R: int, 
 def _plan_for(prefill_cfg, device, R: int) -> str:
     """``prefill.routed_plan`` as a fill of ``R``-byte rows will take it: on CUDA rows below the GPU's batched-copy
     minimum decline the device plan (``staging.PrefillStaging.plan_in_effect`` decides per fill)."""
-    if prefill_cfg.routed_plan == "device" and device.type == "cuda":
+    if prefill_cfg.routed_plan in ("device", "graph") and device.type == "cuda":
         import torch
 
         from moe_offload.hit_copy import h2d_batch_min_row_bytes

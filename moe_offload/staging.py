@@ -48,53 +48,16 @@ the layer is assembled whole. Counted in ``stats()["compute"]["prefill_routed_fi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import contextlib
 
 import numpy as np
 import torch
 
 from moe_offload import log
 from moe_offload.copy_paths import RowCopy, index_tensor
+from moe_offload.fill_plan import RoutedPlanBuffers
 from moe_offload.hit_copy import FULL_LAYER_COPY
 from moe_offload.host_store import bank_views
-
-
-@dataclass
-class RoutedPlanBuffers:
-    """Where a routed fill's device plan lands (``prefill.routed_plan: device``): ``dev_P`` on the device, read back
-    into pinned ``host_P`` (the same tensor off CUDA), ``words`` its numpy view, ``read`` the event the host waits."""
-
-    dev_P: torch.Tensor
-    host_P: torch.Tensor
-    words: np.ndarray
-    read: object
-
-    @classmethod
-    def make(cls, num_experts: int, device: torch.device) -> "tuple[RoutedPlanBuffers | None, str | None]":
-        """``(buffers, None)``, or ``(None, reason)`` where the program's start-up check on this device failed
-        (``kernels/routed_plan.check_program``; one ``routed_plan_declined`` event)."""
-        from moe_offload.kernels.routed_plan import check_program
-
-        if device.type == "cuda":
-            try:
-                wrong = check_program(device, num_experts)
-            except Exception as exc:  # e.g. the program does not compile for this GPU: the host plan serves
-                wrong = f"{type(exc).__name__}: {exc}"
-            if wrong is not None:
-                log.log_once("routed_plan_declined:check_failed", "routed_plan_declined", logging.WARNING,
-                             reason="check_failed", detail=wrong, fallback="host", setting="prefill.routed_plan")
-                return None, "check_failed"
-        return cls._buffers(num_experts, device), None
-
-    @classmethod
-    def _buffers(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
-        from moe_offload.kernels.routed_plan import plan_words
-
-        dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
-        if device.type != "cuda":
-            return cls(dev_P, dev_P, dev_P.numpy(), None)
-        host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
-        return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
 
 
 #: per layer fill, the weight of older fills in ``fill_missing`` (~50 layers: about one forward of a 48-layer model)
@@ -130,8 +93,10 @@ class PrefillStaging:
         self.computing: int | None = None  # the buffer the layer being computed reads
         self.last_filled = 1
         self.hit = None  # the HitCopy (set by the cache after resolution)
-        self.plan: RoutedPlanBuffers | None = None  # prefill.routed_plan: device (set by the cache)
+        self.plan: RoutedPlanBuffers | None = None  # prefill.routed_plan: device / graph (set by the cache)
         self.plan_declined: str | None = None  # why the cache declined the device plan at start-up
+        self.plan_in_graph = False  # prefill.routed_plan: graph (set by the cache; ``capture_plan``)
+        self.graph_plan: int | None = None  # the layer whose plan the stretch just replayed computed
         self.h2d = None  # the H2DRows of the misses
 
     def buffer_for(self, layer: int) -> int | None:
@@ -262,9 +227,11 @@ class PrefillStaging:
         return self.h2d.entries_unavailable(rows.shape[1], rows.device)
 
     def plan_in_effect(self) -> str:
-        """``device`` or ``host``: the plan a routed fill would take now, what its fixed cost is priced at
-        (``link_rates.routed_fill_fixed_s``)."""
-        return "device" if self._plan_declined() is None else "host"
+        """``graph``, ``device`` or ``host``: the plan a routed fill would take now, what its fixed cost is priced at
+        (``link_rates.routed_fill_fixed_s``); ``graph`` where a routed-fill prefill graph may capture it."""
+        if self._plan_declined() is not None:
+            return "host"
+        return "graph" if self.plan_in_graph and self.plan.mapped_P is not None else "device"
 
     def _routed_experts(self, layer: int, ids: np.ndarray) -> np.ndarray:
         """``[E]`` bool: the experts ``ids`` route to; a ValueError naming the layer for ids outside the layer."""
@@ -283,18 +250,18 @@ class PrefillStaging:
         """``prefill.routed_plan: device``: the fill's copy entries planned on the compute stream
         (``kernels/routed_plan.py``), read back in one host read, and handed to the copy engine as they are; returns
         the missing experts it copies and the number routed. The host's numpy work moves after the copy call."""
-        from moe_offload.kernels.routed_plan import HEADER, plan_routed_fill
+        from moe_offload.kernels.routed_plan import HEADER
 
         E, plan = self.store.num_experts, self.plan
         if host_ER.shape[1] != rows_ER.shape[1]:
             raise ValueError(f"layer {layer}: host rows of {host_ER.shape[1]} bytes, staging rows of {rows_ER.shape[1]}")
-        plan_routed_fill(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], plan.dev_P,
-                         rows_ER.shape[1], rows_ER.data_ptr(), host_ER.data_ptr())
-        if plan.host_P is not plan.dev_P:  # HOST SYNC: the plan, the fill's one read of the device
-            plan.host_P.copy_(plan.dev_P, non_blocking=True)
-            self.streams.record(plan.read, self.streams.current())
-            plan.read.synchronize()
-        words = plan.words
+        if self.graph_plan == layer:  # the stretch just replayed ran it (``planned_in_graph``)
+            self.stats.compute["prefill_graph_planned_fills"] += 1
+        else:
+            plan.launch(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], rows_ER.shape[1],
+                        host_ER.data_ptr())
+        self.graph_plan = None
+        words = plan.wait(self.streams)  # HOST SYNC: the plan, the fill's one read of the device
         runs, routed, _, bad = words[:HEADER].tolist()
         if bad:  # the error path reads the ids themselves, for the message
             self._routed_experts(layer, ids_TK.reshape(-1).cpu().numpy())
@@ -307,11 +274,38 @@ class PrefillStaging:
             miss_e = np.flatnonzero(flags)
             return [RowCopy(rows_ER, host_ER, miss_e, miss_e)]
 
-        if runs:
+        if runs:  # the plan's destinations are offsets into the staging rows
             with self.streams.on(self.streams.copy):
-                self.h2d.copy_entries(at[HEADER:HEADER + runs], at[HEADER + E:HEADER + E + runs],
-                                      at[HEADER + 2 * E:HEADER + 2 * E + runs], fallback, rows_ER.device)
+                self.h2d.copy_entries(at[HEADER:HEADER + runs] + np.uint64(rows_ER.data_ptr()),
+                                      at[HEADER + E:HEADER + E + runs], at[HEADER + 2 * E:HEADER + 2 * E + runs],
+                                      fallback, rows_ER.device)
         return np.flatnonzero(flags), routed
+
+    def capture_plan(self, layer: int, ids_TK: torch.Tensor) -> bool:
+        """``prefill.routed_plan: graph``, under a routed-fill prefill capture (``prefill_graph.Segments``), at the end
+        of the stretch before ``layer``'s experts call: enqueue the layer's plan from its routed ``ids_TK`` (pad rows
+        mapped as the call maps them) into the mapped words. True when captured: each replay of the stretch then
+        works the plan out on the device, and the fill under ``planned_in_graph(layer)`` only waits for it
+        (``fill_plan.py``). False (nothing enqueued) where a fill would not take the device plan, or the words are
+        not mapped (counted as ``routed_plan_graph:unmapped`` in ``stats()["declined"]``)."""
+        if not self.plan_in_graph or self._plan_declined() is not None:
+            return False
+        if self.plan.mapped_P is None:  # the routed_plan_unmapped event was logged when the buffers were made
+            self.stats.declined["routed_plan_graph:unmapped"] += 1
+            return False
+        self.plan.launch(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], self.rows[0].shape[1],
+                         self.store.rows(layer).data_ptr())
+        return True
+
+    @contextlib.contextmanager
+    def planned_in_graph(self, layer: int):
+        """Around the eager experts call of ``layer`` that follows a replayed stretch whose capture took
+        ``capture_plan(layer, ...)``: its routed fill reads that plan instead of launching the program."""
+        self.graph_plan = layer
+        try:
+            yield
+        finally:
+            self.graph_plan = None
 
     def missing_seen(self, rows: int) -> float | None:
         """The routed misses a layer's fill of ``rows`` rows found, averaged over earlier fills (decayed), or None."""

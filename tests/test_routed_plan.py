@@ -14,7 +14,7 @@ from moe_offload.cache import OffloadMoeCache
 from moe_offload.config import CacheConfig, PrefillConfig
 from moe_offload.host_store import ExpertStore
 from moe_offload.kernels import routed_plan
-from moe_offload.kernels.routed_plan import HEADER, plan_reference, plan_words
+from moe_offload.kernels.routed_plan import HEADER, out_words, plan_reference, plan_words
 
 R, DST, SRC = 1000, 1 << 40, 1 << 41
 
@@ -79,9 +79,30 @@ def test_the_triton_program_writes_the_reference_plan(E, N, resident, bad, dtype
         pytest.skip("triton is not installed")
     ids, table = _case(E * N, E, N, resident, bad)
     plan = torch.full((plan_words(E),), -5, dtype=torch.int64)  # stale words where the program writes none
-    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids).to(dtype), N, torch.from_numpy(table), plan, E, R, DST, SRC,
-                                   BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64)
+    out = torch.full((out_words(E) + 3,), -7, dtype=torch.int64)  # e.g. mapped host words; 3 words past its part
+    copy_out = E in (128, 512)  # both forms: without out_P the program is passed plan_P there and writes none of it
+    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids).to(dtype), N, torch.from_numpy(table), plan,
+                                   out if copy_out else plan, E, R, DST, SRC,
+                                   BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64, COPY_OUT=copy_out)
     check(plan.numpy(), ids, table)
+    if copy_out:  # the words before the scratch, as the plan holds them; nothing past them
+        assert torch.equal(out[:out_words(E)], plan[:out_words(E)])
+        assert out[out_words(E):].tolist() == [-7] * 3
+
+
+def test_out_words_receive_the_plan_less_its_scratch_and_offsets_from_a_zero_base():
+    """``plan_routed_fill``'s ``out_P`` (the reference path off CUDA): the words before the scratch, the same as
+    ``plan_P``'s; a dst base of 0 gives each run's offset in the staging rows (the graph plan adds the base)."""
+    ids, table = _case(3, 128, 128, 0.37, False)
+    ids_t, table_t = torch.from_numpy(ids), torch.from_numpy(table)
+    plan, out = torch.zeros(plan_words(128), dtype=torch.int64), torch.full((out_words(128),), -1, dtype=torch.int64)
+    routed_plan.plan_routed_fill(ids_t, table_t, plan, R, 0, SRC, out_P=out)
+    assert torch.equal(out, plan[:out_words(128)])
+    based = plan_reference(ids_t, table_t, R, DST, SRC)
+    runs = int(out[0])
+    assert runs > 0 and (out[HEADER:HEADER + runs] + DST).tolist() == based[HEADER:HEADER + runs].tolist()
+    with pytest.raises(ValueError, match="out_P must be a contiguous int64 tensor of at least 516 words"):
+        routed_plan.plan_routed_fill(ids_t, table_t, plan, R, 0, SRC, out_P=torch.zeros(515, dtype=torch.int64))
 
 
 def test_a_plan_buffer_of_the_wrong_size_or_type_is_refused():
@@ -194,8 +215,8 @@ def test_the_start_up_check_catches_a_program_that_plans_wrong(monkeypatch):
     assert routed_plan.check_program(torch.device("cpu"), 8) is None
     right = routed_plan.plan_routed_fill
 
-    def off_by_one(ids_N, table_E, plan_P, *args):
-        right(ids_N, table_E, plan_P, *args)
+    def off_by_one(ids_N, table_E, plan_P, *args, **kw):
+        right(ids_N, table_E, plan_P, *args, **kw)
         plan_P[HEADER + 2 * table_E.shape[0]] += 1  # the first run's size
 
     monkeypatch.setattr(routed_plan, "plan_routed_fill", off_by_one)
@@ -232,8 +253,8 @@ def test_a_plan_that_counts_bad_ids_the_ids_do_not_hold_is_an_error_not_a_silent
     cache.set_residency({layer: [0] for layer in store.layers})
     right = routed_plan.plan_routed_fill
 
-    def miscounts(ids_N, table_E, plan_P, *args):
-        right(ids_N, table_E, plan_P, *args)
+    def miscounts(ids_N, table_E, plan_P, *args, **kw):
+        right(ids_N, table_E, plan_P, *args, **kw)
         plan_P[3] = 1
 
     monkeypatch.setattr(routed_plan, "plan_routed_fill", miscounts)
@@ -247,7 +268,7 @@ def test_a_plan_that_counts_bad_ids_the_ids_do_not_hold_is_an_error_not_a_silent
 def test_a_program_that_cannot_run_on_the_device_declines_the_device_plan_at_start_up(monkeypatch):
     """``RoutedPlanBuffers.make`` on CUDA runs the start-up check; a check that raises (a fault injected: as a program
     that does not compile for the GPU) declines the device plan instead of failing the cache."""
-    from moe_offload.staging import RoutedPlanBuffers
+    from moe_offload.fill_plan import RoutedPlanBuffers
 
     def broken(device, E, N=200):
         raise RuntimeError("PTX .version 8.7 does not support .target sm_120 (injected)")

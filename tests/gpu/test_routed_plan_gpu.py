@@ -70,3 +70,64 @@ def test_a_planned_fill_on_real_rows_stages_the_routed_experts_bytes(store, plan
     assert st["total"]["bytes"]["prefill_routed_h2d"] == missing * R
     assert not st["declined"], st["declined"]
     cache.close()
+
+
+def test_the_program_writes_its_words_into_mapped_host_memory():
+    """``prefill.routed_plan: device`` / ``graph`` (moe_offload/fill_plan.py): the program itself writes the words
+    into mapped pinned host memory, which the host reads after one event; destinations are offsets from 0."""
+    from moe_offload.fill_plan import RoutedPlanBuffers
+    from moe_offload.streams import Streams
+
+    E, N, R = 128, 128, 2654224
+    buffers = RoutedPlanBuffers._buffers(E, torch.device("cuda", torch.cuda.current_device()))
+    assert buffers.mapped_P is not None  # this GPU maps pinned host memory (the store's SM reads need it too)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    ids = torch.randint(0, E, (N,), device="cuda", generator=gen)
+    table = torch.where(torch.rand(E, device="cuda", generator=gen) < 0.37, 5, -1).to(torch.int32)
+    want = plan_reference(ids, table, R, 0, 1 << 41).cpu().numpy()
+    buffers.host_P.fill_(-5)
+    buffers.launch(ids, table, R, 1 << 41)
+    words = buffers.wait(Streams(torch.device("cuda", torch.cuda.current_device())))
+    runs = int(want[0])
+    assert runs > 0 and words[:4].tolist() == want[:4].tolist()
+    for part in range(3):
+        lo = 4 + part * E
+        assert words[lo:lo + runs].tolist() == want[lo:lo + runs].tolist(), part
+    assert words[4 + 3 * E:4 + 4 * E].tolist() == want[4 + 3 * E:4 + 4 * E].tolist()
+
+
+def test_a_routed_fill_graph_with_the_plan_captured_replays_equal_to_its_eager_forward(tiny_ckpt, monkeypatch):
+    """``prefill.routed_plan: graph``: the plan captured at the end of each stretch (prefill_graph.Segments); every
+    replayed fill reads it (``prefill_graph_planned_fills``), and the replays equal the eager forward (host-side
+    plans) bit for bit, and the replays of the device plan. The tiny model's rows are below this GPU's batched-copy
+    minimum, so the minimum is set to 0 here (it only picks which copy is faster)."""
+    from moe_offload import hit_copy
+    from moe_offload.config import load_config
+    from moe_offload.decode_graph import StaticDecoder
+    from moe_offload.engine import Engine
+
+    monkeypatch.setattr(hit_copy, "h2d_batch_min_row_bytes", lambda name: 0)
+    path, prompt = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), list(range(9, 22))
+    got = {}
+    for plan in ("graph", "device"):
+        cfg = load_config(None, [f"model.checkpoint={path}", "model.format=auto", "device=cuda", "dtype=bfloat16",
+                                 "logging.level=WARNING", "prefill.routed_max_tokens=24", "cache.budget=8 slots",
+                                 "cache.admit_per_step=0", "prefill.routed_copy=copy_engine",
+                                 f"prefill.routed_plan={plan}"])
+        eng = Engine.from_config(cfg, progress=False)
+        dec = StaticDecoder(eng, 1, 128, graphs=True)
+        assert dec.prefill_graphs.plan(1, len(prompt))[1] == "routed_fills"
+        outs = []
+        for _ in range(4):
+            dec.reset()
+            outs.append(dec.prefill(torch.tensor([prompt], device="cuda")).clone())
+        st = eng.cache.stats()
+        assert st["routed_path"]["routed_plan"] == plan
+        assert st["compute"]["prefill_graph_piecewise_replays"] == 3 and st["compute"]["prefill_routed_fills"] > 0
+        planned = st["compute"].get("prefill_graph_planned_fills", 0)
+        assert (planned > 0) == (plan == "graph"), st["compute"]
+        assert not any(k.startswith(("prefill_graph", "routed_plan")) for k in st["declined"]), st["declined"]
+        for i, r in enumerate(outs[1:]):
+            assert torch.equal(outs[0], r), f"{plan}: replay {i} differs from the eager forward"
+        got[plan] = outs[-1]
+    assert torch.equal(got["graph"], got["device"])

@@ -1,0 +1,114 @@
+"""A routed fill's device plan (``prefill.routed_plan: device`` / ``graph``): where the plan program's words land, how
+a fill launches the program and reads them, and the plan captured in a prefill graph.
+
+Legend: E experts per layer, R bytes of one expert row, P the plan's int64 words (``kernels/routed_plan.py``).
+
+The program (``kernels/routed_plan.py``) writes a routed fill's batched-copy entries from the routed ids and the
+device slot table. Its destination entries are offsets into a staging buffer (a base of 0): the host adds the base
+of the buffer the fill takes, so one plan serves either buffer and can be worked out before the buffer is chosen.
+
+Where the host reads them (``RoutedPlanBuffers``):
+- on CUDA, where pinned host memory can be mapped (``moe_offload/uva.py``), the program itself writes the words
+  into mapped pinned host memory (``mapped_P``): the host records one event behind it and waits, with no D2H copy
+  to launch;
+- elsewhere on CUDA, a D2H copy into pinned memory after the program, then the event;
+- off CUDA, the plain-torch plan in host memory.
+
+``prefill.routed_plan: graph`` (with the mapped words): in a routed-fill prefill graph (``prefill_graph.Segments``)
+the program is captured at the end of the stretch before each experts call, so a replay runs it on the device right
+after the layer's router, while the host is still on its way to the fill; the fill then only waits for the words
+(``PrefillStaging.planned_in_graph``). What it saves: the program's launch and the read's launch, and the wait for
+them, on the critical path of each layer (a fill's fixed cost, benchmarks/results/HISTORY.md "2758f41").
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from moe_offload import log
+
+
+@dataclass
+class RoutedPlanBuffers:
+    """Where a routed fill's device plan lands: ``dev_P`` on the device (with the program's scratch), read back into
+    pinned ``host_P`` (the same tensor off CUDA), ``words`` its numpy view, ``read`` the event the host waits on,
+    ``mapped_P`` a device view of ``host_P`` the program writes itself (None: a D2H copy reads it back; off CUDA
+    ``dev_P`` itself)."""
+
+    dev_P: torch.Tensor
+    host_P: torch.Tensor
+    words: np.ndarray
+    read: object
+    mapped_P: torch.Tensor | None = None
+    _unpin: object = field(default=None, repr=False)
+
+    @classmethod
+    def make(cls, num_experts: int, device: torch.device) -> "tuple[RoutedPlanBuffers | None, str | None]":
+        """``(buffers, None)``, or ``(None, reason)`` where the program's start-up check on this device failed
+        (``kernels/routed_plan.check_program``; one ``routed_plan_declined`` event)."""
+        from moe_offload.kernels.routed_plan import check_program
+
+        if device.type == "cuda":
+            try:
+                wrong = check_program(device, num_experts)
+            except Exception as exc:  # e.g. the program does not compile for this GPU: the host plan serves
+                wrong = f"{type(exc).__name__}: {exc}"
+            if wrong is not None:
+                log.log_once("routed_plan_declined:check_failed", "routed_plan_declined", logging.WARNING,
+                             reason="check_failed", detail=wrong, fallback="host", setting="prefill.routed_plan")
+                return None, "check_failed"
+        return cls._buffers(num_experts, device), None
+
+    @classmethod
+    def _buffers(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
+        from moe_offload.kernels.routed_plan import plan_words
+        from moe_offload.uva import UvaError, mapped_device_view, pin_mapped
+
+        dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
+        if device.type != "cuda":  # host memory is the device's: the program's words are the host's
+            return cls(dev_P, dev_P, dev_P.numpy(), None, dev_P)
+        host_P, pinned = torch.zeros(dev_P.shape, dtype=torch.int64), False
+        try:
+            pinned = pin_mapped(host_P)
+            mapped_P = mapped_device_view(host_P, device)
+        except UvaError as exc:  # pinned by torch instead: the words are read back by a D2H copy
+            if pinned:
+                _unpin_quietly(host_P)
+            log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=str(exc),
+                         fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
+            host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
+            return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
+        buffers = cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event(), mapped_P)
+        buffers._unpin = weakref.finalize(buffers, _unpin_quietly, host_P)
+        return buffers
+
+    def launch(self, ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, src_base: int) -> None:
+        """Enqueue the program on the current stream (destination offsets from 0) and, where it does not write the
+        words itself, their D2H copy; capturable where ``mapped_P`` is set."""
+        from moe_offload.kernels import routed_plan
+
+        routed_plan.plan_routed_fill(ids_N, table_E, self.dev_P, row_bytes, 0, src_base, out_P=self.mapped_P)
+        if self.mapped_P is None:
+            self.host_P.copy_(self.dev_P, non_blocking=True)
+
+    def wait(self, streams) -> np.ndarray:
+        """HOST SYNC: the words of the plan enqueued last on the current stream (``launch``, or a replayed capture of
+        it), once they are on the host."""
+        if self.read is not None:
+            streams.record(self.read, streams.current())
+            self.read.synchronize()
+        return self.words
+
+
+def _unpin_quietly(host: torch.Tensor) -> None:
+    from moe_offload.uva import unpin
+
+    try:
+        unpin([host.data_ptr()])
+    except Exception as exc:  # noqa: BLE001 - at teardown (the context may be gone): say so, never raise
+        log.event("routed_plan_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")

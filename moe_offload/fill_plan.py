@@ -23,6 +23,7 @@ them, on the critical path of each layer (a fill's fixed cost, benchmarks/result
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -85,7 +86,37 @@ class RoutedPlanBuffers:
             return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
         buffers = cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event(), mapped_P)
         buffers._unpin = weakref.finalize(buffers, _unpin_quietly, host_P)
+        wrong = buffers.check_mapped(num_experts, device)
+        if wrong is not None:  # the words as the program wrote them into host memory are not the plan: read by copy
+            log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=wrong,
+                         fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
+            buffers.mapped_P = None
         return buffers
+
+    def check_mapped(self, num_experts: int, device: torch.device) -> str | None:
+        """A start-up check of the mapped words (it synchronizes): the program's words as the host reads them after
+        one event, against the plain-torch plan on seeded ids; None when they agree, else what differs."""
+        from moe_offload.kernels.routed_plan import HEADER, out_words, plan_reference
+
+        E = num_experts
+        gen = torch.Generator().manual_seed(E + 1)
+        ids = torch.randint(0, E, (8 * 16,), generator=gen)
+        table = torch.where(torch.rand(E, generator=gen) < 0.37, 1, -1).to(torch.int32)
+        want = plan_reference(ids, table, 4096, 0, 1 << 41).numpy()
+        self.host_P.fill_(-5)
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                self.launch(ids.to(device), table.to(device), 4096, 1 << 41)
+                words = self.wait(_CurrentStream())
+        except Exception as exc:  # noqa: BLE001 - any failure here declines the mapped words, never the cache
+            return f"{type(exc).__name__}: {exc}"
+        runs = int(want[0])
+        spans = [(0, HEADER), (HEADER + 3 * E, out_words(E))] + [(HEADER + k * E, HEADER + k * E + runs)
+                                                                   for k in range(3)]
+        for lo, hi in spans:
+            if not np.array_equal(words[lo:hi], want[lo:hi]):
+                return f"mapped words {lo}-{hi} of a {E}-expert plan differ from the reference"
+        return None
 
     def launch(self, ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, src_base: int) -> None:
         """Enqueue the program on the current stream (destination offsets from 0) and, where it does not write the
@@ -112,3 +143,15 @@ def _unpin_quietly(host: torch.Tensor) -> None:
         unpin([host.data_ptr()])
     except Exception as exc:  # noqa: BLE001 - at teardown (the context may be gone): say so, never raise
         log.event("routed_plan_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")
+
+
+class _CurrentStream:
+    """The ``Streams`` surface ``RoutedPlanBuffers.wait`` uses, on the current CUDA stream (start-up checks)."""
+
+    @staticmethod
+    def current():
+        return torch.cuda.current_stream()
+
+    @staticmethod
+    def record(event, stream) -> None:
+        event.record(stream)

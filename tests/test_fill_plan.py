@@ -92,3 +92,22 @@ def test_a_capture_without_mapped_words_or_with_the_plan_declined_takes_nothing(
     assert cache.stats()["declined"]["routed_plan_graph:unmapped"] == 1
     staging.plan, staging.plan_declined = None, "check_failed"
     assert staging.plan_in_effect() == "host" and not staging.capture_plan(layer, _ids(store, 0))
+
+
+def test_the_start_up_check_of_the_mapped_words_names_a_plan_read_wrong(monkeypatch):
+    """``RoutedPlanBuffers.check_mapped`` (run on CUDA before the words are read from mapped memory): right words
+    pass; a fault injected into what the host reads (one word off) is named, and on CUDA the buffers then read
+    by a D2H copy instead."""
+    from moe_offload.fill_plan import RoutedPlanBuffers
+
+    cpu = torch.device("cpu")
+    buffers = RoutedPlanBuffers._buffers(128, cpu)
+    assert buffers.check_mapped(128, cpu) is None
+    right = routed_plan.plan_routed_fill
+
+    def one_off(ids_N, table_E, plan_P, *args, **kw):
+        right(ids_N, table_E, plan_P, *args, **kw)
+        plan_P[routed_plan.HEADER + 3 * 128] += 1  # expert 0's missing flag
+
+    monkeypatch.setattr(routed_plan, "plan_routed_fill", one_off)
+    assert "mapped words 388-516 of a 128-expert plan differ" in buffers.check_mapped(128, cpu)

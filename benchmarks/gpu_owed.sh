@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # README "GPU runs still owed", picked by the kind of host that came: one lent-GPU call per invocation, in order,
 # on one machine (chain the calls at once: /tmp/res, /tmp/moe-cache and link.json live only while it is held).
-# Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, then 3)
-#   call 1: the link stage (which kind of host: benchmarks/link_probe.py) and the build, then
-#           slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
-#           fast SM reads: fill_profile of a routed fill (the device plan) at 16 tokens; nothing else is owed there;
-#   call 2: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
-#           fast: nothing more is owed (the call says so and ends);
-#   call 3: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).
+# Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, 3, 4)
+#   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py) and the build, then the routed-fill
+#           plan captured in prefill graphs (prefill.routed_plan: graph, 03cb764): its GPU tests, then an ABBA against
+#           the device plan with routed fills forced, 16 / 64 / 256 tokens at residency 0 / 0.37 (owed 6);
+#   call 2: slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
+#   call 3: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
+#   call 4: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).
+#   Fast SM reads: calls 2-4 say nothing more is owed there and end.
 # Each call ends within the device's 10 minutes (gpu_run.sh caps every stage); results in $OUT/results.tgz.
 set -uo pipefail
-call="${1:?call number: 1, 2 or 3}"
+call="${1:?call number: 1, 2, 3 or 4}"
 kind() {  # slow / fast / unknown, from the link stage's report of this machine
   python3 -c "import json; d=json.load(open('/tmp/res/link.json')); print({True: 'slow', False: 'fast'}.get(d['slow'], 'unknown'))" \
     2>/dev/null || echo unknown
@@ -21,28 +22,22 @@ run() { local n=$1; shift; local left=$(( 590 - SECONDS )); (( n > left )) && n=
 if [[ $call == 1 ]]; then
   run 590 link build
   k=$(kind); echo "host: $k"
-  if [[ $k == slow ]]; then
-    TTFT_AB=prefill.routed_copy=copy_engine TTFT_AB_OFF=prefill.routed_copy=uva run 590 ttft_ab
-  else  # every fast-host item ran at feb415a / 65790fb: the device plan's profile again, then nothing is owed
-    FILL_PROFILE_COPIES=copy_engine run 590 fill_profile
-  fi
+  PYTEST_PATHS=tests/gpu/test_routed_plan_gpu.py TTFT_AB=prefill.routed_plan=graph TTFT_AB_OFF=prefill.routed_plan=device \
+    TTFT_AB_ARGS="--prompt-lens 16,64,256 --residency 0,0.37 --modes gather --reps 3 --peers none --set prefill.routed_copy=copy_engine" \
+    run 590 tests ttft_ab
   exit 0
 fi
 k=$(kind); echo "host: $k"
 [[ -d /tmp/moe-cache ]] || { echo "no build on this machine (a fresh start?): run call 1 first"; exit 1; }
-if [[ $call == 2 ]]; then
-  if [[ $k == slow ]]; then
-    SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="on off" AB_RESIDENCY=0.37 AB_BATCH=16,32,64 \
-      AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
-  else
-    echo "fast host: nothing more is owed after call 1 (README \"GPU runs still owed\")"
-  fi
+if [[ $k != slow ]]; then
+  echo "$k host: nothing more is owed after call 1 (README \"GPU runs still owed\")"
+elif [[ $call == 2 ]]; then
+  TTFT_AB=prefill.routed_copy=copy_engine TTFT_AB_OFF=prefill.routed_copy=uva run 590 ttft_ab
 elif [[ $call == 3 ]]; then
-  if [[ $k == slow ]]; then
-    SET_AB=decode.path=fills SET_AB_OFF=decode.path=host AB_SIDES="on off" AB_RESIDENCY=0.5 AB_BATCH=8,16,32 \
-      AB_TESTS=tests/gpu/test_link_rates_gpu.py run 430 set_ab
-    FILL_PROFILE_COPIES=copy_engine run 590 fill_profile
-  else
-    echo "fast host: nothing more is owed after call 1 (README \"GPU runs still owed\")"
-  fi
+  SET_AB=decode.path=host SET_AB_OFF=decode.path=routed AB_SIDES="on off" AB_RESIDENCY=0.37 AB_BATCH=16,32,64 \
+    AB_TESTS=tests/gpu/test_link_rates_gpu.py run 590 set_ab
+elif [[ $call == 4 ]]; then
+  SET_AB=decode.path=fills SET_AB_OFF=decode.path=host AB_SIDES="on off" AB_RESIDENCY=0.5 AB_BATCH=8,16,32 \
+    AB_TESTS=tests/gpu/test_link_rates_gpu.py run 430 set_ab
+  FILL_PROFILE_COPIES=copy_engine run 590 fill_profile
 fi

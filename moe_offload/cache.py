@@ -112,8 +112,9 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         self.staging.hit, self.staging.h2d = FullLayerCopy(), H2DRows()
         self.staging.read_in_place = prefill_cfg.read_in_place
         if prefill_cfg.routed_plan in ("device", "graph"):
-            self.staging.plan, self.staging.plan_declined = RoutedPlanBuffers.make(self.E, device)
-            self.staging.plan_in_graph = prefill_cfg.routed_plan == "graph"
+            graph = prefill_cfg.routed_plan == "graph"
+            self.staging.plan, self.staging.plan_declined = RoutedPlanBuffers.make(self.E, device, mapped=graph)
+            self.staging.plan_in_graph = graph
         self._resolution = None
         self.pad_src_N = None  # a padded prefill's row map for the routed ids (prefill_graph.py) while it runs
         self.prefill_split = None  # the piecewise capture under way (prefill_graph.Segments) while it runs

@@ -8,10 +8,11 @@ device slot table. Its destination entries are offsets into a staging buffer (a 
 of the buffer the fill takes, so one plan serves either buffer and can be worked out before the buffer is chosen.
 
 Where the host reads them (``RoutedPlanBuffers``):
-- on CUDA, where pinned host memory can be mapped (``moe_offload/uva.py``), the program itself writes the words
-  into mapped pinned host memory (``mapped_P``): the host records one event behind it and waits, with no D2H copy
-  to launch;
-- elsewhere on CUDA, a D2H copy into pinned memory after the program, then the event;
+- ``graph``, on CUDA where pinned host memory can be mapped (``moe_offload/uva.py``) and a start-up check of the
+  words so read passes: the program itself writes them into mapped pinned host memory (``mapped_P``), and the host
+  records one event behind it and waits, with no D2H copy to launch;
+- ``device`` (and ``graph`` where the words cannot be mapped), on CUDA: a D2H copy into pinned memory after the
+  program, then the event (the form timed on H100s at 65790fb and 2758f41);
 - off CUDA, the plain-torch plan in host memory.
 
 ``prefill.routed_plan: graph`` (with the mapped words): in a routed-fill prefill graph (``prefill_graph.Segments``)
@@ -49,9 +50,11 @@ class RoutedPlanBuffers:
     _unpin: object = field(default=None, repr=False)
 
     @classmethod
-    def make(cls, num_experts: int, device: torch.device) -> "tuple[RoutedPlanBuffers | None, str | None]":
+    def make(cls, num_experts: int, device: torch.device, mapped: bool = False
+             ) -> "tuple[RoutedPlanBuffers | None, str | None]":
         """``(buffers, None)``, or ``(None, reason)`` where the program's start-up check on this device failed
-        (``kernels/routed_plan.check_program``; one ``routed_plan_declined`` event)."""
+        (``kernels/routed_plan.check_program``; one ``routed_plan_declined`` event). ``mapped``: the words in mapped
+        pinned host memory where this device allows it (``prefill.routed_plan: graph``), else read by a D2H copy."""
         from moe_offload.kernels.routed_plan import check_program
 
         if device.type == "cuda":
@@ -63,16 +66,19 @@ class RoutedPlanBuffers:
                 log.log_once("routed_plan_declined:check_failed", "routed_plan_declined", logging.WARNING,
                              reason="check_failed", detail=wrong, fallback="host", setting="prefill.routed_plan")
                 return None, "check_failed"
-        return cls._buffers(num_experts, device), None
+        return cls._buffers(num_experts, device, mapped), None
 
     @classmethod
-    def _buffers(cls, num_experts: int, device: torch.device) -> "RoutedPlanBuffers":
+    def _buffers(cls, num_experts: int, device: torch.device, mapped: bool = True) -> "RoutedPlanBuffers":
         from moe_offload.kernels.routed_plan import plan_words
         from moe_offload.uva import UvaError, mapped_device_view, pin_mapped
 
         dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
         if device.type != "cuda":  # host memory is the device's: the program's words are the host's
             return cls(dev_P, dev_P, dev_P.numpy(), None, dev_P)
+        if not mapped:  # prefill.routed_plan: device, as timed at 65790fb / 2758f41
+            host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
+            return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
         host_P, pinned = torch.zeros(dev_P.shape, dtype=torch.int64), False
         try:
             pinned = pin_mapped(host_P)

@@ -13,7 +13,13 @@ that does O(N + E) work. This script times each step of that stretch in isolatio
 - ``plan_read``: the plan, its D2H copy, the record and the wait, as a fill does them;
 - ``graph_read``: the plan captured in a CUDA graph, replayed, then the copy, record and wait;
 - ``graph_d2h_read``: the plan and the copy both in the graph, replayed, then the record and wait;
-- ``plan_device_us``: the program's device time (events around 200 launches back to back).
+- ``mapped_read``: the plan writing its words into mapped pinned host memory (``prefill.routed_plan: graph``'s
+  buffers, ``moe_offload/fill_plan.py``), the record and the wait: ``device``'s read without its D2H launch;
+- ``mapped_graph_read``: the same program captured in a CUDA graph, replayed, then the record and wait: what a fill
+  in a routed-fill prefill graph waits for under ``graph`` (the replay stands for the stretch that ends with it);
+- ``plan_back_to_back_us``: device time per launch over 200 launches back to back (the larger of the launcher's
+  rate and the program's time);
+- ``same_words``: every form's words equal the plain-torch plan's.
 
     python benchmarks/plan_latency.py --out DIR [--iters 300]
 """
@@ -29,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from moe_offload.kernels.routed_plan import plan_routed_fill, plan_words
+from moe_offload.fill_plan import RoutedPlanBuffers
+from moe_offload.kernels.routed_plan import HEADER, out_words, plan_reference, plan_routed_fill, plan_words
 
 #: (experts, routed ids): Qwen3-30B-A3B at 16 / 256 tokens (top-8), the 512-expert shape at 16 tokens (top-10)
 SHAPES = ((128, 128), (128, 2048), (512, 160))
@@ -53,7 +60,18 @@ def measure(E: int, N: int, iters: int, device: torch.device) -> dict:
     table = table.to(torch.int32).to(device)
     dev_P = torch.zeros(plan_words(E), dtype=torch.int64, device=device)
     host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
-    R, dst, src = 2654224, 1 << 40, 1 << 41
+    R, dst, src = 2654224, 0, 1 << 41  # destinations as offsets, as the runtime plans them
+    mapped = RoutedPlanBuffers._buffers(E, device, mapped=True)
+    if mapped.mapped_P is None:
+        raise RuntimeError("pinned host memory could not be mapped on this device: no mapped_read to time")
+    ref = plan_reference(ids, table, R, dst, src).cpu()
+    runs = int(ref[0])
+    spans = [(0, HEADER), (HEADER + 3 * E, out_words(E))] + [(HEADER + k * E, HEADER + k * E + runs) for k in range(3)]
+
+    def same(words) -> bool:
+        words = torch.as_tensor(words)
+        return all(torch.equal(words[lo:hi], ref[lo:hi]) for lo, hi in spans)
+
     ev = torch.cuda.Event()
     x = torch.zeros(1024, device=device)
 
@@ -78,13 +96,34 @@ def measure(E: int, N: int, iters: int, device: torch.device) -> dict:
     with torch.cuda.stream(side):  # compile outside the capture
         launch()
     torch.cuda.synchronize(device)
-    g_plan, g_both = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        mapped.launch(ids, table, R, src)
+    torch.cuda.synchronize(device)
+    g_plan, g_both, g_mapped = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
     with torch.cuda.graph(g_plan, stream=side):
         launch()
-    with torch.cuda.graph(g_both, stream=side):
-        launch()
-        host_P.copy_(dev_P, non_blocking=True)
+    try:  # a D2H copy into torch's pinned memory inside a capture: torch may refuse it (then that row is None)
+        with torch.cuda.graph(g_both, stream=side):
+            launch()
+            host_P.copy_(dev_P, non_blocking=True)
+    except RuntimeError as exc:
+        print(f"plan_latency: graph_d2h_read not timed: {exc}", file=sys.stderr)
+        g_both = None
+    with torch.cuda.graph(g_mapped, stream=side):
+        mapped.launch(ids, table, R, src)
     torch.cuda.synchronize(device)
+
+    class _Now:  # the Streams surface RoutedPlanBuffers.wait reads
+        current = staticmethod(torch.cuda.current_stream)
+        record = staticmethod(lambda event, stream: event.record(stream))
+
+    def mapped_read():
+        mapped.launch(ids, table, R, src)
+        mapped.wait(_Now)
+
+    def mapped_graph_read():
+        g_mapped.replay()
+        mapped.wait(_Now)
 
     def graph_read():
         g_plan.replay()
@@ -95,13 +134,15 @@ def measure(E: int, N: int, iters: int, device: torch.device) -> dict:
         ev.record()
         ev.synchronize()
 
-    want = dev_P.clone()
-    launch()
-    read()
-    ok = bool(torch.equal(host_P, want.cpu()))
-    g_both.replay()
-    torch.cuda.synchronize(device)
-    ok = ok and bool(torch.equal(host_P, want.cpu()))
+    ok = []
+    for fn in (plan_read, graph_d2h_read) if g_both is not None else (plan_read,):
+        host_P.fill_(-5)
+        fn()
+        ok.append(same(host_P))
+    for fn in (mapped_read, mapped_graph_read):
+        mapped.host_P.fill_(-5)
+        fn()
+        ok.append(same(mapped.host_P))
 
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -109,13 +150,15 @@ def measure(E: int, N: int, iters: int, device: torch.device) -> dict:
         launch()
     end.record()
     end.synchronize()
-    out = {"experts": E, "ids": N, "same_words": ok,
+    out = {"experts": E, "ids": N, "same_words": all(ok),
            "sync_idle": _median_us(lambda: torch.cuda.synchronize(device), iters),
            "tiny_read": _median_us(tiny_read, iters),
            "plan_launch": _median_us(launch, iters),
            "plan_read": _median_us(plan_read, iters),
            "graph_read": _median_us(graph_read, iters),
-           "graph_d2h_read": _median_us(graph_d2h_read, iters),
+           "graph_d2h_read": _median_us(graph_d2h_read, iters) if g_both is not None else None,
+           "mapped_read": _median_us(mapped_read, iters),
+           "mapped_graph_read": _median_us(mapped_graph_read, iters),
            # back-to-back launches: the larger of the launcher's rate and the program's time
            "plan_back_to_back_us": round(start.elapsed_time(end) * 1e3 / 200, 2)}
     torch.cuda.synchronize(device)

@@ -173,9 +173,9 @@ class HostSplits:
 
         self._plan_mod, self._plan_fn = plan_mod, plan_mod.plan_routed_fill
 
-        def plan_fill(*args):
+        def plan_fill(*args, **kw):
             self._t["plan0"] = time.perf_counter()
-            self._plan_fn(*args)
+            self._plan_fn(*args, **kw)
             self._t["plan1"] = time.perf_counter()
 
         plan_mod.plan_routed_fill = plan_fill

@@ -31,7 +31,7 @@ import torch
 from moe_offload import log
 from moe_offload.decode_boundary import DecodeBoundary, routed_lookup
 from moe_offload.policy import make_admission
-from moe_offload.uva import mapped_device_view, pin_mapped, unpin
+from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
 
 __all__ = ["DecodeResidency", "MAX_STEP_COUNTS", "routed_lookup"]
 
@@ -85,7 +85,7 @@ class DecodeResidency(DecodeBoundary):
                       fallback="the misses are copied before the layer's compute, on the compute stream",
                       setting="decode.overlap_misses_from", change_with="decode.overlap_misses_from=0")
             counters.declined[f"decode_miss_overlap:{self.overlap_declined}"] += 1
-        self._record_host = _page_aligned_int32((L, max_tokens, K))
+        self._record_host = page_aligned((L, max_tokens, K), torch.int32)
         self._record_pinned = self.device.type == "cuda" and pin_mapped(self._record_host)
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
         # a cache dropped without close() must not leave its pages registered: a later allocation at the
@@ -312,9 +312,6 @@ class DecodeResidency(DecodeBoundary):
             self._record_pinned = False
 
 
-_PAGE = 4096
-
-
 def _overlap(overlap_from: int, device: torch.device, lookahead: bool, graph_copy: bool) -> tuple[int, str | None]:
     """``(threshold, declined reason or None)`` of ``decode.overlap_misses_from`` on this cache: 0 (off) where it does
     not apply. The lookahead's rows sit above the scratch rows (the split would count them as misses and wait for a
@@ -325,18 +322,6 @@ def _overlap(overlap_from: int, device: torch.device, lookahead: bool, graph_cop
     why = ("not_cuda" if device.type != "cuda" else "lookahead" if lookahead
            else "copy_engine_misses" if graph_copy else None)
     return (0, why) if why else (overlap_from, None)
-
-
-def _page_aligned_int32(shape: tuple[int, ...]) -> torch.Tensor:
-    """A zeroed int32 CPU tensor that starts on a page and owns whole pages: host registration works on
-    pages, and two small buffers sharing a page could not both be registered."""
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = -(-n * 4 // _PAGE) * _PAGE
-    raw = torch.zeros(nbytes + _PAGE, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % _PAGE
-    return raw[off:off + nbytes].view(torch.int32)[:n].view(shape)
 
 
 def _unpin_quietly(host: torch.Tensor) -> None:

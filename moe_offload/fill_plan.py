@@ -69,9 +69,9 @@ class RoutedPlanBuffers:
         return cls._buffers(num_experts, device, mapped), None
 
     @classmethod
-    def _buffers(cls, num_experts: int, device: torch.device, mapped: bool = True) -> "RoutedPlanBuffers":
+    def _buffers(cls, num_experts: int, device: torch.device, mapped: bool = False) -> "RoutedPlanBuffers":
         from moe_offload.kernels.routed_plan import plan_words
-        from moe_offload.uva import UvaError, mapped_device_view, pin_mapped
+        from moe_offload.uva import UvaError, mapped_device_view, page_aligned, pin_mapped
 
         dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
         if device.type != "cuda":  # host memory is the device's: the program's words are the host's
@@ -79,7 +79,7 @@ class RoutedPlanBuffers:
         if not mapped:  # prefill.routed_plan: device, as timed at 65790fb / 2758f41
             host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
             return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
-        host_P, pinned = torch.zeros(dev_P.shape, dtype=torch.int64), False
+        host_P, pinned = page_aligned(tuple(dev_P.shape), torch.int64), False
         try:
             pinned = pin_mapped(host_P)
             mapped_P = mapped_device_view(host_P, device)

@@ -287,11 +287,22 @@ class PrefillStaging:
         mapped as the call maps them) into the mapped words. True when captured: each replay of the stretch then
         works the plan out on the device, and the fill under ``planned_in_graph(layer)`` only waits for it
         (``fill_plan.py``). False (nothing enqueued) where a fill would not take the device plan, or the words are
-        not mapped (counted as ``routed_plan_graph:unmapped`` in ``stats()["declined"]``)."""
-        if not self.plan_in_graph or self._plan_declined() is not None:
+        not mapped (each counted per layer of a capture as ``routed_plan_graph:<reason>`` in ``stats()["declined"]``)."""
+        if not self.plan_in_graph:
             return False
-        if self.plan.mapped_P is None:  # the routed_plan_unmapped event was logged when the buffers were made
-            self.stats.declined["routed_plan_graph:unmapped"] += 1
+        from moe_offload.kernels.routed_plan import triton
+
+        why = self._plan_declined()
+        if why is None and not (self.read_in_place and self.hit is not None and self.hit.name != FULL_LAYER_COPY):
+            why = "no_routed_fills"  # the fill would stage the whole layer (``wait``): no plan to read
+        if why is None and self.plan.mapped_P is None:  # its routed_plan_unmapped event came with the buffers
+            why = "unmapped"
+        if why is None and triton is None:  # the plain-torch plan would sync the host inside the capture
+            why = "no_triton"
+        if why is not None:
+            log.log_once(f"routed_plan_graph_declined:{why}", "routed_plan_graph_declined", logging.INFO,
+                         reason=why, fallback="the eager fill plans as its plan in effect", setting="prefill.routed_plan")
+            self.stats.declined[f"routed_plan_graph:{why}"] += 1
             return False
         self.plan.launch(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], self.rows[0].shape[1],
                          self.store.rows(layer).data_ptr())

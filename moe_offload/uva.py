@@ -144,6 +144,22 @@ def _check(rt: _UvaRuntime, err: int, what: str, fix: str = _FIX) -> None:
 
 # --- registration ------------------------------------------------------------------------------------
 
+_PAGE = 4096
+
+
+def page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor that starts on a page and owns whole pages, for :func:`pin_mapped`: host registration
+    works on pages, and two small buffers sharing a page could not both be registered."""
+    n = 1
+    for d in shape:
+        n *= d
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = -(-n * size // _PAGE) * _PAGE
+    raw = torch.zeros(nbytes + _PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % _PAGE
+    return raw[off:off + nbytes].view(dtype)[:n].view(shape)
+
+
 def pin_mapped(t: torch.Tensor) -> bool:
     """Register ``t``'s memory as pinned, mapped and portable; False (nothing done) without CUDA or
     for an empty tensor. ``t`` must be a contiguous CPU tensor; undo with :func:`unpin`."""

@@ -83,15 +83,25 @@ def test_the_same_prefill_planned_eagerly_copies_the_same_bytes(tiny_ckpt, launc
     assert by_plan["graph"] == by_plan["device"] > 0
 
 
-def test_a_capture_without_mapped_words_or_with_the_plan_declined_takes_nothing(tiny_ckpt, launches):
+def test_a_capture_that_cannot_take_the_plan_takes_nothing_and_says_why(tiny_ckpt, launches):
+    """Each reason a capture leaves the plan to the eager fill is counted per layer captured: words that cannot be
+    mapped, a declined device plan, a cache whose fills stage whole layers (no mixed fills)."""
     store, cache = _cache(tiny_ckpt, "graph")
     staging, layer = cache.staging, store.layers[0]
-    staging.plan.mapped_P = None  # as where pinned memory cannot be mapped (fill_plan.RoutedPlanBuffers)
-    assert staging.plan_in_effect() == "device"
-    assert not staging.capture_plan(layer, _ids(store, 0)) and not launches
-    assert cache.stats()["declined"]["routed_plan_graph:unmapped"] == 1
-    staging.plan, staging.plan_declined = None, "check_failed"
-    assert staging.plan_in_effect() == "host" and not staging.capture_plan(layer, _ids(store, 0))
+    declined = cache.counters.declined
+    with cache.prefill_pass(routed_fills=True):
+        staging.plan.mapped_P = None  # as where pinned memory cannot be mapped (fill_plan.RoutedPlanBuffers)
+        assert staging.plan_in_effect() == "device"
+        assert not staging.capture_plan(layer, _ids(store, 0)) and not launches
+        assert declined["routed_plan_graph:unmapped"] == 1
+        staging.read_in_place = False  # fills of whole layers: nothing would read a plan
+        assert not staging.capture_plan(layer, _ids(store, 0)) and declined["routed_plan_graph:no_routed_fills"] == 1
+        staging.plan, staging.plan_declined = None, "check_failed"
+        assert staging.plan_in_effect() == "host" and not staging.capture_plan(layer, _ids(store, 0))
+        assert declined["routed_plan_graph:check_failed"] == 1 and not launches
+    _, device = _cache(tiny_ckpt, "device")  # not asked for: nothing counted
+    assert not device.staging.capture_plan(layer, _ids(store, 0))
+    assert not any(k.startswith("routed_plan_graph") for k in device.stats()["declined"])
 
 
 def test_the_start_up_check_of_the_mapped_words_names_a_plan_read_wrong(monkeypatch):

@@ -35,3 +35,35 @@ def test_events_out_of_order_and_nested_ones_give_no_negative_idle():
     g = device_idle(ev, layers=1)
     assert g["stretches"] == 1 and g["by_transition"][0]["after"] == "a" and g["idle_ms"] == pytest.approx(0.02)
     assert device_idle([], layers=4)["idle_ms"] == 0.0
+
+
+def test_host_splits_time_each_part_of_a_device_planned_fill_and_remove_their_wrappers(tiny_ckpt):
+    """``HostSplits`` around real routed fills (the CPU's device plan): one row a fill with the plan's launch and read
+    split out and the staging's time before it; ``remove`` leaves the staging, the copier and the program as found."""
+    import torch
+
+    from moe_offload.cache import OffloadMoeCache
+    from moe_offload.config import CacheConfig, PrefillConfig
+    from moe_offload.host_store import ExpertStore
+    from moe_offload.kernels import routed_plan
+
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False)
+    cache = OffloadMoeCache(store, CacheConfig(budget="1.0"), PrefillConfig(hit_copy="gather", routed_copy="copy_engine",
+                                                                           routed_plan="device"), "cpu")
+    cache.set_residency({layer: [0] for layer in store.layers})
+    cache.resolve_hit_path()  # the copier HostSplits wraps (resolution replaces the cache's first one)
+    program = routed_plan.plan_routed_fill
+    splits = profile_prefill.HostSplits(cache.staging)
+    K = store.geometry.top_k
+    with cache.prefill_pass(routed_fills=True):
+        for layer in store.layers:
+            cache.stage_rows(layer, torch.arange(2 * K).reshape(2, K) % store.num_experts)
+            cache.done(layer)
+    out = splits.summary()
+    splits.remove()
+    assert out["fills"] == len(store.layers)
+    for key in ("pre_copy_us", "copy_call_us", "post_copy_us", "stage_us", "plan_pre_us", "plan_launch_us",
+                "plan_read_us"):
+        assert out[key] is not None and out[key]["median"] >= 0, key
+    assert routed_plan.plan_routed_fill is program
+    assert not {"wait", "_assemble_routed"} & set(vars(cache.staging)) and "copy" not in vars(cache.staging.h2d)

@@ -80,14 +80,16 @@ def test_the_triton_program_writes_the_reference_plan(E, N, resident, bad, dtype
     ids, table = _case(E * N, E, N, resident, bad)
     plan = torch.full((plan_words(E),), -5, dtype=torch.int64)  # stale words where the program writes none
     out = torch.full((out_words(E) + 3,), -7, dtype=torch.int64)  # e.g. mapped host words; 3 words past its part
-    copy_out = E in (128, 512)  # both forms: without out_P the program is passed plan_P there and writes none of it
-    routed_plan._plan_kernel[(1,)](torch.from_numpy(ids).to(dtype), N, torch.from_numpy(table), plan,
-                                   out if copy_out else plan, E, R, DST, SRC,
-                                   BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64, COPY_OUT=copy_out)
-    check(plan.numpy(), ids, table)
-    if copy_out:  # the words before the scratch, as the plan holds them; nothing past them
-        assert torch.equal(out[:out_words(E)], plan[:out_words(E)])
-        assert out[out_words(E):].tolist() == [-7] * 3
+    for copy_out in (False, True):  # without out_P the program is passed plan_P there and writes none of it
+        plan.fill_(-5)
+        routed_plan._plan_kernel[(1,)](torch.from_numpy(ids).to(dtype), N, torch.from_numpy(table), plan,
+                                       out if copy_out else plan, E, R, DST, SRC,
+                                       BLOCK_E=routed_plan.triton.next_power_of_2(E), CHUNK=64, COPY_OUT=copy_out)
+        check(plan.numpy(), ids, table)
+    # the words before the scratch, as the plan holds them (lanes replicated where E < 128, E not a power of two);
+    # nothing past them
+    assert torch.equal(out[:out_words(E)], plan[:out_words(E)])
+    assert out[out_words(E):].tolist() == [-7] * 3
 
 
 def test_out_words_receive_the_plan_less_its_scratch_and_offsets_from_a_zero_base():

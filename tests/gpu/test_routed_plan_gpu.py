@@ -33,15 +33,19 @@ def test_the_program_on_the_gpu_writes_the_reference_plan(E, N, resident, dtype)
     ids[N // 2] = -1  # one id outside the layer: counted as bad, routed nowhere
     table = torch.where(torch.rand(E, device="cuda", generator=gen) < resident,
                         torch.randint(0, 99, (E,), device="cuda", generator=gen), -1).to(torch.int32)
-    plan = torch.full((plan_words(E),), -5, dtype=torch.int64, device="cuda")
-    plan_routed_fill(ids, table, plan, 2654224, 1 << 40, 1 << 41)
     want = plan_reference(ids, table, 2654224, 1 << 40, 1 << 41)
     runs = int(want[0])
-    assert torch.equal(plan[:4], want[:4])
-    for part in range(3):  # the entries: only the first ``runs`` words of each array are specified
-        lo = 4 + part * E
-        assert torch.equal(plan[lo:lo + runs], want[lo:lo + runs]), part
-    assert torch.equal(plan[4 + 3 * E:4 + 4 * E], want[4 + 3 * E:4 + 4 * E])
+    out = torch.full((4 + 4 * E + 3,), -7, dtype=torch.int64, device="cuda")
+    for out_P in (None, out):  # the second: the words before the scratch also copied into ``out`` (the graph plan)
+        plan = torch.full((plan_words(E),), -5, dtype=torch.int64, device="cuda")
+        plan_routed_fill(ids, table, plan, 2654224, 1 << 40, 1 << 41, out_P=out_P)
+        for words in (plan, out) if out_P is not None else (plan,):
+            assert torch.equal(words[:4], want[:4])
+            for part in range(3):  # the entries: only the first ``runs`` words of each array are specified
+                lo = 4 + part * E
+                assert torch.equal(words[lo:lo + runs], want[lo:lo + runs]), part
+            assert torch.equal(words[4 + 3 * E:4 + 4 * E], want[4 + 3 * E:4 + 4 * E])
+    assert out[4 + 4 * E:].tolist() == [-7] * 3
 
 
 @pytest.mark.parametrize("plan", ["device", "host"])
@@ -79,15 +83,18 @@ def test_the_program_writes_its_words_into_mapped_host_memory():
     from moe_offload.streams import Streams
 
     E, N, R = 128, 128, 2654224
-    buffers = RoutedPlanBuffers._buffers(E, torch.device("cuda", torch.cuda.current_device()))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buffers = RoutedPlanBuffers._buffers(E, dev, mapped=True)
     assert buffers.mapped_P is not None  # this GPU maps pinned host memory (the store's SM reads need it too)
+    assert buffers.host_P.data_ptr() % 4096 == 0  # whole pages of its own: registering it cannot fail on a neighbour
+    assert buffers.check_mapped(E, dev) is None
     gen = torch.Generator(device="cuda").manual_seed(7)
     ids = torch.randint(0, E, (N,), device="cuda", generator=gen)
     table = torch.where(torch.rand(E, device="cuda", generator=gen) < 0.37, 5, -1).to(torch.int32)
     want = plan_reference(ids, table, R, 0, 1 << 41).cpu().numpy()
     buffers.host_P.fill_(-5)
     buffers.launch(ids, table, R, 1 << 41)
-    words = buffers.wait(Streams(torch.device("cuda", torch.cuda.current_device())))
+    words = buffers.wait(Streams(dev))
     runs = int(want[0])
     assert runs > 0 and words[:4].tolist() == want[:4].tolist()
     for part in range(3):
@@ -98,8 +105,8 @@ def test_the_program_writes_its_words_into_mapped_host_memory():
 
 def test_a_routed_fill_graph_with_the_plan_captured_replays_equal_to_its_eager_forward(tiny_ckpt, monkeypatch):
     """``prefill.routed_plan: graph``: the plan captured at the end of each stretch (prefill_graph.Segments); every
-    replayed fill reads it (``prefill_graph_planned_fills``), and the replays equal the eager forward (host-side
-    plans) bit for bit, and the replays of the device plan. The tiny model's rows are below this GPU's batched-copy
+    replayed fill reads it (``prefill_graph_planned_fills``), and the replays equal the eager forward (whose fills
+    launch the program themselves) bit for bit, and the replays of the device plan. The tiny model's rows are below this GPU's batched-copy
     minimum, so the minimum is set to 0 here (it only picks which copy is faster)."""
     from moe_offload import hit_copy
     from moe_offload.config import load_config

@@ -16,8 +16,8 @@ Where the host reads them (``RoutedPlanBuffers``):
 - off CUDA, the plain-torch plan in host memory.
 
 ``prefill.routed_plan: graph`` (with the mapped words): in a routed-fill prefill graph (``prefill_graph.Segments``)
-the program is captured at the end of the stretch before each experts call, so a replay runs it on the device right
-after the layer's router, while the host is still on its way to the fill; the fill then only waits for the words
+the program is captured at the end of the stretch before each experts call (after the layer's router and the copies
+of the call's inputs), so a replay runs it on the device while the host is still on its way to the fill; the fill then only waits for the words
 (``PrefillStaging.planned_in_graph``). What it saves: the program's launch and the read's launch, and the wait for
 them, on the critical path of each layer (a fill's fixed cost, benchmarks/results/HISTORY.md "2758f41").
 """

@@ -272,6 +272,8 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         self._finalizer()
         self._closed = True
         self.decode.close()
+        if self.staging.plan is not None:
+            self.staging.plan.close()
         empty = torch.empty((0, self.store.bytes_per_expert), dtype=torch.uint8, device=self.device)
         self.pool.rows_NR = self.pool.rows_SR = self.pool.backing = empty  # the backing holds slots and staging
         self.staging.rows = [empty, empty]

@@ -124,6 +124,12 @@ class RoutedPlanBuffers:
                 return f"mapped words {lo}-{hi} of a {E}-expert plan differ from the reference"
         return None
 
+    def close(self) -> None:
+        """Unregister the mapped words now (a closed cache replays nothing that writes them); idempotent."""
+        if self._unpin is not None:
+            self.mapped_P = None
+            self._unpin()
+
     def launch(self, ids_N: torch.Tensor, table_E: torch.Tensor, row_bytes: int, src_base: int) -> None:
         """Enqueue the program on the current stream (destination offsets from 0) and, where it does not write the
         words itself, their D2H copy; capturable where ``mapped_P`` is set."""

@@ -121,3 +121,14 @@ def test_the_start_up_check_of_the_mapped_words_names_a_plan_read_wrong(monkeypa
 
     monkeypatch.setattr(routed_plan, "plan_routed_fill", one_off)
     assert "mapped words 388-516 of a 128-expert plan differ" in buffers.check_mapped(128, cpu)
+
+
+def test_closing_the_cache_releases_the_mapped_words(tiny_ckpt):
+    """``OffloadMoeCache.close`` unregisters the plan's mapped words at once (not at garbage collection), once."""
+    store, cache = _cache(tiny_ckpt, "graph")
+    released = []
+    plan = cache.staging.plan
+    plan._unpin = lambda: released.append(True)  # stands in for the finalizer (nothing is registered off CUDA)
+    cache.close()
+    cache.close()
+    assert released == [True] and plan.mapped_P is None

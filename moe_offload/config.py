@@ -142,8 +142,9 @@ class PrefillConfig(_Strict):
     routed_plan: Literal["host", "device", "graph"] = Field(
         "device", description="how a routed fill (routed_copy copy_engine) works out its copies: device = one kernel "
         "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); graph = the same, "
-        "and in a routed-fill prefill graph the kernel is captured right after each layer's router, so the host only "
-        "waits for its words (moe_offload/fill_plan.py); host = numpy on the routing read back (2-14 % slower than "
+        "its words written into mapped host memory, and in a routed-fill prefill graph the kernel is captured at the end "
+        "of the stretch before each experts call, so the host only waits for its words (moe_offload/fill_plan.py; "
+        "an experiment, not yet timed); host = numpy on the routing read back (2-14 % slower than "
         "device on an H100, README Config keys)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "

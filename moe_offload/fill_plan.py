@@ -71,33 +71,41 @@ class RoutedPlanBuffers:
     @classmethod
     def _buffers(cls, num_experts: int, device: torch.device, mapped: bool = False) -> "RoutedPlanBuffers":
         from moe_offload.kernels.routed_plan import plan_words
-        from moe_offload.uva import UvaError, mapped_device_view, page_aligned, pin_mapped
 
         dev_P = torch.zeros(plan_words(num_experts), dtype=torch.int64, device=device)
         if device.type != "cuda":  # host memory is the device's: the program's words are the host's
             return cls(dev_P, dev_P, dev_P.numpy(), None, dev_P)
-        if not mapped:  # prefill.routed_plan: device, as timed at 65790fb / 2758f41
-            host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
-            return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
-        host_P, pinned = page_aligned(tuple(dev_P.shape), torch.int64), False
+        if mapped:
+            buffers = cls._mapped(dev_P, num_experts, device)
+            if buffers is not None:
+                return buffers
+        # prefill.routed_plan: device (as timed at 65790fb / 2758f41), or words that cannot be mapped: a D2H copy
+        host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
+        return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
+
+    @classmethod
+    def _mapped(cls, dev_P: torch.Tensor, num_experts: int, device: torch.device) -> "RoutedPlanBuffers | None":
+        """Buffers whose words the program writes into mapped pinned host memory (pages of their own), or None (one
+        ``routed_plan_unmapped`` event) where they cannot be mapped or the start-up check reads them wrong."""
+        from moe_offload.uva import UvaError, mapped_device_view, page_aligned, pin_mapped
+
+        host_P, buffers, pinned = page_aligned(tuple(dev_P.shape), torch.int64), None, False
         try:
             pinned = pin_mapped(host_P)
-            mapped_P = mapped_device_view(host_P, device)
-        except UvaError as exc:  # pinned by torch instead: the words are read back by a D2H copy
-            if pinned:
-                _unpin_quietly(host_P)
-            log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=str(exc),
-                         fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
-            host_P = torch.zeros(dev_P.shape, dtype=torch.int64, pin_memory=True)
-            return cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event())
-        buffers = cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event(), mapped_P)
-        buffers._unpin = weakref.finalize(buffers, _unpin_quietly, host_P)
-        wrong = buffers.check_mapped(num_experts, device)
-        if wrong is not None:  # the words as the program wrote them into host memory are not the plan: read by copy
-            log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=wrong,
-                         fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
-            buffers.mapped_P = None
-        return buffers
+            buffers = cls(dev_P, host_P, host_P.numpy(), torch.cuda.Event(), mapped_device_view(host_P, device))
+        except UvaError as exc:
+            wrong = str(exc)
+        if buffers is not None:
+            buffers._unpin = weakref.finalize(buffers, _unpin_quietly, host_P)
+            wrong = buffers.check_mapped(num_experts, device)
+            if wrong is None:
+                return buffers
+            buffers.close()
+        elif pinned:
+            _unpin_quietly(host_P)
+        log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=wrong,
+                     fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
+        return None
 
     def check_mapped(self, num_experts: int, device: torch.device) -> str | None:
         """A start-up check of the mapped words (it synchronizes): the program's words as the host reads them after
@@ -113,7 +121,7 @@ class RoutedPlanBuffers:
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 self.launch(ids.to(device), table.to(device), 4096, 1 << 41)
-                words = self.wait(_CurrentStream())
+                words = self.wait(torch.cuda.current_stream() if device.type == "cuda" else None)
         except Exception as exc:  # noqa: BLE001 - any failure here declines the mapped words, never the cache
             return f"{type(exc).__name__}: {exc}"
         runs = int(want[0])
@@ -139,11 +147,11 @@ class RoutedPlanBuffers:
         if self.mapped_P is None:
             self.host_P.copy_(self.dev_P, non_blocking=True)
 
-    def wait(self, streams) -> np.ndarray:
-        """HOST SYNC: the words of the plan enqueued last on the current stream (``launch``, or a replayed capture of
-        it), once they are on the host."""
+    def wait(self, stream) -> np.ndarray:
+        """HOST SYNC: the words of the plan enqueued last on ``stream``, the current one (``launch``, or a replayed
+        capture of it), once they are on the host (off CUDA they already are)."""
         if self.read is not None:
-            streams.record(self.read, streams.current())
+            self.read.record(stream)
             self.read.synchronize()
         return self.words
 
@@ -156,14 +164,3 @@ def _unpin_quietly(host: torch.Tensor) -> None:
     except Exception as exc:  # noqa: BLE001 - at teardown (the context may be gone): say so, never raise
         log.event("routed_plan_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")
 
-
-class _CurrentStream:
-    """The ``Streams`` surface ``RoutedPlanBuffers.wait`` uses, on the current CUDA stream (start-up checks)."""
-
-    @staticmethod
-    def current():
-        return torch.cuda.current_stream()
-
-    @staticmethod
-    def record(event, stream) -> None:
-        event.record(stream)

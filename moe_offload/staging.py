@@ -261,7 +261,7 @@ class PrefillStaging:
             plan.launch(ids_TK.reshape(-1), self.pool.table_LE[self.pool.layer_pos[layer]], rows_ER.shape[1],
                         host_ER.data_ptr())
         self.graph_plan = None
-        words = plan.wait(self.streams)  # HOST SYNC: the plan, the fill's one read of the device
+        words = plan.wait(self.streams.current())  # HOST SYNC: the plan, the fill's one read of the device
         runs, routed, _, bad = words[:HEADER].tolist()
         if bad:  # the error path reads the ids themselves, for the message
             self._routed_experts(layer, ids_TK.reshape(-1).cpu().numpy())

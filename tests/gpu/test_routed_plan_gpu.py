@@ -80,7 +80,6 @@ def test_the_program_writes_its_words_into_mapped_host_memory():
     """``prefill.routed_plan: device`` / ``graph`` (moe_offload/fill_plan.py): the program itself writes the words
     into mapped pinned host memory, which the host reads after one event; destinations are offsets from 0."""
     from moe_offload.fill_plan import RoutedPlanBuffers
-    from moe_offload.streams import Streams
 
     E, N, R = 128, 128, 2654224
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -94,7 +93,7 @@ def test_the_program_writes_its_words_into_mapped_host_memory():
     want = plan_reference(ids, table, R, 0, 1 << 41).cpu().numpy()
     buffers.host_P.fill_(-5)
     buffers.launch(ids, table, R, 1 << 41)
-    words = buffers.wait(Streams(dev))
+    words = buffers.wait(torch.cuda.current_stream(dev))
     runs = int(want[0])
     assert runs > 0 and words[:4].tolist() == want[:4].tolist()
     for part in range(3):

@@ -140,11 +140,11 @@ class PrefillConfig(_Strict):
         "prompts whose expected routed misses make that cheaper at the measured rates, else uva. Decode steps always "
         "read over UVA (moe_offload/prefill_graph.py, moe_offload/link_rates.py)")
     routed_plan: Literal["host", "device", "graph"] = Field(
-        "device", description="how a routed fill (routed_copy copy_engine) works out its copies: device = one kernel "
+        "graph", description="how a routed fill (routed_copy copy_engine) works out its copies: device = one kernel "
         "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); graph = the same, "
         "its words written into mapped host memory, and in a routed-fill prefill graph the kernel is captured at the end "
         "of the stretch before each experts call, so the host only waits for its words (moe_offload/fill_plan.py; "
-        "an experiment, not yet timed); host = numpy on the routing read back (2-14 % slower than "
+        "0.89-1.03 x device's TTFT, 0.966 x on average, ABBA on an H100 at 700c00c); host = numpy on the routing read back (2-14 % slower than "
         "device on an H100, README Config keys)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "

@@ -220,6 +220,11 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
         "path": paths[0] if len(set(paths)) == 1 else "mixed",  # mixed: reps (or a pass's chunks) differ
         "routed_max_tokens": stats["routed_path"]["max_tokens"],
         "routed_plan": stats["routed_path"]["routed_plan"],  # how a routed fill finds its copies (prefill.routed_plan)
+        # the last rep's routed fills, those whose plan a prefill graph ran (routed_plan graph), and why captures
+        # declined to take it: a cell labelled graph whose fills planned eagerly shows it here
+        "fills": {"routed": stats["compute"].get("prefill_routed_fills", 0),
+                  "planned_in_graph": stats["compute"].get("prefill_graph_planned_fills", 0),
+                  "plan_declined": {k: v for k, v in stats["declined"].items() if k.startswith("routed_plan")}},
         # the link rates this cell's cache measured at start-up (or why not), which its path choices used: a cell
         # whose rates stand apart from the others' was decided on a disturbed measurement (HISTORY.md "04e15c0")
         "link": stats["routed_path"]["link"],

@@ -251,8 +251,9 @@ ROUTED_FILL_FIXED_S_DEVICE_PLAN = 0.15e-3
 
 
 def routed_fill_fixed_s(plan: str) -> float:
-    """A routed fill's fixed cost a layer under ``prefill.routed_plan`` ``plan`` (host, device or graph; graph is priced
-    as device until measured)."""
+    """A routed fill's fixed cost a layer under ``prefill.routed_plan`` ``plan`` (host, device or graph). graph is priced
+    as device: on the H100 at 700c00c, TTFT less both floors over 48 layers gave 0.15-0.32 ms a layer for graph against
+    0.10-0.31 for device, the same within that host's noise (its TTFT was 0.966 x device's on average)."""
     return ROUTED_FILL_FIXED_S_DEVICE_PLAN if plan in ("device", "graph") else ROUTED_FILL_FIXED_S
 
 

@@ -1,0 +1,158 @@
+"""SM-side reads of mapped pinned host memory through the Tensor Memory Accelerator against plain loads and the copy
+engine (seconds on a GPU, no checkpoint).
+
+Every path that reads a missing expert inside a CUDA graph (decode steps, routed prefills) has SMs load it from mapped
+host memory (``kernels/decode_miss.py``), at 0.84-0.88 x the copy engine's rate on fast H100 hosts and ~0.5 x on slow
+ones (``link_rates.measure_link``; benchmarks/results/HISTORY.md). That share bounds issue 12's batch-16 cells with
+misses and issue 14's short prompts. This probe asks whether the TMA (``cp.async.bulk.tensor``, Triton tensor
+descriptors on sm_90) reads the same memory faster than ``ld.global``: both kernels copy the same mapped rows into
+device memory, tile by tile, in a persistent loop of ``--ctas-per-sm`` programs per SM; the copy engine copies them
+with one ``copy_``. Each rate is the median of ``--reps`` timed copies (CUDA events) after a warm-up; every copy's
+bytes are checked against the source.
+
+    python benchmarks/tma_probe.py --out DIR [--mb 256] [--reps 7]
+
+The buffer is viewed as rows of ``COLS`` int32 words (1 KiB); a tile is ``rows x COLS``. Off CUDA (CI) the kernels
+run in the Triton interpreter on a small buffer with the host tensor itself as the "mapped" view, which checks the
+kernels' bytes, not any rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+COLS = 256  # int32 words per buffer row: 1 KiB, a TMA box's widest inner extent (256 elements)
+
+
+@triton.jit
+def _ldg_copy(src_ptr, dst_ptr, n_tiles, ROWS: tl.constexpr, C: tl.constexpr):
+    """Tile t (rows [t*ROWS, (t+1)*ROWS) of C words) with plain loads, programs striding over the tiles."""
+    offs = tl.arange(0, ROWS)[:, None] * C + tl.arange(0, C)[None, :]
+    for t in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
+        base = t * ROWS * C  # int32: --mb is capped at 1024 (2^28 words)
+        tl.store(dst_ptr + base + offs, tl.load(src_ptr + base + offs))
+
+
+@triton.jit
+def _tma_copy(src_desc, dst_ptr, n_tiles, ROWS: tl.constexpr, C: tl.constexpr, STAGES: tl.constexpr):
+    """The same tiles read through the source's tensor descriptor (TMA on sm_90), stored with plain stores."""
+    offs = tl.arange(0, ROWS)[:, None] * C + tl.arange(0, C)[None, :]
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        tl.store(dst_ptr + t * ROWS * C + offs, src_desc.load([t * ROWS, 0]))
+
+
+def _mapped_rows(n_rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """``(host, view, release)``: page-aligned host rows of random words, registered mapped on CUDA, and the device
+    view the kernels read (the host tensor itself off CUDA)."""
+    from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
+
+    host = page_aligned((n_rows, COLS), torch.int32)
+    host.copy_(torch.randint(-2**31, 2**31 - 1, (n_rows, COLS), dtype=torch.int32))
+    if device.type != "cuda":
+        return host, host, lambda: None
+    pin_mapped(host)
+    return host, mapped_device_view(host, device), lambda: unpin([host.data_ptr()])
+
+
+def _time(fn, device: torch.device, reps: int) -> list[float]:
+    """Seconds per call: CUDA events on CUDA (one warm-up call first), wall time elsewhere."""
+    import time
+
+    fn()
+    out = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def probe(mb: int, reps: int, device: torch.device, configs: list[tuple[int, int, int]]) -> dict:
+    """Rates (GB/s) of the copy engine, plain loads and TMA loads over the same mapped rows; ``configs`` are
+    ``(tile rows, programs per SM, stages)`` for both kernels (stages: the TMA loop's)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n_rows = max(mb * 1024, 64)
+    host, view, release = _mapped_rows(n_rows, device)
+    dst = torch.empty((n_rows, COLS), dtype=torch.int32, device=device)
+    nbytes = host.numel() * 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    rows_out = []
+
+    def check(what: str) -> bool:
+        ok = torch.equal(dst.cpu(), host)
+        dst.zero_()
+        if not ok:
+            print(f"{what}: wrong bytes", file=sys.stderr)
+        return ok
+
+    try:
+        ce = _time(lambda: dst.copy_(view if device.type != "cuda" else host, non_blocking=True), device, reps)
+        ce_ok = check("copy engine")
+        for rows, per_sm, stages in configs:
+            if n_rows % rows:
+                continue
+            n_tiles, grid = n_rows // rows, (min(n_rows // rows, per_sm * sms),)
+            entry = {"tile_rows": rows, "tile_bytes": rows * COLS * 4, "ctas_per_sm": per_sm, "stages": stages}
+            try:
+                t = _time(lambda: _ldg_copy[grid](view, dst, n_tiles, ROWS=rows, C=COLS, num_warps=4), device, reps)
+                entry.update(ldg_GBps=nbytes / statistics.median(t) / 1e9, ldg_ok=check("ldg"))
+            except Exception as exc:  # a config this GPU cannot run: recorded, the others go on
+                entry["ldg_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            try:
+                desc = TensorDescriptor.from_tensor(view, [rows, COLS])
+                t = _time(lambda: _tma_copy[grid](desc, dst, n_tiles, ROWS=rows, C=COLS, STAGES=stages, num_warps=4),
+                          device, reps)
+                entry.update(tma_GBps=nbytes / statistics.median(t) / 1e9, tma_ok=check("tma"))
+            except Exception as exc:
+                entry["tma_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows_out.append(entry)
+            print(json.dumps(entry), flush=True)
+    finally:
+        del view
+        release()
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "bytes": nbytes, "reps": reps,
+            "copy_engine_GBps": nbytes / statistics.median(ce) / 1e9, "copy_engine_ok": ce_ok, "configs": rows_out}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="directory for tma_probe.json")
+    ap.add_argument("--mb", type=int, default=256, help="MiB of mapped rows (CPU: at most 1)")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args(argv)
+    if not 1 <= a.mb <= 1024:
+        ap.error(f"--mb {a.mb}: 1-1024 (the kernels' word offsets are int32)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        configs = [(r, c, s) for r in (8, 32) for c in (1, 2, 4) for s in (1, 3)]
+        mb = a.mb
+    else:  # the interpreter: bytes only
+        configs, mb = [(8, 1, 1), (32, 1, 3)], min(a.mb, 1)
+    result = probe(mb, a.reps, device, configs)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "tma_probe.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "configs"}))
+    ok = result["copy_engine_ok"] and all(c.get("ldg_ok", True) and c.get("tma_ok", True) for c in result["configs"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

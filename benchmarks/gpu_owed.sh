@@ -2,7 +2,8 @@
 # README "GPU runs still owed", picked by the kind of host that came: one lent-GPU call per invocation, in order,
 # on one machine (chain the calls at once: /tmp/res, /tmp/moe-cache and link.json live only while it is held).
 # Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, 3, 4)
-#   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), then the build on a slow host
+#   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), the TMA probe (owed 7,
+#           benchmarks/tma_probe.py, seconds), then the build on a slow host
 #           (the graph plan's run, owed 6, was done at 700c00c / 55d8348 on a fast H100: HISTORY.md "700c00c");
 #   call 2: slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
 #   call 3: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
@@ -19,7 +20,7 @@ kind() {  # slow / fast / unknown, from the link stage's report of this machine
 run() { local n=$1; shift; local left=$(( 590 - SECONDS )); (( n > left )) && n=$left
   CALL_LIMIT_S=$n bash benchmarks/gpu_run.sh "$@"; }
 if [[ $call == 1 ]]; then
-  run 590 link
+  run 590 link tma_probe
   k=$(kind); echo "host: $k"
   if [[ $k == slow ]]; then run 590 build; else echo "$k host: nothing is owed on it (README \"GPU runs still owed\")"; fi
   exit 0

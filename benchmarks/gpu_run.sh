@@ -4,11 +4,13 @@
 #   stages: tune_dequant build probe tune_gemv tune_moe ttft inplace_ab cache_tests profile tests copy fused kernels decode_smoke decode profile_decode serve soak
 #           soak_bg soak_wait check_decode check_serve decode_paths serve_overhead observed flash decode_attn lookahead fused_tune tables_back compute_ab prefill_graphs piecewise flash_ttft
 #           retune_aligned decode_split attn_sweep decode_ab set_ab sanitize decode_plan cond_copy ttft_ab fill_profile
-#           decode_overlap link
+#           decode_overlap link tma_probe
 # link: benchmarks/link_probe.py, this host's SM-read and copy-engine rates on one real-size pinned layer (no checkpoint,
 # seconds): $RES/link.json's "slow" says which kind of host this is, so a later call of the same machine can pick the
 # measurements that host is for (exit 0 slow, 1 fast, 2 not measured:
 # `python3 -c "import json,sys; sys.exit({True: 0, False: 1}.get(json.load(open('/tmp/res/link.json'))['slow'], 2))"`)
+# tma_probe: benchmarks/tma_probe.py, SM reads of mapped host rows through TMA descriptors against plain loads and the
+# copy engine (no checkpoint, seconds; not yet run)
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
 # checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)
@@ -103,6 +105,10 @@ if has tune_dequant; then  # NVFP4 dequant tiles for this GPU into kernels/dequa
 fi
 if has link; then
   timeout $(cap 60) python3 benchmarks/link_probe.py --out "$RES" > "$RES/link.log" 2>&1; cat "$RES/link.log"
+fi
+if has tma_probe; then
+  timeout $(cap 120) python3 benchmarks/tma_probe.py --out "$RES" > "$RES/tma_probe.log" 2>&1; tail -3 "$RES/tma_probe.log"
+  tar czf "$OUT/results.tgz" -C "$RES" .
 fi
 if has build; then
   t0=$(date +%s)

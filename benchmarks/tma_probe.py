@@ -125,7 +125,6 @@ def probe(mb: int, reps: int, device: torch.device, configs: list[tuple[int, int
             rows_out.append(entry)
             print(json.dumps(entry), flush=True)
     finally:
-        del view
         release()
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "bytes": nbytes, "reps": reps,

@@ -92,8 +92,13 @@ class MissCopyConfig:
     chunk_bytes: int = 16384
     ctas_per_sm: int = 4
     num_warps: int = 4
+    #: ``ldg`` plain loads; ``tma`` tensor-descriptor loads of ``chunk_bytes / 1 KiB`` lines (``miss_copy_tma.py``,
+    #: ``decode.miss_copy: tma``)
+    reader: str = "ldg"
 
     def __post_init__(self):
+        if self.reader not in ("ldg", "tma"):
+            raise ValueError(f"reader={self.reader!r}: ldg or tma")
         if self.chunk_bytes < 16 or self.chunk_bytes & (self.chunk_bytes - 1):
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be a power of two >= 16")
         if self.ctas_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
@@ -296,6 +301,12 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
     R = host_rows_ER.shape[1]
     X = min(plan.rows_TK.numel(), host_rows_ER.shape[0])
     if X == 0 or R == 0:
+        return
+    if config.reader == "tma":
+        from moe_offload.kernels.miss_copy_tma import copy_misses_tma
+
+        copy_misses_tma(plan.miss_experts_X[:X], plan.num_missing_1, host_rows_ER, pool_rows_NR, scratch_base,
+                        max(1, config.chunk_bytes // 1024), config.ctas_per_sm, config.num_warps)
         return
     dtype, word, vec = _word_layout(host_rows_ER, pool_rows_NR)
     src, dst = host_rows_ER.view(dtype), pool_rows_NR.view(dtype)

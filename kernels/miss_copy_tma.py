@@ -28,6 +28,8 @@ import triton.language as tl
 from moe_offload.kernels.nvfp4 import device_guard
 
 COLS = 256  # int32 words a line: 1 KiB, the widest inner extent of a TMA box (256 elements)
+#: a box of 64 lines is 64 KiB of shared memory and 128 registers a thread at 4 warps; 256 would not fit an H100's SM
+MAX_BOX_LINES = 64
 
 try:  # Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -81,18 +83,19 @@ def unsupported(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor) -> str |
 
 def copy_misses_tma(miss_experts_X: torch.Tensor, num_missing_1: torch.Tensor, host_rows_ER: torch.Tensor,
                     pool_rows_NR: torch.Tensor, scratch_base: int, box_lines: int, ctas_per_sm: int,
-                    num_warps: int) -> None:
+                    num_warps: int):
     """Enqueue the copy of the ``num_missing_1[0]`` experts listed in ``miss_experts_X`` (device int32) from
     ``host_rows_ER`` (a mapped view) into pool rows ``scratch_base + x``; ``box_lines`` lines (of ``COLS`` words) per
-    work item, a power of two <= 256. Raises ValueError where ``unsupported`` names a reason."""
+    work item, a power of two <= ``MAX_BOX_LINES``. Returns Triton's handle of the launch (None when nothing can be
+    missing). Raises ValueError where ``unsupported`` names a reason."""
     why = unsupported(host_rows_ER, pool_rows_NR)
     if why is not None:
         raise ValueError(f"decode.miss_copy tma: {why}; use decode.miss_copy=uva")
-    if box_lines < 1 or box_lines > 256 or box_lines & (box_lines - 1):
-        raise ValueError(f"box_lines={box_lines}: a power of two in 1..256")
+    if box_lines < 1 or box_lines > MAX_BOX_LINES or box_lines & (box_lines - 1):
+        raise ValueError(f"box_lines={box_lines}: a power of two in 1..{MAX_BOX_LINES}")
     X = min(miss_experts_X.numel(), host_rows_ER.shape[0])
     if X == 0:
-        return
+        return None
     E, R = host_rows_ER.shape
     W = R // 4
     Q, tail = divmod(W, COLS)
@@ -106,7 +109,7 @@ def copy_misses_tma(miss_experts_X: torch.Tensor, num_missing_1: torch.Tensor, h
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     grid = (min(X * chunks, ctas_per_sm * sms),)
     with device_guard(dev):
-        _tma_copy_kernel[grid](desc, src, dst, miss_experts_X, num_missing_1, Q, tail, src.stride(0), dst.stride(0),
+        return _tma_copy_kernel[grid](desc, src, dst, miss_experts_X, num_missing_1, Q, tail, src.stride(0), dst.stride(0),
                                scratch_base, chunks, BOX=box, C=COLS,
                                TAIL=triton.next_power_of_2(tail) if tail else 0, num_warps=num_warps)
 
@@ -114,8 +117,11 @@ def copy_misses_tma(miss_experts_X: torch.Tensor, num_missing_1: torch.Tensor, h
 def check(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int, box_lines: int,
           ctas_per_sm: int, num_warps: int) -> str | None:
     """A start-up check on the cache's own rows: the first two experts (or one) copied into the first scratch rows
-    and compared with their host bytes. None where they match, else why (a compile or launch error, or wrong
-    bytes); the scratch rows are left as the copy wrote them (nothing reads them between steps)."""
+    and compared with their host bytes, and on CUDA the compiled kernel's PTX holding the TMA copy (a compiler that
+    lowered the descriptor load to plain loads would pass as ``tma`` otherwise). None where both hold, else why (a
+    compile or launch error, wrong bytes, no TMA instruction); the scratch rows are left as the copy wrote them
+    (nothing reads them between steps). Raises RuntimeError naming the fix where a failed copy left the CUDA context
+    unusable (a fault in the kernel is sticky: declining would only move the crash to the plain-load copy)."""
     why = unsupported(host_rows_ER, pool_rows_NR)
     if why is not None:
         return why
@@ -126,12 +132,27 @@ def check(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: 
     ids = torch.arange(n, dtype=torch.int32, device=dev)
     count = torch.tensor([n], dtype=torch.int32, device=dev)
     try:
-        copy_misses_tma(ids, count, host_rows_ER, pool_rows_NR, scratch_base, box_lines, ctas_per_sm, num_warps)
+        launch = copy_misses_tma(ids, count, host_rows_ER, pool_rows_NR, scratch_base, box_lines, ctas_per_sm,
+                                 num_warps)
         got = pool_rows_NR[scratch_base:scratch_base + n].cpu()
         want = host_rows_ER[:n].cpu()
     except Exception as exc:  # e.g. this driver's TMA refuses mapped host memory
+        if dev.type == "cuda":
+            _context_usable(dev, exc)
         return f"{type(exc).__name__}: {exc}"[:300]
     if not torch.equal(got, want):
         bad = (got != want).nonzero()[0].tolist()
         return f"wrong bytes: expert {bad[0]}, byte {bad[1]}"
+    ptx = getattr(launch, "asm", {}).get("ptx") if dev.type == "cuda" else None
+    if ptx is not None and "cp.async.bulk.tensor" not in ptx:
+        return "the compiled copy holds no cp.async.bulk.tensor: this Triton lowered the descriptor load to plain loads"
     return None
+
+
+def _context_usable(dev: torch.device, exc: Exception) -> None:
+    """Raise where ``exc`` left ``dev``'s CUDA context unusable (a synchronize fails after it)."""
+    try:
+        torch.cuda.synchronize(dev)
+    except Exception as sticky:
+        raise RuntimeError(f"decode.miss_copy tma: the start-up check's copy failed ({type(exc).__name__}: {exc}) and "
+                           f"left the CUDA context unusable ({type(sticky).__name__}); set decode.miss_copy=uva") from exc

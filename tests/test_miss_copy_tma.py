@@ -101,3 +101,21 @@ def test_tma_on_a_cpu_is_declined_once_counted_and_decodes_like_plain_loads(tiny
     eng.cache.reset()
     assert eng.cache.stats()["declined"]["decode_miss_copy:tma_not_cuda"] == 1  # booked again after a reset
     assert got == want
+
+
+def test_boxes_past_the_shared_memory_of_an_sm_are_refused():
+    slot_of_E, ids, host_ER, pool_NR, S = setup(*CASES["whole-lines"])
+    with pytest.raises(ValueError, match="a power of two in 1..64"):
+        miss_copy_tma.copy_misses_tma(ids.flatten().to(torch.int32), torch.tensor([1], dtype=torch.int32), host_ER,
+                                      pool_NR, S, 128, 1, 4)
+
+
+def test_a_failed_check_that_broke_the_cuda_context_raises_with_the_fix(monkeypatch):
+    def sticky(device=None):  # fault injection: the context an illegal address leaves behind
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", sticky)
+    with pytest.raises(RuntimeError, match="left the CUDA context unusable .*set decode.miss_copy=uva"):
+        miss_copy_tma._context_usable(torch.device("cuda", 0), ValueError("launch failed"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    miss_copy_tma._context_usable(torch.device("cuda", 0), ValueError("a compile error"))  # usable: the caller declines

@@ -22,17 +22,20 @@ def test_the_start_up_check_passes_and_the_cache_says_it_reads_through_the_tma(t
 
 
 @pytest.mark.parametrize("box_lines", [1, 16, 64])
-def test_every_expert_of_a_real_size_layer_is_copied_exactly_from_mapped_memory(box_lines):
+def test_the_counted_experts_of_a_real_size_layer_are_copied_exactly_from_mapped_memory(box_lines):
     store = ExpertStore.for_preset("qwen3-30b-a3b", 1, pin=True)
     layer, dev = store.layers[0], torch.device("cuda")
+    rows = store.rows(layer)  # fresh pinned pages are zeros: random bytes make a copy of nothing fail
+    rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8))
     host = store.device_rows(layer, dev)
     E, R = host.shape
-    pool = torch.zeros((E + 3, R), dtype=torch.uint8, device=dev)
+    pool = torch.full((E + 3, R), 0xA5, dtype=torch.uint8, device=dev)
     ids = torch.randperm(E, device=dev).to(torch.int32)
-    copy_misses_tma(ids, torch.tensor([E], dtype=torch.int32, device=dev), host, pool, 3, box_lines, 4, 4)
+    n = E - 5  # the count, not the list's length, says how many are copied
+    copy_misses_tma(ids, torch.tensor([n], dtype=torch.int32, device=dev), host, pool, 3, box_lines, 4, 4)
     torch.cuda.synchronize()
-    want = store.rows(layer)[ids.cpu().long()]
-    assert torch.equal(pool[3:].cpu(), want) and not pool[:3].any()
+    assert torch.equal(pool[3:3 + n].cpu(), rows[ids[:n].cpu().long()])
+    assert (pool[:3] == 0xA5).all() and (pool[3 + n:] == 0xA5).all()
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])

@@ -15,8 +15,8 @@ slow ones (benchmarks/results/HISTORY.md), which bounds the captured decode step
 Whether the TMA reads that memory faster is what ``benchmarks/tma_probe.py`` measures; this path is the experiment
 that follows it. Needs Triton's host tensor descriptors, a GPU with a TMA (sm_90+), rows whose stride and base are
 16-byte aligned and at least one whole line: ``unsupported`` says which is missing, and the cache checks one copy at
-start-up (``check``) before it takes this path. It launches without programmatic dependent launch (``pdl.py``): it
-waits for the plan kernel to finish, where the plain-load copy may start early and wait inside.
+start-up (``check``) before it takes this path. Inside ``pdl.launches(True)`` it launches with programmatic dependent
+launch as the plain-load copy does (``pdl_enter`` first).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from moe_offload.kernels import pdl
 from moe_offload.kernels.nvfp4 import device_guard
+from moe_offload.kernels.pdl import pdl_enter
 
 COLS = 256  # int32 words a line: 1 KiB, the widest inner extent of a TMA box (256 elements)
 #: a box of 64 lines is 64 KiB of shared memory and 128 registers a thread at 4 warps; 256 would not fit an H100's SM
@@ -39,10 +41,12 @@ except ImportError:  # pragma: no cover - the declared Triton has it
 
 @triton.jit
 def _tma_copy_kernel(src_desc, src_ptr, dst_ptr, miss_ptr, count_ptr, q_lines, tail_words, src_stride_w, dst_stride_w,
-                     scratch_base, chunks, BOX: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr):
+                     scratch_base, chunks, BOX: tl.constexpr, C: tl.constexpr, TAIL: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     """Work item w = (x, c): lines [c*BOX, (c+1)*BOX) of host row miss[x] -> pool row scratch_base + x (the lines
     past ``q_lines`` are not stored); the last chunk of a row also copies its ``tail_words`` (``TAIL`` words at most,
     a power of two)."""
+    pdl_enter(USE_PDL)
     r = tl.arange(0, BOX)[:, None]
     col = tl.arange(0, C)[None, :]
     total = tl.load(count_ptr) * chunks
@@ -111,7 +115,8 @@ def copy_misses_tma(miss_experts_X: torch.Tensor, num_missing_1: torch.Tensor, h
     with device_guard(dev):
         return _tma_copy_kernel[grid](desc, src, dst, miss_experts_X, num_missing_1, Q, tail, src.stride(0), dst.stride(0),
                                scratch_base, chunks, BOX=box, C=COLS,
-                               TAIL=triton.next_power_of_2(tail) if tail else 0, num_warps=num_warps)
+                               TAIL=triton.next_power_of_2(tail) if tail else 0, num_warps=num_warps,
+                               **pdl.launch_kwargs())
 
 
 def check(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int, box_lines: int,

@@ -148,6 +148,7 @@ def measure_cell(engine, prompts: list[list[int]], resident: dict, plan: Plan) -
         "decode_path": engine.cache.routed_path.decode_path, "routed_max_tokens": engine.cache.routed_max_tokens,
         # the link rates that resolution used (or why none were measured): a disturbed start-up measurement shows here
         "link": engine.cache.routed_path.link,
+        "miss_copy": stats["routed_path"]["miss_copy"],  # how routed steps copied their misses (decode.miss_copy)
         "graph": {"captures": stats["compute"].get("decode_graph_captures", 0),
                   "replays": stats["compute"].get("decode_graph_replays", 0), "declined": stats["declined"]},
     }

@@ -220,6 +220,7 @@ def measure_cell(engine, timer: HostTimer, ids: list[int], resident: dict, reps:
         "path": paths[0] if len(set(paths)) == 1 else "mixed",  # mixed: reps (or a pass's chunks) differ
         "routed_max_tokens": stats["routed_path"]["max_tokens"],
         "routed_plan": stats["routed_path"]["routed_plan"],  # how a routed fill finds its copies (prefill.routed_plan)
+        "miss_copy": stats["routed_path"]["miss_copy"],  # how routed forwards copied their misses (decode.miss_copy)
         # the last rep's routed fills, those whose plan a prefill graph ran (routed_plan graph), and why captures
         # declined to take it: a cell labelled graph whose fills planned eagerly shows it here
         "fills": {"routed": stats["compute"].get("prefill_routed_fills", 0),

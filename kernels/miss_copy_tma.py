@@ -113,10 +113,10 @@ def copy_misses_tma(miss_experts_X: torch.Tensor, num_missing_1: torch.Tensor, h
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     grid = (min(X * chunks, ctas_per_sm * sms),)
     with device_guard(dev):
-        return _tma_copy_kernel[grid](desc, src, dst, miss_experts_X, num_missing_1, Q, tail, src.stride(0), dst.stride(0),
-                               scratch_base, chunks, BOX=box, C=COLS,
-                               TAIL=triton.next_power_of_2(tail) if tail else 0, num_warps=num_warps,
-                               **pdl.launch_kwargs())
+        return _tma_copy_kernel[grid](desc, src, dst, miss_experts_X, num_missing_1, Q, tail, src.stride(0),
+                                      dst.stride(0), scratch_base, chunks, BOX=box, C=COLS,
+                                      TAIL=triton.next_power_of_2(tail) if tail else 0, num_warps=num_warps,
+                                      **pdl.launch_kwargs())
 
 
 def check(host_rows_ER: torch.Tensor, pool_rows_NR: torch.Tensor, scratch_base: int, box_lines: int,

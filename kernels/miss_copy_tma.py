@@ -159,5 +159,6 @@ def _context_usable(dev: torch.device, exc: Exception) -> None:
     try:
         torch.cuda.synchronize(dev)
     except Exception as sticky:
-        raise RuntimeError(f"decode.miss_copy tma: the start-up check's copy failed ({type(exc).__name__}: {exc}) and "
-                           f"left the CUDA context unusable ({type(sticky).__name__}); set decode.miss_copy=uva") from exc
+        raise RuntimeError(f"decode.miss_copy tma: the start-up check's copy failed ({type(exc).__name__}: "
+                           f"{exc}) and left the CUDA context unusable ({type(sticky).__name__}); set "
+                           "decode.miss_copy=uva") from exc

@@ -96,6 +96,11 @@ class MissCopyConfig:
     #: ``decode.miss_copy: tma``)
     reader: str = "ldg"
 
+    @property
+    def box_lines(self) -> int:
+        """Lines of 1 KiB a ``tma`` work item reads: ``chunk_bytes`` of them, at least one."""
+        return max(1, self.chunk_bytes // 1024)
+
     def __post_init__(self):
         if self.reader not in ("ldg", "tma"):
             raise ValueError(f"reader={self.reader!r}: ldg or tma")
@@ -306,7 +311,7 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
         from moe_offload.kernels.miss_copy_tma import copy_misses_tma
 
         copy_misses_tma(plan.miss_experts_X[:X], plan.num_missing_1, host_rows_ER, pool_rows_NR, scratch_base,
-                        max(1, config.chunk_bytes // 1024), config.ctas_per_sm, config.num_warps)
+                        config.box_lines, config.ctas_per_sm, config.num_warps)
         return
     dtype, word, vec = _word_layout(host_rows_ER, pool_rows_NR)
     src, dst = host_rows_ER.view(dtype), pool_rows_NR.view(dtype)

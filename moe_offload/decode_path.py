@@ -31,7 +31,7 @@ import torch
 from moe_offload import log
 from moe_offload.decode_boundary import DecodeBoundary, routed_lookup
 from moe_offload.policy import make_admission
-from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
+from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin_quietly
 
 __all__ = ["DecodeResidency", "MAX_STEP_COUNTS", "routed_lookup"]
 
@@ -95,7 +95,8 @@ class DecodeResidency(DecodeBoundary):
         self._record_dev = mapped_device_view(self._record_host, self.device) if self._record_pinned else self._record_host
         # a cache dropped without close() must not leave its pages registered: a later allocation at the
         # same address could not be registered again (cudaErrorHostMemoryAlreadyRegistered)
-        self._unpin = weakref.finalize(self, _unpin_quietly, self._record_host) if self._record_pinned else None
+        self._unpin = (weakref.finalize(self, unpin_quietly, self._record_host, "decode_record_unpin_failed")
+                       if self._record_pinned else None)
         self._record_T: dict[int, int] = {}  # lp -> tokens recorded by the step in flight
         self._record_event = streams.event()
         self._record_ready = False
@@ -348,7 +349,7 @@ def _tma_reads(setting: str, store, pool, scratch_base: int, counters):
         reason, detail = "tma_not_cuda", f"device {pool.device}: the CPU path copies misses with torch"
     else:
         detail = miss_copy_tma.check(store.device_rows(store.layers[0], pool.device), pool.rows_NR, scratch_base,
-                                     max(1, config.chunk_bytes // 1024), config.ctas_per_sm, config.num_warps)
+                                     config.box_lines, config.ctas_per_sm, config.num_warps)
         if detail is None:
             return config, None
         reason = "tma_check_failed"
@@ -356,10 +357,3 @@ def _tma_reads(setting: str, store, pool, scratch_base: int, counters):
               fallback="plain SM loads (decode.miss_copy uva)", change_with="decode.miss_copy=uva")
     counters.declined[f"decode_miss_copy:{reason}"] += 1
     return None, reason
-
-
-def _unpin_quietly(host: torch.Tensor) -> None:
-    try:
-        unpin([host.data_ptr()])
-    except Exception as exc:  # at interpreter exit the runtime may be gone; nothing left to protect
-        log.event("decode_record_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")

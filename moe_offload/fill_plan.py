@@ -87,7 +87,7 @@ class RoutedPlanBuffers:
     def _mapped(cls, dev_P: torch.Tensor, num_experts: int, device: torch.device) -> "RoutedPlanBuffers | None":
         """Buffers whose words the program writes into mapped pinned host memory (pages of their own), or None (one
         ``routed_plan_unmapped`` event) where they cannot be mapped or the start-up check reads them wrong."""
-        from moe_offload.uva import UvaError, mapped_device_view, page_aligned, pin_mapped
+        from moe_offload.uva import UvaError, mapped_device_view, page_aligned, pin_mapped, unpin_quietly
 
         host_P, buffers, pinned = page_aligned(tuple(dev_P.shape), torch.int64), None, False
         try:
@@ -96,13 +96,13 @@ class RoutedPlanBuffers:
         except UvaError as exc:
             wrong = str(exc)
         if buffers is not None:
-            buffers._unpin = weakref.finalize(buffers, _unpin_quietly, host_P)
+            buffers._unpin = weakref.finalize(buffers, unpin_quietly, host_P, "routed_plan_unpin_failed")
             wrong = buffers.check_mapped(num_experts, device)
             if wrong is None:
                 return buffers
             buffers.close()
         elif pinned:
-            _unpin_quietly(host_P)
+            unpin_quietly(host_P, "routed_plan_unpin_failed")
         log.log_once("routed_plan_unmapped", "routed_plan_unmapped", logging.WARNING, detail=wrong,
                      fallback="d2h_copy", consequence="prefill.routed_plan graph runs as device")
         return None
@@ -154,13 +154,3 @@ class RoutedPlanBuffers:
             self.read.record(stream)
             self.read.synchronize()
         return self.words
-
-
-def _unpin_quietly(host: torch.Tensor) -> None:
-    from moe_offload.uva import unpin
-
-    try:
-        unpin([host.data_ptr()])
-    except Exception as exc:  # noqa: BLE001 - at teardown (the context may be gone): say so, never raise
-        log.event("routed_plan_unpin_failed", logging.WARNING, detail=f"{type(exc).__name__}: {exc}")
-

@@ -47,8 +47,8 @@ the layer is assembled whole. Counted in ``stats()["compute"]["prefill_routed_fi
 
 from __future__ import annotations
 
-import logging
 import contextlib
+import logging
 
 import numpy as np
 import torch

@@ -25,12 +25,15 @@ Nothing here touches CUDA at import time.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from moe_offload import log
 
 HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 HOST_REGISTER_MAPPED = 2  # cudaHostRegisterMapped: has a device address (cudaHostGetDevicePointer)
@@ -180,6 +183,15 @@ def unpin(ptrs: list[int]) -> None:
     rt = _runtime()
     for p in ptrs:
         _check(rt, rt.host_unregister(p), f"cudaHostUnregister({p:#x})", "pass the base address pin_mapped registered")
+
+
+def unpin_quietly(host: torch.Tensor, event: str) -> None:
+    """:func:`unpin` of ``host``'s base for finalizers and teardown: a failure (at interpreter exit the runtime may be
+    gone, with nothing left to protect) logs one ``event`` at WARNING instead of raising."""
+    try:
+        unpin([host.data_ptr()])
+    except Exception as exc:  # noqa: BLE001 - teardown: say so, never raise
+        log.event(event, logging.WARNING, detail=f"{type(exc).__name__}: {exc}")
 
 
 # --- device views -----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Legend: T tokens, K top-k, E experts, B bytes per row, S resident slots. Without CUDA the kernel runs in the Triton
 interpreter (tensor descriptors included) on CPU tensors; the mapped-memory case on a GPU is in
-tests/gpu/test_miss_copy_tma_gpu.py.
+tests/gpu/test_miss_copy_tma_gpu.py; its decline off CUDA with the copy engine's in tests/test_graph_copy.py.
 """
 
 import os
@@ -82,25 +82,6 @@ def test_rows_it_cannot_take_are_named_and_refused(B, why):
 def test_an_unknown_reader_is_refused():
     with pytest.raises(ValueError, match="ldg or tma"):
         MissCopyConfig(reader="cp.async")
-
-
-def test_tma_on_a_cpu_is_declined_once_counted_and_decodes_like_plain_loads(tiny_ckpt, events):
-    from test_decode_static import _engine, _static_greedy
-
-    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
-    prompt = list(range(10, 26))
-    want = _static_greedy(_engine(path, "cache.budget=0.3"), prompt, 6)
-    eng = _engine(path, "cache.budget=0.3", "decode.miss_copy=tma")
-    got = _static_greedy(eng, prompt, 6)
-    assert eng.cache.decode.copy_config is None
-    declined = [e for e in events() if e["event"] == "decode_miss_copy_declined"]
-    assert len(declined) == 1 and declined[0]["reason"] == "tma_not_cuda"
-    assert "miss_copy=uva" in declined[0]["change_with"]
-    st = eng.cache.stats()
-    assert st["declined"]["decode_miss_copy:tma_not_cuda"] == 1 and st["routed_path"]["miss_copy"] == "uva"
-    eng.cache.reset()
-    assert eng.cache.stats()["declined"]["decode_miss_copy:tma_not_cuda"] == 1  # booked again after a reset
-    assert got == want
 
 
 def test_boxes_past_the_shared_memory_of_an_sm_are_refused():

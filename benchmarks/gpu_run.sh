@@ -10,7 +10,7 @@
 # measurements that host is for (exit 0 slow, 1 fast, 2 not measured:
 # `python3 -c "import json,sys; sys.exit({True: 0, False: 1}.get(json.load(open('/tmp/res/link.json'))['slow'], 2))"`)
 # tma_probe: benchmarks/tma_probe.py, SM reads of mapped host rows through TMA descriptors against plain loads and the
-# copy engine (no checkpoint, seconds; not yet run)
+# copy engine (no checkpoint, seconds; equal rates on a fast H100 at fdd1739: HISTORY.md "fdd1739")
 # decode_overlap: benchmarks/decode_overlap.py, a layer's miss copy on a second stream while the resident pairs compute
 # (kernels/decode_moe.py decode_moe_nvfp4_split) against the serial layer, at T = 16 / 64 and 0-36 misses a layer; no
 # checkpoint needed (~1 min; first run at 80a81c2, benchmarks/results/HISTORY.md)

@@ -12,8 +12,13 @@ bytes are checked against the source.
 
     python benchmarks/tma_probe.py --out DIR [--mb 256] [--reps 7]
 
-``miss_copy`` in the report times the production copy both ways (``decode_miss.copy_misses`` with plain loads and with
-``decode.miss_copy: tma``'s reader, ``kernels/miss_copy_tma.py``) on 64 rows shaped as Qwen3-30B-A3B's experts.
+``miss_copy`` in the report times the production plain-load copy (``decode_miss.copy_misses``) on 64 rows shaped as
+Qwen3-30B-A3B's experts, beside the flat tiles above.
+
+Measured on a fast H100 at fdd1739 (benchmarks/results/tma-probe-fdd1739-h100.json): TMA loads equal plain loads
+within 1 % in all 12 configs (50.5-51.2 GB/s, 0.92 x the copy engine's 55.4), so the link, not the load instruction,
+bounds SM reads of mapped memory. A production miss copy through the TMA (``decode.miss_copy: tma``, 16-line boxes,
+built at 618106f) ran at 29.8 GB/s against 48.6 with plain loads and was removed (README Decisions).
 
 The buffer is viewed as rows of ``COLS`` int32 words (1 KiB); a tile is ``rows x COLS``. Off CUDA (CI) the kernels
 run in the Triton interpreter on a small buffer with the host tensor itself as the "mapped" view, which checks the
@@ -135,10 +140,10 @@ def probe(mb: int, reps: int, device: torch.device, configs: list[tuple[int, int
 
 
 def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.device) -> dict:
-    """The production miss copy (``decode_miss.copy_misses``, the plan's count read on the device) of ``experts``
-    mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's 2,654,224 on a GPU: 663,556 words, 2,592 whole lines and a tail
-    of 4 words) into device rows, with plain loads and with ``decode.miss_copy: tma``'s reader at their defaults."""
-    from moe_offload.kernels.decode_miss import MissCopyConfig, MissPlan, copy_misses
+    """The production miss copy (``decode_miss.copy_misses``, the plan's count read on the device, plain loads at
+    its default launch shape) of ``experts`` mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's 2,654,224 on a GPU)
+    into device rows."""
+    from moe_offload.kernels.decode_miss import MissPlan, copy_misses
     from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
 
     host = page_aligned((experts, row_bytes), torch.uint8)
@@ -150,15 +155,9 @@ def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.devic
     plan = MissPlan(ids, ids, torch.tensor([experts], dtype=torch.int32, device=device))
     out = {"experts": experts, "row_bytes": row_bytes}
     try:
-        for reader in ("ldg", "tma"):
-            config = MissCopyConfig(reader=reader)
-            try:
-                t = _time(lambda: copy_misses(plan, view, pool, 0, config), device, reps)
-                out[f"{reader}_GBps"] = experts * row_bytes / statistics.median(t) / 1e9
-                out[f"{reader}_ok"] = torch.equal(pool.cpu(), host)
-            except Exception as exc:
-                out[f"{reader}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            pool.zero_()
+        t = _time(lambda: copy_misses(plan, view, pool, 0), device, reps)
+        out["ldg_GBps"] = experts * row_bytes / statistics.median(t) / 1e9
+        out["ldg_ok"] = torch.equal(pool.cpu(), host)
     finally:
         if pinned:
             unpin([host.data_ptr()])
@@ -181,14 +180,14 @@ def main(argv=None) -> int:
     else:  # the interpreter: bytes only
         configs, mb = [(8, 1, 1), (32, 1, 3)], min(a.mb, 1)
     result = probe(mb, a.reps, device, configs)
-    # the kernel decode.miss_copy tma runs, on rows shaped as the model's (the probe's tiles above are a flat buffer)
+    # the production copy, on rows shaped as the model's (the probe's tiles above are a flat buffer)
     result["miss_copy"] = (miss_copy_rates(64, 2654224, a.reps, device) if device.type == "cuda"
                            else miss_copy_rates(4, 3 * 1024 + 16, 1, device))
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tma_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "configs"}))
     ok = (result["copy_engine_ok"] and all(c.get("ldg_ok", True) and c.get("tma_ok", True) for c in result["configs"])
-          and all(result["miss_copy"].get(f"{r}_ok", True) for r in ("ldg", "tma")))
+          and result["miss_copy"]["ldg_ok"])
     return 0 if ok else 1
 
 

@@ -92,18 +92,8 @@ class MissCopyConfig:
     chunk_bytes: int = 16384
     ctas_per_sm: int = 4
     num_warps: int = 4
-    #: ``ldg`` plain loads; ``tma`` tensor-descriptor loads of ``chunk_bytes / 1 KiB`` lines (``miss_copy_tma.py``,
-    #: ``decode.miss_copy: tma``)
-    reader: str = "ldg"
-
-    @property
-    def box_lines(self) -> int:
-        """Lines of 1 KiB a ``tma`` work item reads: ``chunk_bytes`` of them, at least one."""
-        return max(1, self.chunk_bytes // 1024)
 
     def __post_init__(self):
-        if self.reader not in ("ldg", "tma"):
-            raise ValueError(f"reader={self.reader!r}: ldg or tma")
         if self.chunk_bytes < 16 or self.chunk_bytes & (self.chunk_bytes - 1):
             raise ValueError(f"chunk_bytes={self.chunk_bytes}: must be a power of two >= 16")
         if self.ctas_per_sm < 1 or self.num_warps not in (1, 2, 4, 8, 16):
@@ -306,12 +296,6 @@ def copy_misses(plan: MissPlan, host_rows_ER: torch.Tensor, pool_rows_NR: torch.
     R = host_rows_ER.shape[1]
     X = min(plan.rows_TK.numel(), host_rows_ER.shape[0])
     if X == 0 or R == 0:
-        return
-    if config.reader == "tma":
-        from moe_offload.kernels.miss_copy_tma import copy_misses_tma
-
-        copy_misses_tma(plan.miss_experts_X[:X], plan.num_missing_1, host_rows_ER, pool_rows_NR, scratch_base,
-                        config.box_lines, config.ctas_per_sm, config.num_warps)
         return
     dtype, word, vec = _word_layout(host_rows_ER, pool_rows_NR)
     src, dst = host_rows_ER.view(dtype), pool_rows_NR.view(dtype)

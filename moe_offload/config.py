@@ -237,12 +237,11 @@ class DecodeConfig(_Strict):
                             "ones are copied from host memory on a side stream while this layer computes "
                             "(moe_offload/lookahead.py; 2 x min(max_tokens x top-k, E) pool rows more); off until a "
                             "GPU run shows it pays (bench decode reports recall, precision and the bytes)")
-    miss_copy: Literal["uva", "tma", "copy_engine"] = Field(
+    miss_copy: Literal["uva", "copy_engine"] = Field(
         "uva", description="how a captured routed step (decode steps, routed prefill graphs) gets its missing experts. "
-        "uva: SMs read them from mapped host memory with plain loads (kernels/decode_miss.py). tma: the same copy "
-        "with tensor-descriptor loads (kernels/miss_copy_tma.py; sm_90+, checked once at start-up, else one "
-        "decode_miss_copy_declined event and uva; an experiment, not yet run on a GPU: benchmarks/tma_probe.py asks "
-        "whether the TMA reads host memory faster; the start-up link measurement and decode.lookahead's prefetch keep plain loads). copy_engine: the copy engine copies "
+        "uva: SMs read them from mapped host memory with plain loads (kernels/decode_miss.py; tensor-descriptor "
+        "loads through the TMA read that memory no faster: benchmarks/tma_probe.py, README Decisions). copy_engine: "
+        "the copy engine copies "
         "them inside the graph, one conditional node per expert enabled on the device from the step's routing "
         "(moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off). An "
         "experiment, correct but slower everywhere measured: on an H100 whose SM reads ran at ~29 GB/s (10cf59a) "

@@ -50,11 +50,9 @@ class DecodeResidency(DecodeBoundary):
         ``admit_filter`` "frequency": a missed expert is admitted only when it was routed at least as often as the
         resident it would evict (``cache.admit_filter``, ``policy.FrequencyAdmission``). ``miss_copy`` "copy_engine":
         captured steps copy their routed misses with the copy engine (``graph_copy.py``; declined with one event
-        where it does not apply); "tma": the SM miss copy reads through tensor descriptors
-        (``kernels/miss_copy_tma.py``; declined with one event where its start-up check fails). ``overlap_from``
-        (``decode.overlap_misses_from``) > 0: steps of at least that many tokens copy their misses on the miss stream
-        while the compute stream computes the pairs read from slots (``plan_split``; declined with one event where it
-        does not apply)."""
+        where it does not apply). ``overlap_from`` (``decode.overlap_misses_from``) > 0: steps of at least that many
+        tokens copy their misses on the miss stream while the compute stream computes the pairs read from slots
+        (``plan_split``; declined with one event where it does not apply)."""
         self.store, self.pool, self.streams, self.counters = store, pool, streams, counters
         self.device = pool.device
         K, L = store.geometry.top_k, len(store.layers)
@@ -80,9 +78,6 @@ class DecodeResidency(DecodeBoundary):
         # a declined setting stays counted in stats() across counter resets (reset_counts)
         self.graph_copy, self.miss_copy_declined = graph_miss_copy(miss_copy, store, pool, self.scratch_base,
                                                                    counters, self.lookahead is not None)
-        # decode.miss_copy tma: the SM miss copy through tensor descriptors where its start-up check passes
-        self.copy_config, tma_declined = _tma_reads(miss_copy, store, pool, self.scratch_base, counters)
-        self.miss_copy_declined = self.miss_copy_declined or tma_declined
         self.overlap_from, self.overlap_declined = _overlap(overlap_from, self.device, self.lookahead is not None,
                                                             self.graph_copy is not None)
         if self.overlap_declined:
@@ -106,9 +101,9 @@ class DecodeResidency(DecodeBoundary):
         self._route_done_L = torch.zeros(L, dtype=torch.int32, device=self.device)
 
     def miss_copy_in_effect(self) -> str:
-        """``copy_engine``, ``tma`` or ``uva``: how a captured routed step's misses are copied (``decode.miss_copy``
-        after any decline)."""
-        return "copy_engine" if self.graph_copy is not None else "tma" if self.copy_config is not None else "uva"
+        """``copy_engine`` or ``uva``: how a captured routed step's misses are copied (``decode.miss_copy`` after any
+        decline)."""
+        return "copy_engine" if self.graph_copy is not None else "uva"
 
     # ------------------------------------------------------------------ in the step
     def host_rows(self, layer: int) -> torch.Tensor:
@@ -137,8 +132,8 @@ class DecodeResidency(DecodeBoundary):
 
             # the plan kernel also counts the step and records its ids (no launch of its own)
             plan = serve_misses_plan(table_E, ids_TK, self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
-                                     config=self.copy_config, stats=(self.counts_LC[lp], self._record_dev[lp]),
-                                     pf_row_E=pf_E, align_block_m=align_block_m)
+                                     stats=(self.counts_LC[lp], self._record_dev[lp]), pf_row_E=pf_E,
+                                     align_block_m=align_block_m)
             rows_TK, alignment = plan.rows_TK, plan.alignment
         else:
             from moe_offload.kernels.decode_miss import count_step_reference, serve_misses_reference
@@ -196,7 +191,7 @@ class DecodeResidency(DecodeBoundary):
         s.fork(side)
         try:
             with s.on(side):
-                copy_misses(plan, host_rows, rows_NR, self.scratch_base, self.copy_config)
+                copy_misses(plan, host_rows, rows_NR, self.scratch_base)
         except BaseException:
             s.join(side)  # whatever was enqueued there stays ordered before the compute stream's next work
             raise
@@ -236,7 +231,7 @@ class DecodeResidency(DecodeBoundary):
                                              self.host_rows(layer), self.pool.rows_NR, self.scratch_base,
                                              self._route_done_L[lp:lp + 1],
                                              stats=(self.counts_LC[lp], self._record_dev[lp]),
-                                             align_block_m=align_block_m, config=self.copy_config)
+                                             align_block_m=align_block_m)
         self._record_T[lp] = logits_TE.shape[0]
         return w_TK, ids_TK, plan.rows_TK, plan.alignment
 
@@ -334,26 +329,3 @@ def _overlap(overlap_from: int, device: torch.device, lookahead: bool, graph_cop
            else "copy_engine_misses" if graph_copy else None)
     return (0, why) if why else (overlap_from, None)
 
-
-def _tma_reads(setting: str, store, pool, scratch_base: int, counters):
-    """``(MissCopyConfig, None)`` for ``decode.miss_copy: tma`` where its start-up check (``miss_copy_tma.check``:
-    two experts of the first layer copied from mapped host memory and compared) passes, ``(None, None)`` for the other
-    settings, else ``(None, reason)``: one ``decode_miss_copy_declined`` event and a count, the plain-load copy."""
-    if setting != "tma":
-        return None, None
-    from moe_offload.kernels import miss_copy_tma
-    from moe_offload.kernels.decode_miss import MissCopyConfig
-
-    config = MissCopyConfig(reader="tma")
-    if pool.device.type != "cuda":
-        reason, detail = "tma_not_cuda", f"device {pool.device}: the CPU path copies misses with torch"
-    else:
-        detail = miss_copy_tma.check(store.device_rows(store.layers[0], pool.device), pool.rows_NR, scratch_base,
-                                     config.box_lines, config.ctas_per_sm, config.num_warps)
-        if detail is None:
-            return config, None
-        reason = "tma_check_failed"
-    log.event("decode_miss_copy_declined", logging.WARNING, reason=reason, detail=detail,
-              fallback="plain SM loads (decode.miss_copy uva)", change_with="decode.miss_copy=uva")
-    counters.declined[f"decode_miss_copy:{reason}"] += 1
-    return None, reason

@@ -66,15 +66,14 @@ def test_with_the_graph_rows_filled_the_plan_reads_every_pair_from_them_and_copi
     assert ref[:5].tolist() == counts.tolist()
 
 
-@pytest.mark.parametrize("setting, reason", [("copy_engine", "not_cuda"), ("tma", "tma_not_cuda")])
-def test_a_miss_copy_on_a_cpu_is_declined_once_counted_and_decodes_like_uva(tiny_ckpt, events, setting, reason):
-    """decode.miss_copy copy_engine (graph_copy.py) and tma (kernels/miss_copy_tma.py) off CUDA: the plain copy."""
-    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+def test_a_copy_engine_miss_copy_on_a_cpu_is_declined_once_counted_and_decodes_like_uva(tiny_ckpt, events):
+    """decode.miss_copy copy_engine (graph_copy.py) off CUDA: the plain copy."""
+    path, reason = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), "not_cuda"
     prompt = list(range(10, 26))
     want = _static_greedy(_engine(path, "cache.budget=0.3"), prompt, 6)
-    eng = _engine(path, "cache.budget=0.3", f"decode.miss_copy={setting}")
+    eng = _engine(path, "cache.budget=0.3", "decode.miss_copy=copy_engine")
     got = _static_greedy(eng, prompt, 6)
-    assert eng.cache.decode.graph_copy is None and eng.cache.decode.copy_config is None
+    assert eng.cache.decode.graph_copy is None
     declined = [e for e in events() if e["event"] == "decode_miss_copy_declined"]
     assert len(declined) == 1 and declined[0]["reason"] == reason and "miss_copy=uva" in declined[0]["change_with"]
     st = eng.cache.stats()

@@ -18,8 +18,8 @@ def test_both_kernels_copy_every_byte_and_the_report_names_each_config(tmp_path)
     assert report["device"] == "cpu" and report["bytes"] == 1024 * tma_probe.COLS * 4 and report["copy_engine_ok"]
     assert [(c["tile_rows"], c["stages"]) for c in report["configs"]] == [(8, 1), (32, 3)]
     assert all(c["ldg_ok"] and c["tma_ok"] and c["tma_GBps"] > 0 for c in report["configs"])
-    mc = report["miss_copy"]  # the production copy both ways, on rows with a tail
-    assert mc["ldg_ok"] and mc["tma_ok"] and mc["row_bytes"] % 1024 == 16
+    mc = report["miss_copy"]  # the production copy, on rows with a tail
+    assert mc["ldg_ok"] and mc["ldg_GBps"] > 0 and mc["row_bytes"] % 1024 == 16
 
 def test_a_copy_with_wrong_bytes_fails_the_run(tmp_path, monkeypatch):
     real = tma_probe._tma_copy

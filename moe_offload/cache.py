@@ -66,8 +66,8 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         for it. ``lookahead`` (``decode.lookahead``): decode steps prefetch the next MoE layer's predicted misses
         (``lookahead.py``: its rows come out of the budget; ``lookahead.attach_routers`` gives it the routers).
         ``miss_copy`` (``decode.miss_copy``): "copy_engine" copies a captured step's routed misses with the copy
-        engine (``graph_copy.py``). ``overlap_misses_from`` (``decode.overlap_misses_from``): decode steps of at least that many tokens copy their
-        misses beside the compute of the pairs read from slots (``decode_plan_split``)."""
+        engine (``graph_copy.py``). ``overlap_misses_from`` (``decode.overlap_misses_from``): decode steps of at least
+        that many tokens copy their misses beside the compute of the pairs read from slots (``decode_plan_split``)."""
         if isinstance(decode_max_tokens, bool) or not isinstance(decode_max_tokens, int) or decode_max_tokens < 1:
             raise ValueError(f"decode_max_tokens={decode_max_tokens!r}: an integer >= 1 (decode.max_tokens)")
         if miss_copy not in ("uva", "copy_engine"):

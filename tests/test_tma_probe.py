@@ -20,6 +20,9 @@ def test_both_kernels_copy_every_byte_and_the_report_names_each_config(tmp_path)
     assert all(c["ldg_ok"] and c["tma_ok"] and c["tma_GBps"] > 0 for c in report["configs"])
     mc = report["miss_copy"]  # the production copy, on rows with a tail
     assert mc["ldg_ok"] and mc["ldg_GBps"] > 0 and mc["row_bytes"] % 1024 == 16
+    padded = report["miss_copy_row_align"]  # the same copy on rows padded to a page and to 64 KiB
+    assert [(m["row_align"], m["row_bytes"] % m["row_align"], m["ldg_ok"]) for m in padded] == [(4096, 0, True),
+                                                                                                 (65536, 0, True)]
 
 def test_a_copy_with_wrong_bytes_fails_the_run(tmp_path, monkeypatch):
     real = tma_probe._tma_copy

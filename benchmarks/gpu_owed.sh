@@ -2,7 +2,9 @@
 # README "GPU runs still owed", picked by the kind of host that came: one lent-GPU call per invocation, in order,
 # on one machine (chain the calls at once: /tmp/res, /tmp/moe-cache and link.json live only while it is held).
 # Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, 3, 4)
-#   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), then on a slow-SM host the build;
+#   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), the TMA probe (seconds: its
+#           miss_copy_row_align entry asks whether rows padded to a page read faster, owed 8), then on a slow-SM host
+#           the build;
 #   call 2: slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
 #   call 3: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
 #   call 4: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).
@@ -19,14 +21,14 @@ kind() {  # slow / fast / unknown, from the link stage's report of this machine
 run() { local n=$1; shift; local left=$(( 590 - SECONDS )); (( n > left )) && n=$left
   CALL_LIMIT_S=$n bash benchmarks/gpu_run.sh "$@"; }
 if [[ $call == 1 ]]; then
-  run 590 link
+  run 590 link tma_probe
   k=$(kind); echo "host: $k"
-  if [[ $k == slow ]]; then run 590 build; else echo "$k host: nothing is owed here (README \"GPU runs still owed\")"; fi
+  if [[ $k == slow ]]; then run 590 build; else echo "$k host: nothing more is owed here (README \"GPU runs still owed\")"; fi
   exit 0
 fi
 k=$(kind); echo "host: $k"
 if [[ $k != slow ]]; then
-  echo "$k host: nothing is owed here (README \"GPU runs still owed\")"; exit 0
+  echo "$k host: nothing more is owed here after call 1 (README \"GPU runs still owed\")"; exit 0
 fi
 [[ -d /tmp/moe-cache ]] || { echo "no build on this machine (a fresh start?): run call 1 first"; exit 1; }
 if [[ $call == 2 ]]; then

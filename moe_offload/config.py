@@ -144,8 +144,8 @@ class PrefillConfig(_Strict):
         "on the compute stream, the host reads back batched-copy entries (kernels/routed_plan.py); graph = the same, "
         "its words written into mapped host memory, and in a routed-fill prefill graph the kernel is captured at the end "
         "of the stretch before each experts call, so the host only waits for its words (moe_offload/fill_plan.py; "
-        "0.89-1.03 x device's TTFT, 0.966 x on average, ABBA on an H100 at 700c00c); host = numpy on the routing read back (2-14 % slower than "
-        "device on an H100, README Config keys)")
+        "0.89-1.03 x device's TTFT, 0.966 x on average, ABBA on an H100 at 700c00c); host = numpy on the routing "
+        "read back (2-14 % slower than device on an H100, README Config keys)")
     cuda_graphs: bool = Field(True, description="with decode.cuda_graphs on CUDA: a fresh batch's prefill (generate, "
                               "bench ttft) is padded to a length bucket and replayed as one CUDA graph where its experts "
                               "calls need no host work: routed prompts, or a cache holding every expert "
@@ -241,8 +241,8 @@ class DecodeConfig(_Strict):
         "uva", description="how a captured routed step (decode steps, routed prefill graphs) gets its missing experts. "
         "uva: SMs read them from mapped host memory with plain loads (kernels/decode_miss.py; tensor-descriptor "
         "loads through the TMA read that memory no faster: benchmarks/tma_probe.py, README Decisions). copy_engine: "
-        "the copy engine copies them inside the graph, one conditional node per expert enabled on the device from the step's routing "
-        "(moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off). An "
+        "the copy engine copies them inside the graph, one conditional node per expert enabled on the device from "
+        "the step's routing (moe_offload/graph_copy.py; CUDA >= 12.4, NVRTC, max_tokens x top-k >= experts, lookahead off). An "
         "experiment, correct but slower everywhere measured: on an H100 whose SM reads ran at ~29 GB/s (10cf59a) "
         "decode lost 38-56 % and 16-256-token prompts took 1.6 x as long, since 128 conditional nodes cost 0.12 ms "
         "a layer and their copies ran at 12-17 GB/s (benchmarks/results/HISTORY.md \"10cf59a\"). Eager forwards read "

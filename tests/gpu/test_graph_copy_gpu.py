@@ -6,8 +6,9 @@ residency changes between replays; the bytes are booked as decode_graph_h2d. Pas
 import pytest
 import torch
 
-from test_decode_gpu import _engine, _replayed_like_plain_loads
+from test_decode_gpu import _engine, _run
 
+from moe_offload.decode_graph import StaticDecoder
 from moe_offload.graph_copy import routed_miss_rows_reference
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +38,16 @@ def test_the_start_up_probe_passes_and_a_captured_layer_writes_the_reference_row
 
 @pytest.mark.parametrize("fmt", ["nvfp4-modelopt", "bf16"])
 def test_graph_replayed_decode_with_copy_engine_misses_gives_the_bits_of_uva(tiny_ckpt, fmt):
-    st = _replayed_like_plain_loads(tiny_ckpt("tiny-qwen3-moe", fmt), "decode.miss_copy=copy_engine")
+    path = tiny_ckpt("tiny-qwen3-moe", fmt)
+    prompts = [list(range(10, 42)), list(range(50, 82))]
+    want = _run(StaticDecoder(_engine(path, "cache.budget=8 slots"), 2, 64, graphs=True), prompts, 10)
+    eng = _engine(path, "cache.budget=8 slots", "decode.miss_copy=copy_engine")
+    eng.cache.reset()
+    got = _run(StaticDecoder(eng, 2, 64, graphs=True), prompts, 10)
+    st = eng.cache.stats()
+    assert st["compute"].get("decode_graph_captures") == 1 and st["declined"] == {}
     assert st["compute"].get("decode_graph_copy_layers", 0) > 0
+    assert st["total"]["evictions"] > 0  # residency changed between replays
     assert st["total"]["bytes"]["decode_graph_h2d"] > 0
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {i} differs"

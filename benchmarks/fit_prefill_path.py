@@ -30,15 +30,23 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_offload.host_store import padded_row_bytes
 from moe_offload.prefill_path import DEFAULT, TABLE_PATH, CostModel, cost_model, shape_key
 
-ROW_ALIGN = 16  # moe_offload/host_store.py
+
+MEASURED_ROW_ALIGN = 16  # the rows of the benchmarks' layer rows: padded to 16 bytes (decode_kernels.py's store rows)
+
+
+def nvfp4_data_bytes(H: int, I: int) -> int:
+    """Bytes of one NVFP4 expert's banks (gate_up + down codes, block scales, 3 fp32 global scales)."""
+    return 2 * I * H // 2 + 2 * I * H // 16 + H * I // 2 + H * I // 16 + 12
 
 
 def nvfp4_row_bytes(H: int, I: int) -> int:
-    """Bytes of one NVFP4 expert row (gate_up + down codes, block scales, 3 fp32 global scales), padded."""
-    raw = 2 * I * H // 2 + 2 * I * H // 16 + H * I // 2 + H * I // 16 + 12
-    return -(-raw // ROW_ALIGN) * ROW_ALIGN
+    """Bytes of one NVFP4 expert row as the measured kernels read it (padded to ``MEASURED_ROW_ALIGN``): the bytes
+    term of the fits. Entries are keyed by the store's row bytes (``host_store.padded_row_bytes``), which the
+    runtime looks up."""
+    return -(-nvfp4_data_bytes(H, I) // MEASURED_ROW_ALIGN) * MEASURED_ROW_ALIGN
 
 
 def _lstsq(rows: list[list[float]], y: list[float]) -> list[float]:
@@ -90,7 +98,7 @@ def fit(decode_kernels: dict, fused_moe: dict, dk_name: str, fm_name: str) -> tu
         rows = [r for r in layer if r["shape"] == shape]
         a, b, c = _lstsq(*routed_rows(rows))
         first = rows[0]
-        key = shape_key(first["E"], first["K"], nvfp4_row_bytes(first["H"], first["I"]))
+        key = shape_key(first["E"], first["K"], padded_row_bytes(nvfp4_data_bytes(first["H"], first["I"])))
         entries[key] = {"routed_fixed_s": round(a, 7), "routed_hbm_factor": round(b, 3), "routed_pair_s": round(c, 10),
                         "sources": {"routed_*": f"{src_dk}: layer rows decode_moe_nvfp4 graph_ms, shape {shape}"},
                         "shape": f"{shape} (H {first['H']}, I {first['I']}, NVFP4, TP 1)"}

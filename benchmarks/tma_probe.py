@@ -12,8 +12,9 @@ bytes are checked against the source.
 
     python benchmarks/tma_probe.py --out DIR [--mb 256] [--reps 7]
 
-``miss_copy`` in the report times the production plain-load copy (``decode_miss.copy_misses``) on 64 rows shaped as
-Qwen3-30B-A3B's experts, beside the flat tiles above.
+``miss_copy_row_align`` in the report times the production plain-load copy (``decode_miss.copy_misses``) on 64 rows
+shaped as Qwen3-30B-A3B's experts, beside the flat tiles above: rows padded to 16 bytes and to a page, alternated
+``ROUNDS`` times (``miss_copy``: the first 16-byte round).
 
 Measured on a fast H100 at fdd1739 (benchmarks/results/tma-probe-fdd1739-h100.json): TMA loads equal plain loads
 within 1 % in all 12 configs (50.5-51.2 GB/s, 0.92 x the copy engine's 55.4), so the link, not the load instruction,
@@ -37,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+ROUNDS = 3  # alternations of the miss copy's two row layouts
 COLS = 256  # int32 words per buffer row: 1 KiB, a TMA box's widest inner extent (256 elements)
 
 
@@ -180,14 +182,19 @@ def main(argv=None) -> int:
     else:  # the interpreter: bytes only
         configs, mb = [(8, 1, 1), (32, 1, 3)], min(a.mb, 1)
     result = probe(mb, a.reps, device, configs)
-    # the production copy, on rows shaped as the model's (the probe's tiles above are a flat buffer)
-    result["miss_copy"] = (miss_copy_rates(64, 2654224, a.reps, device) if device.type == "cuda"
-                           else miss_copy_rates(4, 3 * 1024 + 16, 1, device))
-    # the same copy on rows padded to a page / 64 KiB (the store pads rows to 16 bytes): does a row that starts on a
-    # page read faster? (the production copy ran 5-10 % below the flat tiles at eb23b23 whatever its launch shape)
-    row = result["miss_copy"]["row_bytes"]
-    result["miss_copy_row_align"] = [miss_copy_rates(result["miss_copy"]["experts"], -(-row // al) * al, a.reps, device)
-                                     | {"row_align": al} for al in (4096, 65536)]
+    # the production copy, on rows shaped as the model's (the probe's tiles above are a flat buffer), on rows padded to
+    # 16 bytes (the store's layout before 97f3897's successor) and to a page (the store's since: host_store.padded_row_bytes,
+    # after one run at 97f3897 on the H200 read 46.1 / 47.7 GB/s), the two alternated ROUNDS times so that drift
+    # falls on both sides
+    experts, data = (64, 2654220) if device.type == "cuda" else (4, 3 * 1024 + 12)
+    sides = {al: [] for al in (16, 4096)}
+    for _ in range(ROUNDS if device.type == "cuda" else 1):
+        for al in sides:
+            sides[al].append(miss_copy_rates(experts, -(-data // al) * al, a.reps, device) | {"row_align": al})
+    result["miss_copy"] = sides[16][0]
+    result["miss_copy_row_align"] = [r for al in sides for r in sides[al]]
+    result["miss_copy_row_align_median_GBps"] = {str(al): statistics.median(r["ldg_GBps"] for r in rs)
+                                                 for al, rs in sides.items()}
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tma_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "configs"}))

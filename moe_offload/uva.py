@@ -150,15 +150,16 @@ def _check(rt: _UvaRuntime, err: int, what: str, fix: str = _FIX) -> None:
 _PAGE = 4096
 
 
-def page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor that starts on a page and owns whole pages, for :func:`pin_mapped`: host registration
-    works on pages, and two small buffers sharing a page could not both be registered."""
+def page_aligned(shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = True) -> torch.Tensor:
+    """A CPU tensor that starts on a page and owns whole pages, for :func:`pin_mapped`: host registration
+    works on pages, and two small buffers sharing a page could not both be registered. Zeroed unless ``zeroed`` is
+    False (a buffer the caller fills whole, e.g. the expert store's rows: no pass over gigabytes first)."""
     n = 1
     for d in shape:
         n *= d
     size = torch.empty((), dtype=dtype).element_size()
     nbytes = -(-n * size // _PAGE) * _PAGE
-    raw = torch.zeros(nbytes + _PAGE, dtype=torch.uint8)
+    raw = (torch.zeros if zeroed else torch.empty)(nbytes + _PAGE, dtype=torch.uint8)
     off = (-raw.data_ptr()) % _PAGE
     return raw[off:off + nbytes].view(dtype)[:n].view(shape)
 

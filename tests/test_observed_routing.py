@@ -18,7 +18,7 @@ from moe_offload.prefill_path import ADAPTIVE_MARGIN, AdaptiveRouting, CostModel
 from moe_offload.streams import Streams
 
 H200 = "NVIDIA H200"
-QWEN3 = (128, 8, 2654224)  # experts, top-k, NVFP4 row bytes of the qwen3-30b-a3b preset
+QWEN3 = (128, 8, 2658304)  # experts, top-k, NVFP4 row bytes of the qwen3-30b-a3b preset
 
 
 def _h200(resident=0.37, cap=256):

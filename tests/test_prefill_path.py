@@ -15,8 +15,8 @@ from moe_offload.host_store import ExpertStore
 from moe_offload.prefill_path import DEFAULT, TABLE_PATH, cost_model, load_table, resolve, shape_key
 
 H200 = "NVIDIA H200"
-QWEN3 = (128, 8, 2654224)  # experts, top-k, NVFP4 row bytes (padded to 16) of the qwen3-30b-a3b preset
-FLASH_NEXT = (512, 10, 2764816)
+QWEN3 = (128, 8, 2658304)  # experts, top-k, NVFP4 row bytes (padded to a page) of the qwen3-30b-a3b preset
+FLASH_NEXT = (512, 10, 2768896)
 
 
 def _routed_prefers(model, T, shape, resident):

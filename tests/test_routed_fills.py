@@ -211,7 +211,7 @@ def test_per_prompt_routed_fills_pay_where_the_slow_reads_cost_more_than_the_fix
     layer (a short prompt at residency 0.37), not for 1-2; at a fast host's rates it does not pay at any count."""
     from moe_offload.link_rates import ROUTED_FILL_FIXED_S, routed_fills_pay
 
-    R = 2654224
+    R = 2658304
     slow, fast = {"h2d_GBps": 49.6, "uva_GBps": 27.9}, {"h2d_GBps": 45.1, "uva_GBps": 48.5}
     even = ROUTED_FILL_FIXED_S / (R / 27.9e9 - R / 49.6e9)  # missing experts at which both cost the same
     assert 6 < even < 8
@@ -227,7 +227,7 @@ def test_the_device_plans_lower_fixed_cost_lets_fills_pay_from_fewer_misses(qwen
     from moe_offload.link_rates import (ROUTED_FILL_FIXED_S, ROUTED_FILL_FIXED_S_DEVICE_PLAN, routed_fill_fixed_s,
                                         routed_fills_pay)
 
-    R, slow = 2654224, {"h2d_GBps": 49.6, "uva_GBps": 27.9}
+    R, slow = 2658304, {"h2d_GBps": 49.6, "uva_GBps": 27.9}
     assert routed_fill_fixed_s("host") == ROUTED_FILL_FIXED_S and routed_fill_fixed_s("device") < ROUTED_FILL_FIXED_S
     even = ROUTED_FILL_FIXED_S_DEVICE_PLAN / (R / 27.9e9 - R / 49.6e9)
     assert 3 < even < 4
@@ -314,7 +314,7 @@ def _slow_model():
 
     from moe_offload.prefill_path import cost_model
 
-    model, entry = cost_model("NVIDIA H100 80GB HBM3", 128, 8, 2654224)
+    model, entry = cost_model("NVIDIA H100 80GB HBM3", 128, 8, 2658304)
     return replace(model, h2d_GBps=47.0, uva_GBps=27.0), entry
 
 
@@ -325,7 +325,7 @@ def test_a_decode_steps_routed_fill_is_weighed_against_whole_missing_layers():
     from moe_offload.link_rates import ROUTED_FILL_FIXED_S
 
     model, _ = _slow_model()
-    E, K, R = 128, 8, 2654224
+    E, K, R = 128, 8, 2658304
     assert model.fill_s(16, E, K, R, 0.5, ROUTED_FILL_FIXED_S) < model.staged_s(16, E, K, R, 0.5)
     assert model.fill_s(64, E, K, R, 0.5, ROUTED_FILL_FIXED_S) > model.staged_s(64, E, K, R, 0.5)
     assert model.fill_s(16, E, K, R, 0.5, ROUTED_FILL_FIXED_S, missing=0) < model.fill_s(

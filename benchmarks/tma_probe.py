@@ -14,7 +14,8 @@ bytes are checked against the source.
 
 ``miss_copy_row_align`` in the report times the production plain-load copy (``decode_miss.copy_misses``) on 64 rows
 shaped as Qwen3-30B-A3B's experts, beside the flat tiles above: rows padded to 16 bytes and to a page, alternated
-``ROUNDS`` times (``miss_copy``: the first 16-byte round).
+``ROUNDS`` times (``miss_copy``: the first 16-byte round), and page rows in memory advised for transparent huge
+pages, each with the copy engine's rate over the same rows.
 
 Measured on a fast H100 at fdd1739 (benchmarks/results/tma-probe-fdd1739-h100.json): TMA loads equal plain loads
 within 1 % in all 12 configs (50.5-51.2 GB/s, 0.92 x the copy engine's 55.4), so the link, not the load instruction,
@@ -141,28 +142,64 @@ def probe(mb: int, reps: int, device: torch.device, configs: list[tuple[int, int
             "copy_engine_GBps": nbytes / statistics.median(ce) / 1e9, "copy_engine_ok": ce_ok, "configs": rows_out}
 
 
-def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.device) -> dict:
+def _anon_huge_kb() -> int:
+    """This process's anonymous memory backed by transparent huge pages, KiB (0 where the kernel does not say)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+HUGE_PAGE = 2 << 20
+
+
+def _huge_page_rows(experts: int, row_bytes: int) -> tuple[torch.Tensor, object]:
+    """``(host rows, keep-alive)``: rows in an anonymous mapping advised for transparent huge pages
+    (``MADV_HUGEPAGE``), starting on a 2 MiB boundary; the mapping must outlive the tensor."""
+    import mmap
+
+    nbytes = experts * row_bytes
+    m = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(m, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[off:off + nbytes].view(experts, row_bytes), m
+
+
+def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.device, huge_pages: bool = False) -> dict:
     """The production miss copy (``decode_miss.copy_misses``, the plan's count read on the device, plain loads at
-    its default launch shape) of ``experts`` mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's 2,654,224 on a GPU)
-    into device rows."""
+    its default launch shape) of ``experts`` mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's on a GPU) into
+    device rows; ``huge_pages``: the rows in memory advised for transparent huge pages (else page-aligned rows as
+    the store's), and the copy engine's rate over the same rows beside it."""
     from moe_offload.kernels.decode_miss import MissPlan, copy_misses
     from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
 
-    host = page_aligned((experts, row_bytes), torch.uint8)
+    huge_before = _anon_huge_kb()
+    if huge_pages:
+        host, keep = _huge_page_rows(experts, row_bytes)
+    else:
+        host, keep = page_aligned((experts, row_bytes), torch.uint8), None
     host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    out = {"experts": experts, "row_bytes": row_bytes, "huge_pages": huge_pages,
+           "anon_huge_kb_added": _anon_huge_kb() - huge_before}
     pinned = device.type == "cuda" and pin_mapped(host)
     view = mapped_device_view(host, device) if pinned else host
     pool = torch.empty((experts, row_bytes), dtype=torch.uint8, device=device)
     ids = torch.arange(experts, dtype=torch.int32, device=device)
     plan = MissPlan(ids, ids, torch.tensor([experts], dtype=torch.int32, device=device))
-    out = {"experts": experts, "row_bytes": row_bytes}
     try:
         t = _time(lambda: copy_misses(plan, view, pool, 0), device, reps)
         out["ldg_GBps"] = experts * row_bytes / statistics.median(t) / 1e9
         out["ldg_ok"] = torch.equal(pool.cpu(), host)
+        t = _time(lambda: pool.copy_(host, non_blocking=True), device, reps)
+        out["copy_engine_GBps"] = experts * row_bytes / statistics.median(t) / 1e9
     finally:
         if pinned:
             unpin([host.data_ptr()])
+    out["mapping_bytes"] = len(keep) if keep is not None else None  # the huge-page mapping (freed with the rows)
     print(json.dumps(out), flush=True)
     return out
 
@@ -183,18 +220,27 @@ def main(argv=None) -> int:
         configs, mb = [(8, 1, 1), (32, 1, 3)], min(a.mb, 1)
     result = probe(mb, a.reps, device, configs)
     # the production copy, on rows shaped as the model's (the probe's tiles above are a flat buffer), on rows padded to
-    # 16 bytes (the store's layout before 97f3897's successor) and to a page (the store's since: host_store.padded_row_bytes,
-    # after one run at 97f3897 on the H200 read 46.1 / 47.7 GB/s), the two alternated ROUNDS times so that drift
-    # falls on both sides
+    # 16 bytes (the store's layout before 1631575) and to a page (the store's since: host_store.padded_row_bytes, after
+    # 46.1 / 47.7 GB/s in one run at 97f3897 on the H200, 48.2 / 50.1 alternated on an H100 at 1631575), and the page
+    # rows in memory advised for transparent huge pages (fewer translations for the GPU to walk?), alternated ROUNDS
+    # times so that drift falls on every side
     experts, data = (64, 2654220) if device.type == "cuda" else (4, 3 * 1024 + 12)
-    sides = {al: [] for al in (16, 4096)}
+    sides = {"16": [], "4096": [], "4096_huge": []}
     for _ in range(ROUNDS if device.type == "cuda" else 1):
-        for al in sides:
-            sides[al].append(miss_copy_rates(experts, -(-data // al) * al, a.reps, device) | {"row_align": al})
-    result["miss_copy"] = sides[16][0]
-    result["miss_copy_row_align"] = [r for al in sides for r in sides[al]]
-    result["miss_copy_row_align_median_GBps"] = {str(al): statistics.median(r["ldg_GBps"] for r in rs)
-                                                 for al, rs in sides.items()}
+        for side in sides:
+            al = int(side.split("_")[0])
+            sides[side].append(miss_copy_rates(experts, -(-data // al) * al, a.reps, device, side.endswith("huge"))
+                               | {"row_align": al})
+    result["miss_copy"] = sides["16"][0]
+    result["miss_copy_row_align"] = [r for rs in sides.values() for r in rs]
+    result["miss_copy_row_align_median_GBps"] = {side: statistics.median(r["ldg_GBps"] for r in rs)
+                                                 for side, rs in sides.items()}
+    result["miss_copy_copy_engine_median_GBps"] = {side: statistics.median(r["copy_engine_GBps"] for r in rs)
+                                                   for side, rs in sides.items()}
+    try:
+        result["thp_enabled"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        result["thp_enabled"] = None
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "tma_probe.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "configs"}))

@@ -3,8 +3,8 @@
 # on one machine (chain the calls at once: /tmp/res, /tmp/moe-cache and link.json live only while it is held).
 # Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, 3, 4)
 #   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), the TMA probe (seconds: its
-#           miss_copy_row_align entry asks whether rows padded to a page read faster, owed 8), then on a slow-SM host
-#           the build;
+#           miss_copy_row_align entry times 16-byte rows, page rows (owed 8, done at 1631575) and page rows in
+#           huge-page memory (owed 9)), then on a slow-SM host the build;
 #   call 2: slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
 #   call 3: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
 #   call 4: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).

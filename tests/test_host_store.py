@@ -59,3 +59,63 @@ def test_triton_dequant_reads_the_strided_bank_views_of_expert_rows(tiny_ckpt):
     want = store.format.dequantize(views, torch.float32)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=0, rtol=0)  # same fp32 products: exact
+
+
+def test_rows_of_a_real_model_size_are_padded_to_a_page_and_small_rows_to_16_bytes():
+    from moe_offload.host_store import PAGE_ROW_ALIGN, PAGE_ROWS_FROM, padded_row_bytes
+
+    assert padded_row_bytes(2654220) == 2658304  # Qwen3-30B-A3B's NVFP4 expert: a page multiple, +0.15 %
+    assert padded_row_bytes(PAGE_ROWS_FROM) == PAGE_ROWS_FROM
+    assert padded_row_bytes(PAGE_ROWS_FROM - 4) == PAGE_ROWS_FROM - 4 + 16 - (PAGE_ROWS_FROM - 4) % 16
+    assert padded_row_bytes(3468) == 3472  # a tiny model's row keeps 16-byte padding
+    for n in (PAGE_ROWS_FROM + 1, 2764812, 10 << 20):
+        assert padded_row_bytes(n) % PAGE_ROW_ALIGN == 0 and 0 <= padded_row_bytes(n) - n < PAGE_ROW_ALIGN
+
+
+def test_a_preset_sized_store_starts_every_row_on_a_page():
+    store = ExpertStore.for_preset("qwen3-30b-a3b", layers=1, pin=False)
+    rows = store.rows(store.layers[0])
+    assert store.bytes_per_expert % 4096 == 0 and rows.data_ptr() % 4096 == 0
+    assert store.bytes_per_expert - store.data_bytes_per_expert < 4096
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="transparent huge pages are Linux's")
+def test_a_store_in_huge_page_memory_holds_the_same_bytes_from_a_2_mib_boundary(tiny_ckpt, monkeypatch):
+    from moe_offload import uva
+
+    monkeypatch.setattr(uva, "huge_pages_unavailable", lambda: None)  # granted whatever this machine's THP mode
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    plain = ExpertStore.from_checkpoint(path, progress=False)
+    huge = ExpertStore.from_checkpoint(path, progress=False, huge_pages=True)
+    assert huge.huge_pages and huge.huge_pages_declined is None and not plain.huge_pages
+    for layer in plain.layers:
+        assert huge.rows(layer).data_ptr() % uva.HUGE_PAGE == 0
+        assert torch.equal(huge.rows(layer), plain.rows(layer))
+
+
+def test_huge_pages_where_the_kernel_has_none_are_declined_with_an_event_and_4_kib_pages(tiny_ckpt, monkeypatch,
+                                                                                        events):
+    from moe_offload import log, uva
+
+    monkeypatch.setattr(uva, "THP_ENABLED_PATH", "/nonexistent/transparent_hugepage/enabled")
+    log.reset_once_keys()
+    path = tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt")
+    store = ExpertStore.from_checkpoint(path, progress=False, huge_pages=True)
+    declined = [e for e in events() if e["event"] == "host_huge_pages_declined"]
+    assert len(declined) == 1 and "cache.host_huge_pages false" in declined[0]["fix"]
+    assert not store.huge_pages
+    assert declined[0]["reason"] == store.huge_pages_declined in ("thp_mode_unreadable", "no_madv_hugepage")
+    assert store.rows(store.layers[0]).data_ptr() % 4096 == 0
+    assert torch.equal(store.rows(store.layers[0]), ExpertStore.from_checkpoint(path, progress=False).rows(store.layers[0]))
+
+
+def test_the_engine_passes_host_huge_pages_to_its_store_and_stats_count_a_decline(tiny_ckpt, monkeypatch):
+    from moe_offload import uva
+    from moe_offload.cache import OffloadMoeCache
+    from moe_offload.config import CacheConfig, PrefillConfig
+
+    monkeypatch.setattr(uva, "THP_ENABLED_PATH", "/nonexistent/transparent_hugepage/enabled")
+    store = ExpertStore.from_checkpoint(tiny_ckpt("tiny-qwen3-moe", "nvfp4-modelopt"), progress=False, huge_pages=True)
+    cache = OffloadMoeCache(store, CacheConfig(budget="24 slots", host_huge_pages=True), PrefillConfig(), "cpu")
+    assert cache.stats()["declined"][f"host_huge_pages:{store.huge_pages_declined}"] == 1
+    cache.close()

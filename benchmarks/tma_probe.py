@@ -153,35 +153,17 @@ def _anon_huge_kb() -> int:
     return 0
 
 
-HUGE_PAGE = 2 << 20
-
-
-def _huge_page_rows(experts: int, row_bytes: int) -> tuple[torch.Tensor, object]:
-    """``(host rows, keep-alive)``: rows in an anonymous mapping advised for transparent huge pages
-    (``MADV_HUGEPAGE``), starting on a 2 MiB boundary; the mapping must outlive the tensor."""
-    import mmap
-
-    nbytes = experts * row_bytes
-    m = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(m, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % HUGE_PAGE
-    return raw[off:off + nbytes].view(experts, row_bytes), m
-
-
 def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.device, huge_pages: bool = False) -> dict:
     """The production miss copy (``decode_miss.copy_misses``, the plan's count read on the device, plain loads at
     its default launch shape) of ``experts`` mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's on a GPU) into
-    device rows; ``huge_pages``: the rows in memory advised for transparent huge pages (else page-aligned rows as
-    the store's), and the copy engine's rate over the same rows beside it."""
+    device rows; ``huge_pages``: the rows in memory advised for transparent huge pages (``uva.huge_page_aligned``,
+    the store's with ``cache.host_huge_pages``; else page-aligned rows, the store's default), and the copy engine's
+    rate over the same rows beside it."""
     from moe_offload.kernels.decode_miss import MissPlan, copy_misses
-    from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
+    from moe_offload.uva import huge_page_aligned, mapped_device_view, page_aligned, pin_mapped, unpin
 
     huge_before = _anon_huge_kb()
-    if huge_pages:
-        host, keep = _huge_page_rows(experts, row_bytes)
-    else:
-        host, keep = page_aligned((experts, row_bytes), torch.uint8), None
+    host = (huge_page_aligned if huge_pages else page_aligned)((experts, row_bytes), torch.uint8)
     host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
     out = {"experts": experts, "row_bytes": row_bytes, "huge_pages": huge_pages,
            "anon_huge_kb_added": _anon_huge_kb() - huge_before}
@@ -199,7 +181,6 @@ def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.devic
     finally:
         if pinned:
             unpin([host.data_ptr()])
-    out["mapping_bytes"] = len(keep) if keep is not None else None  # the huge-page mapping (freed with the rows)
     print(json.dumps(out), flush=True)
     return out
 
@@ -225,7 +206,9 @@ def main(argv=None) -> int:
     # rows in memory advised for transparent huge pages (fewer translations for the GPU to walk?), alternated ROUNDS
     # times so that drift falls on every side
     experts, data = (64, 2654220) if device.type == "cuda" else (4, 3 * 1024 + 12)
-    sides = {"16": [], "4096": [], "4096_huge": []}
+    from moe_offload.uva import THP_ENABLED_PATH, huge_pages_unavailable
+
+    sides = {"16": [], "4096": []} | ({} if huge_pages_unavailable() else {"4096_huge": []})
     for _ in range(ROUNDS if device.type == "cuda" else 1):
         for side in sides:
             al = int(side.split("_")[0])
@@ -238,7 +221,7 @@ def main(argv=None) -> int:
     result["miss_copy_copy_engine_median_GBps"] = {side: statistics.median(r["copy_engine_GBps"] for r in rs)
                                                    for side, rs in sides.items()}
     try:
-        result["thp_enabled"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+        result["thp_enabled"] = Path(THP_ENABLED_PATH).read_text().strip()
     except OSError:
         result["thp_enabled"] = None
     a.out.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@
 # Usage on the device: SERVE_CHECK_SHA=<sha> bash benchmarks/gpu_owed.sh 1   (then 2, 3, 4)
 #   call 1 (any host): the link stage (which kind of host: benchmarks/link_probe.py), the TMA probe (seconds: its
 #           miss_copy_row_align entry times 16-byte rows, page rows (owed 8, done at 1631575) and page rows in
-#           huge-page memory (owed 9)), then on a slow-SM host the build;
+#           huge-page memory (owed 9, done at d87958f)), then on a slow-SM host the build;
 #   call 2: slow SM reads: routed fills against SM reads at 16 / 64 / 256 tokens, ABBA (owed 1);
 #   call 3: slow: decode.path host against routed at residency 0.37, batch 16 / 32 / 64, with the link tests (owed 2);
 #   call 4: slow: decode.path fills against host at residency 0.5, batch 8 / 16 / 32 (owed 3), then fill_profile (4).

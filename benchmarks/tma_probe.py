@@ -153,17 +153,46 @@ def _anon_huge_kb() -> int:
     return 0
 
 
+THP_ENABLED_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64
+
+
+def _huge_pages_unavailable() -> str | None:
+    """Why memory advised for transparent huge pages would not get them here (None: it would)."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "no_madv_hugepage"
+    try:
+        mode = Path(THP_ENABLED_PATH).read_text()
+    except OSError:
+        return "thp_mode_unreadable"
+    return "thp_never" if "[never]" in mode else None
+
+
+def _huge_page_rows(experts: int, row_bytes: int) -> torch.Tensor:
+    """Uninitialised rows in an anonymous mapping advised for transparent huge pages (``MADV_HUGEPAGE``), starting
+    on a 2 MiB boundary; the tensor keeps the mapping alive (``torch.frombuffer`` holds it)."""
+    import mmap
+
+    nbytes = experts * row_bytes
+    m = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(m, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    return raw[off:off + nbytes].view(experts, row_bytes)
+
+
 def miss_copy_rates(experts: int, row_bytes: int, reps: int, device: torch.device, huge_pages: bool = False) -> dict:
     """The production miss copy (``decode_miss.copy_misses``, the plan's count read on the device, plain loads at
     its default launch shape) of ``experts`` mapped host rows of ``row_bytes`` (Qwen3-30B-A3B's on a GPU) into
-    device rows; ``huge_pages``: the rows in memory advised for transparent huge pages (``uva.huge_page_aligned``,
-    the store's with ``cache.host_huge_pages``; else page-aligned rows, the store's default), and the copy engine's
-    rate over the same rows beside it."""
+    device rows; ``huge_pages``: the rows in memory advised for transparent huge pages (else page-aligned rows, the
+    store's layout), and the copy engine's rate over the same rows beside it."""
     from moe_offload.kernels.decode_miss import MissPlan, copy_misses
-    from moe_offload.uva import huge_page_aligned, mapped_device_view, page_aligned, pin_mapped, unpin
+    from moe_offload.uva import mapped_device_view, page_aligned, pin_mapped, unpin
 
     huge_before = _anon_huge_kb()
-    host = (huge_page_aligned if huge_pages else page_aligned)((experts, row_bytes), torch.uint8)
+    host = _huge_page_rows(experts, row_bytes) if huge_pages else page_aligned((experts, row_bytes), torch.uint8)
     host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
     out = {"experts": experts, "row_bytes": row_bytes, "huge_pages": huge_pages,
            "anon_huge_kb_added": _anon_huge_kb() - huge_before}
@@ -203,12 +232,11 @@ def main(argv=None) -> int:
     # the production copy, on rows shaped as the model's (the probe's tiles above are a flat buffer), on rows padded to
     # 16 bytes (the store's layout before 1631575) and to a page (the store's since: host_store.padded_row_bytes, after
     # 46.1 / 47.7 GB/s in one run at 97f3897 on the H200, 48.2 / 50.1 alternated on an H100 at 1631575), and the page
-    # rows in memory advised for transparent huge pages (fewer translations for the GPU to walk?), alternated ROUNDS
-    # times so that drift falls on every side
+    # rows in memory advised for transparent huge pages (fewer translations for the GPU to walk? no faster on an H100
+    # at d87958f, so the store does not offer them: README Decisions), alternated ROUNDS times so that drift falls
+    # on every side
     experts, data = (64, 2654220) if device.type == "cuda" else (4, 3 * 1024 + 12)
-    from moe_offload.uva import THP_ENABLED_PATH, huge_pages_unavailable
-
-    sides = {"16": [], "4096": []} | ({} if huge_pages_unavailable() else {"4096_huge": []})
+    sides = {"16": [], "4096": []} | ({} if _huge_pages_unavailable() else {"4096_huge": []})
     for _ in range(ROUNDS if device.type == "cuda" else 1):
         for side in sides:
             al = int(side.split("_")[0])

@@ -289,8 +289,6 @@ class OffloadMoeCache(ForwardPaths, PrefillProtocol):
         snap["resident_experts"] = self.pool.resident_count
         snap["routed_path"] = {**self.routed_path.to_dict(), "routed_plan": self.staging.plan_in_effect(),
                                "miss_copy": self.decode.miss_copy_in_effect()}
-        if self.store.huge_pages_declined is not None:  # a start-up decline, counted once like the link's
-            snap["declined"][f"host_huge_pages:{self.store.huge_pages_declined}"] = 1
         declined = (self.routed_path.link or {}).get("declined")
         if declined:  # a start-up decline: counted once, whatever was reset since
             snap["declined"][f"link_measure:{declined}"] = 1

@@ -78,12 +78,6 @@ class CacheConfig(_Strict):
         "layer with no residents is PCIe-bound while a fully resident one has nothing to hide: residents spread "
         "evenly give the fastest prefill at a given budget (moe_offload/slot_pool.py)")
     auto_reserve: str = "8GiB"
-    host_huge_pages: bool = Field(
-        False, description="allocate the pinned expert store in memory advised for transparent huge pages "
-        "(MADV_HUGEPAGE, 2 MiB pages where the kernel has them): the GPU's reads of missing experts from mapped host "
-        "memory walk fewer translations. Declined with one host_huge_pages_declined event (and a count in stats()) "
-        "where the kernel's THP mode is never or it is not Linux; the store then uses 4 KiB pages. Off until timed "
-        "(benchmarks/tma_probe.py measures both)")
     admit_per_step: int = Field(512, ge=0, le=65536, description="experts missed by a decode step that enter "
                                 "slots before the next step (copied between steps; 0 = never admit in decode). "
                                 "The first decode steps after a prefill miss the experts decode routes to but the "

@@ -95,8 +95,7 @@ def load_engine(engine_cls: type[Engine], cfg: OffloadConfig, tp_rank: int = 0, 
         raise CheckpointError(f"{exc}. It is a cached build of preset {cfg.model.preset}: delete {path} and "
                               "run again to rebuild it") from None
     fmt_name = detect_format(reader)
-    store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0,
-                                        huge_pages=cfg.cache.host_huge_pages)
+    store = ExpertStore.from_checkpoint(reader, cfg.model.format, tp_rank, tp_size, progress=progress and tp_rank == 0)
     fmt = get_format(fmt_name)
     fused_decode = cfg.compute.backend != "torch" and (device.type != "cuda" or not fmt.is_quantized
                                                       or nvfp4_kernels_usable(fmt, device))

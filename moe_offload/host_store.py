@@ -16,7 +16,6 @@ Under TP each rank holds only its slice of every expert (gate/up rows, down colu
 
 from __future__ import annotations
 
-import functools
 import logging
 import weakref
 from pathlib import Path
@@ -76,8 +75,7 @@ def bank_views(specs: list[BankSpec], offsets: dict[str, tuple[int, int]], rows_
 class ExpertStore:
     """Host banks of all MoE layers. ``bank(layer, name)`` is ``[E, row_bytes]`` uint8."""
 
-    def __init__(self, geometry: ModelGeometry, fmt: ExpertFormat, tp_rank: int = 0, tp_size: int = 1, pin: bool = True,
-                 huge_pages: bool = False):
+    def __init__(self, geometry: ModelGeometry, fmt: ExpertFormat, tp_rank: int = 0, tp_size: int = 1, pin: bool = True):
         if not 0 <= tp_rank < tp_size:
             raise StoreError(f"tp_rank {tp_rank} is outside [0, tp_size={tp_size})")
         self.geometry = geometry
@@ -95,18 +93,9 @@ class ExpertStore:
         self._device_rows: dict[tuple[int, torch.device], torch.Tensor] = {}
         pinned_ptrs: list[int] = []
         E = self.num_experts
-        #: why rows asked for in huge-page memory are not (None: granted, or not asked; ``cache.host_huge_pages``)
-        self.huge_pages_declined = uva.huge_pages_unavailable() if huge_pages else None
-        self.huge_pages = huge_pages and self.huge_pages_declined is None
-        if self.huge_pages_declined is not None and log.rank_info()[0] == 0:
-            log.log_once("host_huge_pages_declined", "host_huge_pages_declined", logging.WARNING,
-                         reason=self.huge_pages_declined, path=uva.THP_ENABLED_PATH,
-                         fix="enable transparent huge pages (madvise or always) or set cache.host_huge_pages false; "
-                             "the store uses 4 KiB pages")
-        alloc = uva.huge_page_aligned if self.huge_pages else functools.partial(uva.page_aligned, zeroed=False)
         try:
             for layer in self.layers:
-                t = alloc((E, self.bytes_per_expert), torch.uint8)
+                t = uva.page_aligned((E, self.bytes_per_expert), torch.uint8, zeroed=False)
                 t[:, self.data_bytes_per_expert:].zero_()  # the row padding: defined bytes in every copy
                 if pin and _pin(t):
                     pinned_ptrs.append(t.data_ptr())
@@ -218,20 +207,18 @@ class ExpertStore:
 
     @classmethod
     def for_preset(cls, preset: str, layers: int | None = None, fmt: str = "nvfp4-modelopt",
-                   pin: bool = True, huge_pages: bool = False) -> "ExpertStore":
+                   pin: bool = True) -> "ExpertStore":
         """An unfilled store of ``preset``'s shape (``layers`` MoE layers deep): real-size pinned rows for link and
         copy measurements that need sizes, not weights."""
         from moe_offload.formats.registry import get_format
         from moe_offload.presets import preset_geometry
 
-        return cls(preset_geometry(preset, layers), get_format(fmt), pin=pin, huge_pages=huge_pages)
+        return cls(preset_geometry(preset, layers), get_format(fmt), pin=pin)
 
     @classmethod
     def from_checkpoint(cls, path: str | Path | CheckpointReader, fmt: str | None = None, tp_rank: int = 0,
-                        tp_size: int = 1, pin: bool = True, progress: bool = True,
-                        huge_pages: bool = False) -> "ExpertStore":
-        """Load every expert (this rank's slice) from an HF checkpoint dir into pinned banks (in memory advised for
-        transparent huge pages with ``huge_pages``: ``cache.host_huge_pages``)."""
+                        tp_size: int = 1, pin: bool = True, progress: bool = True) -> "ExpertStore":
+        """Load every expert (this rank's slice) from an HF checkpoint dir into pinned banks."""
         reader = path if isinstance(path, CheckpointReader) else CheckpointReader(path)
         detected = detect_format(reader)
         if fmt not in (None, "auto") and fmt != detected:
@@ -241,7 +228,7 @@ class ExpertStore:
             )
         fmt_obj = get_format(detected)
         geo = reader.geometry
-        store = cls(geo, fmt_obj, tp_rank, tp_size, pin, huge_pages)
+        store = cls(geo, fmt_obj, tp_rank, tp_size, pin)
         tp = TpSlice(tp_rank, tp_size)
         fam = geo.family
         total = len(store.layers) * geo.num_experts

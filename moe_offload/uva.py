@@ -164,47 +164,6 @@ def page_aligned(shape: tuple[int, ...], dtype: torch.dtype, zeroed: bool = True
     return raw[off:off + nbytes].view(dtype)[:n].view(shape)
 
 
-HUGE_PAGE = 2 << 20  # bytes: a transparent huge page on x86-64 and the usual arm64 kernels
-THP_ENABLED_PATH = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def huge_pages_unavailable() -> str | None:
-    """Why memory advised for transparent huge pages would not get them here (None: it would): no ``MADV_HUGEPAGE``
-    in this Python (not Linux), or the kernel's THP mode (``THP_ENABLED_PATH``) is ``never`` or unreadable."""
-    import mmap
-
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return "no_madv_hugepage"
-    try:
-        mode = open(THP_ENABLED_PATH).read()
-    except OSError:
-        return "thp_mode_unreadable"
-    if "[never]" in mode:
-        return "thp_never"
-    return None
-
-
-def huge_page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in an anonymous mapping advised for transparent huge pages (``MADV_HUGEPAGE``),
-    starting on a ``HUGE_PAGE`` boundary, for :func:`pin_mapped`: the kernel backs it with 2 MiB pages where it can,
-    so a device reading it through its mapping walks ~512 x fewer translations. The tensor keeps the mapping alive
-    (``torch.frombuffer`` holds it). Raises OSError where :func:`huge_pages_unavailable` says why not."""
-    import mmap
-
-    why = huge_pages_unavailable()
-    if why is not None:
-        raise OSError(f"transparent huge pages are unavailable here ({why})")
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    m = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(m, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % HUGE_PAGE
-    return raw[off:off + nbytes].view(dtype)[:n].view(shape)
-
-
 def pin_mapped(t: torch.Tensor) -> bool:
     """Register ``t``'s memory as pinned, mapped and portable; False (nothing done) without CUDA or
     for an empty tensor. ``t`` must be a contiguous CPU tensor; undo with :func:`unpin`."""

@@ -21,9 +21,7 @@ def test_both_kernels_copy_every_byte_and_the_report_names_each_config(tmp_path)
     mc = report["miss_copy"]  # the production copy, on rows padded to 16 bytes (a tail past whole KiB)
     assert mc["ldg_ok"] and mc["ldg_GBps"] > 0 and mc["row_bytes"] % 1024 == 16 and mc["row_align"] == 16
     sides = report["miss_copy_row_align"]  # the same copy on 16-byte rows, page rows, page rows in huge-page memory
-    from moe_offload.uva import huge_pages_unavailable
-
-    huge = [] if huge_pages_unavailable() else [(4096, 0, True, True)]  # the third side where the kernel has THP
+    huge = [] if tma_probe._huge_pages_unavailable() else [(4096, 0, True, True)]  # the third side where the kernel has THP
     assert [(m["row_align"], m["row_bytes"] % m["row_align"], m["huge_pages"], m["ldg_ok"]) for m in sides] == [
         (16, 0, False, True), (4096, 0, False, True), *huge]
     assert sorted(report["miss_copy_row_align_median_GBps"]) == ["16", "4096"] + ["4096_huge"] * len(huge)

@@ -90,6 +90,13 @@ python3 -c "import moe_offload.kernels.fused_moe" || { echo "moe_offload.kernels
   # locally, `cp .git/index /tmp/i && GIT_INDEX_FILE=/tmp/i git add -A && GIT_INDEX_FILE=/tmp/i git write-tree` on the
   # tree you sent gives the same hash (equal to `git rev-parse <sha>^{tree}` when nothing was uncommitted)
   cp .git/index /tmp/sent-index 2>/dev/null; echo "tree $(GIT_INDEX_FILE=/tmp/sent-index git add -A 2>/dev/null && GIT_INDEX_FILE=/tmp/sent-index git write-tree)"; } > "$RES/env.txt" 2>&1
+# the host's memory topology, for reading link rates across machines (the store's SM-read rate moved 45-51 GB/s between
+# runs on one H100 at 1631575): NUMA nodes online, the GPU's node (-1: none exposed), THP mode
+{ echo "numa nodes online: $(cat /sys/devices/system/node/online 2>/dev/null || echo unknown)"
+  bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -1 | sed 's/^0000//' | tr 'A-F' 'a-f')
+  echo "gpu $bus numa_node: $(cat /sys/bus/pci/devices/$bus/numa_node 2>/dev/null || echo unknown)"
+  echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null || echo unknown)"
+  nproc; free -g | head -2; } > "$RES/host.txt" 2>&1
 if has cond_copy; then  # benchmarks/conditional_copy.py: routed copies through graph IF nodes vs the copy engine and SM
   # reads, one layer's 128 experts; no checkpoint needed (~1 min; runs before any other stage)
   # (--tag=...: a value starting with "-" is read as an option otherwise, as at 4c209c0)

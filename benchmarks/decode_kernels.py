@@ -94,7 +94,7 @@ def nvfp4_data_bytes(H: int, I: int) -> int:
 
 
 def nvfp4_row_bytes(H: int, I: int) -> int:
-    """Bytes of one expert row as the store lays it out (banks padded to ``ROW_ALIGN``; ``random_banks``' rows)."""
+    """Bytes of one expert row as the store lays it out (``host_store.padded_row_bytes``; ``random_banks``' rows)."""
     from moe_offload.host_store import padded_row_bytes
 
     return padded_row_bytes(nvfp4_data_bytes(H, I))

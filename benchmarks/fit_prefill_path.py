@@ -38,8 +38,11 @@ MEASURED_ROW_ALIGN = 16  # the rows of the benchmarks' layer rows: padded to 16 
 
 
 def nvfp4_data_bytes(H: int, I: int) -> int:
-    """Bytes of one NVFP4 expert's banks (gate_up + down codes, block scales, 3 fp32 global scales)."""
-    return 2 * I * H // 2 + 2 * I * H // 16 + H * I // 2 + H * I // 16 + 12
+    """Bytes of one NVFP4 expert's banks (gate_up + down codes, block scales, 3 fp32 global scales): the format's own
+    bank sizes."""
+    from moe_offload.formats.nvfp4 import Nvfp4ModelOptFormat
+
+    return sum(s.nbytes for s in Nvfp4ModelOptFormat().banks(H, I))
 
 
 def nvfp4_row_bytes(H: int, I: int) -> int:
